@@ -1,0 +1,492 @@
+"""The ``.dz`` container: a safetensors file whose tensors are (optionally zstd-compressed) byte arrays.
+
+``docs/format.md`` is the specification; this module implements it. The writer is atomic; the
+reader (:class:`DeltaZipFile`) checks every length, offset, shape and checksum against the file
+before it allocates or decodes anything, and raises :class:`DeltaZipFormatError` otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import struct
+import tempfile
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional, Union
+
+import torch
+import zstandard
+
+from .config import ALLOWED_BITS
+from .errors import DeltaZipFormatError
+from .packing import num_groups, packed_nbytes
+
+DZ_FORMAT_VERSION = 1
+SUPPORTED_FORMAT_VERSIONS = (1,)
+FORMAT_TAG = "hf-deltazip"
+DZ_FILENAME = "delta.dz"
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_TENSOR_BYTES = 1 << 40
+
+DTYPES: dict[str, torch.dtype] = {
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+ENCODINGS = ("raw", "zstd")
+SPARSITY_LAYOUTS = ("dense", "2:4", "bitmask")
+MODULE_KINDS = ("linear", "embedding")
+SCALE_DTYPES = ("float16", "float32")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} cannot be stored in a .dz file; allowed: {sorted(DTYPES)}") from None
+
+
+# --------------------------------------------------------------------------- atomic writes
+def atomic_write_bytes(path: Union[str, os.PathLike], chunks: Union[bytes, Iterable[bytes]]) -> None:
+    """Write ``chunks`` to ``path`` through a temporary file in the same folder and a rename.
+
+    An interruption leaves the previous file (if any) untouched and no partial file under ``path``.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for chunk in [chunks] if isinstance(chunks, (bytes, bytearray, memoryview)) else chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    try:  # make the rename itself durable
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
+
+# --------------------------------------------------------------------------- records
+@dataclass
+class TensorRecord:
+    encoding: str
+    dtype: str
+    shape: tuple
+    nbytes: int
+    crc32: int
+
+
+@dataclass
+class ModuleRecord:
+    """How one compressed weight delta is stored (see docs/format.md, "modules")."""
+
+    kind: str
+    shape: tuple  # (N, K)
+    bits: int
+    group_size: int
+    symmetric: bool
+    sparsity: str
+    transposed: bool
+    tensors: dict  # role -> stored tensor name
+    nnz: Optional[int] = None  # bitmask layout only
+
+    def to_json(self) -> dict:
+        d = {
+            "kind": self.kind,
+            "shape": list(self.shape),
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "symmetric": self.symmetric,
+            "sparsity": self.sparsity,
+            "transposed": self.transposed,
+            "tensors": dict(self.tensors),
+        }
+        if self.nnz is not None:
+            d["nnz"] = self.nnz
+        return d
+
+    def expected_shapes(self) -> dict:
+        """role -> (shape, allowed dtype names) that this record's tensors must have."""
+        n, k = self.shape
+        g = num_groups(k, self.group_size)
+        out = {"scales": ((n, g), SCALE_DTYPES), "zeros": ((n, g), ("uint8",))}
+        if self.sparsity == "dense":
+            out["qweight"] = ((n, packed_nbytes(k, self.bits)), ("uint8",))
+        elif self.sparsity == "2:4":
+            out["qweight"] = ((n, packed_nbytes(k // 2, self.bits)), ("uint8",))
+            out["positions"] = ((n, packed_nbytes(k // 2, 2)), ("uint8",))
+        else:
+            out["qweight"] = ((packed_nbytes(self.nnz, self.bits),), ("uint8",))
+            out["mask"] = ((n, math.ceil(k / 8)), ("uint8",))
+        return out
+
+
+# --------------------------------------------------------------------------- writer
+def _encode(raw: bytes, level: int) -> tuple[str, bytes]:
+    if level <= 0 or not raw:
+        return "raw", raw
+    comp = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=True).compress(raw)
+    if len(comp) >= len(raw):
+        return "raw", raw
+    return "zstd", comp
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().contiguous().cpu()
+    if t.numel() == 0:
+        return b""
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def write_dz(
+    path: Union[str, os.PathLike],
+    tensors: dict,
+    modules: dict,
+    params: dict,
+    header: dict,
+    zstd_level: int = 9,
+    num_threads: Optional[int] = None,
+) -> int:
+    """Write a ``.dz`` file atomically. Returns the file size in bytes.
+
+    Args:
+        path: destination; an existing file there is replaced only once the new one is complete.
+        tensors: stored name -> tensor (any dtype in :data:`DTYPES`).
+        modules: module name -> :class:`ModuleRecord` (its ``tensors`` must name entries of ``tensors``).
+        params: parameter name -> stored tensor name of an exactly stored parameter.
+        header: the other ``dz_header`` fields (base model, fingerprint, config, ...); JSON-serialisable.
+        zstd_level: 0 stores raw bytes; otherwise each tensor is one zstd frame (kept only if smaller).
+        num_threads: threads compressing tensors in parallel (default: CPU count).
+    """
+    names = list(tensors)
+    for mod_name, rec in modules.items():
+        for role, tname in rec.tensors.items():
+            if tname not in tensors:
+                raise ValueError(f"module {mod_name!r}: tensor {tname!r} ({role}) was not given")
+    for pname, tname in params.items():
+        if tname not in tensors:
+            raise ValueError(f"param {pname!r}: tensor {tname!r} was not given")
+
+    def encode(name):
+        t = tensors[name]
+        raw = _tensor_bytes(t)
+        enc, payload = _encode(raw, zstd_level)
+        rec = TensorRecord(enc, dtype_name(t.dtype), tuple(t.shape), len(raw), zlib.crc32(raw))
+        return rec, payload
+
+    with ThreadPoolExecutor(max_workers=num_threads or os.cpu_count() or 1) as pool:
+        encoded = list(pool.map(encode, names))
+
+    dz_header = dict(header)
+    dz_header["tensors"] = {
+        n: {"encoding": r.encoding, "dtype": r.dtype, "shape": list(r.shape), "nbytes": r.nbytes, "crc32": r.crc32}
+        for n, (r, _) in zip(names, encoded)
+    }
+    dz_header["modules"] = {n: r.to_json() for n, r in modules.items()}
+    dz_header["params"] = {n: {"tensor": t} for n, t in params.items()}
+    dz_json = json.dumps(dz_header, sort_keys=True, separators=(",", ":"))
+
+    st_header: dict[str, Any] = {
+        "__metadata__": {
+            "format": FORMAT_TAG,
+            "dz_format_version": str(DZ_FORMAT_VERSION),
+            "dz_header": dz_json,
+            "dz_header_crc32": str(zlib.crc32(dz_json.encode())),
+        }
+    }
+    offset = 0
+    for n, (_, payload) in zip(names, encoded):
+        st_header[n] = {"dtype": "U8", "shape": [len(payload)], "data_offsets": [offset, offset + len(payload)]}
+        offset += len(payload)
+    hb = json.dumps(st_header, separators=(",", ":")).encode()
+    hb += b" " * ((-len(hb)) % 8)
+
+    def chunks():
+        yield struct.pack("<Q", len(hb))
+        yield hb
+        for _, payload in encoded:
+            yield payload
+
+    atomic_write_bytes(path, chunks())
+    return 8 + len(hb) + offset
+
+
+# --------------------------------------------------------------------------- reader
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+class DeltaZipFile:
+    """A validated, memory-mapped ``.dz`` file whose tensors are decoded on demand.
+
+    Example:
+        >>> with DeltaZipFile("delta.dz") as dz:
+        ...     print(dz.header["base_model"], len(dz.modules))
+        ...     qweight = dz.get_tensor(dz.modules["model.layers.0.mlp.up_proj"].tensors["qweight"])
+    """
+
+    def __init__(self, path: Union[str, os.PathLike]):
+        self.path = Path(path)
+        self._mmap = None
+        self._file = None
+        try:
+            self._file = open(self.path, "rb")
+        except FileNotFoundError:
+            raise DeltaZipFormatError(self.path, "file not found") from None
+        except OSError as e:
+            raise DeltaZipFormatError(self.path, f"cannot open: {e}") from None
+        try:
+            self._open()
+        except DeltaZipFormatError:
+            self.close()
+            raise
+        except Exception as e:  # anything unexpected is still a format problem of this file
+            self.close()
+            raise DeltaZipFormatError(self.path, f"invalid file ({type(e).__name__}: {e})") from e
+
+    def _fail(self, problem: str):
+        raise DeltaZipFormatError(self.path, problem)
+
+    def _open(self) -> None:
+        size = os.fstat(self._file.fileno()).st_size
+        if size < 8:
+            self._fail(f"truncated: {size} bytes, not even a header length; re-download or re-save the delta")
+        self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        (hlen,) = struct.unpack("<Q", self._mmap[:8])
+        if hlen > MAX_HEADER_BYTES:
+            self._fail(f"header length {hlen} exceeds the {MAX_HEADER_BYTES}-byte limit: not a .dz file or corrupt")
+        if 8 + hlen > size:
+            self._fail(f"truncated: header of {hlen} bytes but the file has {size} bytes; re-download or re-save")
+        try:
+            st = json.loads(bytes(self._mmap[8 : 8 + hlen]).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            self._fail(f"header is not valid JSON ({e}): the file is corrupt")
+        if not isinstance(st, dict):
+            self._fail("header is not a JSON object")
+        meta = st.pop("__metadata__", None)
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT_TAG:
+            self._fail("not an hf-deltazip file (safetensors metadata lacks format=hf-deltazip)")
+        version = meta.get("dz_format_version")
+        if version not in [str(v) for v in SUPPORTED_FORMAT_VERSIONS]:
+            self._fail(
+                f"format version {version!r} is not supported (this hf-deltazip reads "
+                f"{list(SUPPORTED_FORMAT_VERSIONS)}); upgrade hf-deltazip"
+            )
+        dz_json = meta.get("dz_header")
+        if not isinstance(dz_json, str):
+            self._fail("metadata lacks dz_header")
+        if meta.get("dz_header_crc32") != str(zlib.crc32(dz_json.encode("utf-8", "surrogatepass"))):
+            self._fail("dz_header checksum mismatch: the header is corrupt")
+        try:
+            dz = json.loads(dz_json)
+        except json.JSONDecodeError as e:
+            self._fail(f"dz_header is not valid JSON ({e})")
+        if not isinstance(dz, dict):
+            self._fail("dz_header is not a JSON object")
+
+        # safetensors layer: U8 byte arrays, contiguous payloads ending at the end of the file
+        data_start = 8 + hlen
+        data_len = size - data_start
+        spans = []
+        for name, entry in st.items():
+            if not isinstance(entry, dict) or entry.get("dtype") != "U8":
+                self._fail(f"tensor {name!r}: stored tensors must be U8 byte arrays")
+            shape, offs = entry.get("shape"), entry.get("data_offsets")
+            if not (isinstance(shape, list) and len(shape) == 1 and _is_int(shape[0]) and shape[0] >= 0):
+                self._fail(f"tensor {name!r}: bad stored shape {shape!r}")
+            if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)):
+                self._fail(f"tensor {name!r}: bad data_offsets {offs!r}")
+            b, e = offs
+            if not (0 <= b <= e <= data_len) or e - b != shape[0]:
+                self._fail(f"tensor {name!r}: data_offsets {offs} do not fit the file ({data_len} payload bytes)")
+            spans.append((b, e, name))
+        spans.sort()
+        pos = 0
+        for b, e, name in spans:
+            if b != pos:
+                self._fail(f"tensor {name!r}: payloads overlap or leave a gap at byte {pos}")
+            pos = e
+        if pos != data_len:
+            self._fail(f"{data_len - pos} bytes after the last payload: the file is corrupt or was appended to")
+        self._spans = {name: (data_start + b, data_start + e) for b, e, name in spans}
+
+        # hf-deltazip layer
+        tensors = dz.get("tensors")
+        if not isinstance(tensors, dict) or set(tensors) != set(self._spans):
+            self._fail("dz_header.tensors does not list exactly the stored tensors")
+        self.tensors: dict[str, TensorRecord] = {}
+        for name, t in tensors.items():
+            self.tensors[name] = self._check_tensor_record(name, t)
+        self.modules: dict[str, ModuleRecord] = {}
+        modules = dz.get("modules", {})
+        if not isinstance(modules, dict):
+            self._fail("dz_header.modules is not an object")
+        for name, m in modules.items():
+            self.modules[name] = self._check_module_record(name, m)
+        params = dz.get("params", {})
+        if not isinstance(params, dict):
+            self._fail("dz_header.params is not an object")
+        self.params: dict[str, str] = {}
+        for name, p in params.items():
+            if not isinstance(p, dict) or p.get("tensor") not in self.tensors:
+                self._fail(f"param {name!r} does not name a stored tensor")
+            self.params[name] = p["tensor"]
+        self.header = {k: v for k, v in dz.items() if k not in ("tensors", "modules", "params")}
+
+    def _check_tensor_record(self, name, t) -> TensorRecord:
+        if not isinstance(t, dict):
+            self._fail(f"tensor {name!r}: record is not an object")
+        enc, dt, shape, nbytes, crc = (t.get(k) for k in ("encoding", "dtype", "shape", "nbytes", "crc32"))
+        if enc not in ENCODINGS:
+            self._fail(f"tensor {name!r}: unknown encoding {enc!r} (known: {list(ENCODINGS)}); upgrade hf-deltazip")
+        if dt not in DTYPES:
+            self._fail(f"tensor {name!r}: unknown dtype {dt!r}")
+        if not (isinstance(shape, list) and len(shape) <= 8 and all(_is_int(s) and 0 <= s <= MAX_TENSOR_BYTES for s in shape)):
+            self._fail(f"tensor {name!r}: bad shape {shape!r}")
+        itemsize = DTYPES[dt].itemsize
+        expected = math.prod(shape) * itemsize
+        if not _is_int(nbytes) or nbytes != expected or nbytes > MAX_TENSOR_BYTES:
+            self._fail(f"tensor {name!r}: nbytes {nbytes!r} does not match shape {shape} x {dt} ({expected})")
+        if not _is_int(crc) or not 0 <= crc < 2**32:
+            self._fail(f"tensor {name!r}: bad crc32 {crc!r}")
+        b, e = self._spans[name]
+        if enc == "raw" and e - b != nbytes:
+            self._fail(f"tensor {name!r}: raw payload is {e - b} bytes, expected {nbytes}")
+        return TensorRecord(enc, dt, tuple(shape), nbytes, crc)
+
+    def _check_module_record(self, name, m) -> ModuleRecord:
+        if not isinstance(m, dict):
+            self._fail(f"module {name!r}: record is not an object")
+        try:
+            rec = ModuleRecord(
+                kind=m["kind"],
+                shape=tuple(m["shape"]),
+                bits=m["bits"],
+                group_size=m["group_size"],
+                symmetric=m["symmetric"],
+                sparsity=m["sparsity"],
+                transposed=m["transposed"],
+                tensors=dict(m["tensors"]),
+                nnz=m.get("nnz"),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            self._fail(f"module {name!r}: incomplete record ({e})")
+        if rec.kind not in MODULE_KINDS:
+            self._fail(f"module {name!r}: unknown kind {rec.kind!r}")
+        if not (len(rec.shape) == 2 and all(_is_int(s) and 0 < s <= MAX_TENSOR_BYTES for s in rec.shape)):
+            self._fail(f"module {name!r}: bad shape {list(rec.shape)}")
+        if not _is_int(rec.bits) or rec.bits not in ALLOWED_BITS:
+            self._fail(f"module {name!r}: bits {rec.bits!r} not in {list(ALLOWED_BITS)}")
+        gs = rec.group_size
+        if not (_is_int(gs) and (gs == -1 or (gs >= 1 and gs & (gs - 1) == 0))):
+            self._fail(f"module {name!r}: bad group_size {gs!r}")
+        if not isinstance(rec.symmetric, bool) or not isinstance(rec.transposed, bool):
+            self._fail(f"module {name!r}: symmetric and transposed must be booleans")
+        if rec.sparsity not in SPARSITY_LAYOUTS:
+            self._fail(f"module {name!r}: unknown sparsity layout {rec.sparsity!r}")
+        if rec.sparsity == "2:4" and rec.shape[1] % 4:
+            self._fail(f"module {name!r}: 2:4 layout needs K divisible by 4")
+        if rec.sparsity == "bitmask":
+            if not (_is_int(rec.nnz) and 0 <= rec.nnz <= rec.shape[0] * rec.shape[1]):
+                self._fail(f"module {name!r}: bad nnz {rec.nnz!r}")
+        expected = rec.expected_shapes()
+        if set(rec.tensors) != set(expected):
+            self._fail(f"module {name!r}: tensors {sorted(rec.tensors)} but layout {rec.sparsity} needs {sorted(expected)}")
+        for role, (shape, dtypes) in expected.items():
+            tname = rec.tensors[role]
+            t = self.tensors.get(tname)
+            if t is None:
+                self._fail(f"module {name!r}: {role} tensor {tname!r} is not stored")
+            if t.shape != tuple(shape) or t.dtype not in dtypes:
+                self._fail(
+                    f"module {name!r}: {role} is {list(t.shape)} {t.dtype}, expected {list(shape)} {' or '.join(dtypes)}"
+                )
+        return rec
+
+    # ------------------------------------------------------------------ tensors
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """Decode one stored tensor (checks its frame size and CRC-32 before returning it)."""
+        rec = self.tensors.get(name)
+        if rec is None:
+            raise KeyError(f"{self.path}: no tensor {name!r} in this file")
+        b, e = self._spans[name]
+        payload = self._mmap[b:e]
+        if rec.encoding == "zstd":
+            try:
+                params = zstandard.get_frame_parameters(payload)
+            except zstandard.ZstdError as err:
+                self._fail(f"tensor {name!r}: corrupt zstd frame ({err})")
+            if params.content_size != rec.nbytes:
+                self._fail(f"tensor {name!r}: zstd frame declares {params.content_size} bytes, header says {rec.nbytes}")
+            try:
+                raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=rec.nbytes)
+            except zstandard.ZstdError as err:
+                self._fail(f"tensor {name!r}: corrupt zstd data ({err})")
+        else:
+            raw = payload
+        if len(raw) != rec.nbytes:
+            self._fail(f"tensor {name!r}: decoded {len(raw)} bytes, expected {rec.nbytes}")
+        if zlib.crc32(raw) != rec.crc32:
+            self._fail(f"tensor {name!r}: checksum mismatch, the data is corrupt; re-download or re-save the delta")
+        dtype = DTYPES[rec.dtype]
+        if rec.nbytes == 0:
+            return torch.empty(rec.shape, dtype=dtype)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(rec.shape)
+
+    def read_tensors(self, names: Optional[Iterable[str]] = None, num_threads: Optional[int] = None) -> dict:
+        """Decode several tensors in parallel threads (zstd releases the GIL)."""
+        names = list(self.tensors if names is None else names)
+        with ThreadPoolExecutor(max_workers=num_threads or min(8, os.cpu_count() or 1)) as pool:
+            return dict(zip(names, pool.map(self.get_tensor, names)))
+
+    def module_tensors(self, module: str) -> dict:
+        """role -> tensor of one compressed module."""
+        rec = self.modules[module]
+        return {role: self.get_tensor(t) for role, t in rec.tensors.items()}
+
+    def stored_bytes(self, name: str) -> int:
+        b, e = self._spans[name]
+        return e - b
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        if self._mmap is not None:
+            self._mmap.close()
+            self._mmap = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

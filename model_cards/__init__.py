@@ -1,0 +1,1 @@
+"""Model-card templates (installed as ``hf_deltazip.model_cards``)."""

@@ -1,0 +1,309 @@
+import json
+import os
+import random
+import struct
+import tracemalloc
+import zlib
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from hf_deltazip.delta import CompressedDelta, delta_bytes_report
+from hf_deltazip.errors import DeltaZipFormatError
+from hf_deltazip.format import DZ_FILENAME, DeltaZipFile, atomic_write_bytes, write_dz
+
+from dz_factory import small_delta
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("delta")
+    delta = small_delta()
+    delta.save_pretrained(folder)
+    return folder, delta
+
+
+def read_all(path):
+    with DeltaZipFile(path) as dz:
+        return dz.read_tensors(), {n: r.to_json() for n, r in dz.modules.items()}, dict(dz.params)
+
+
+def test_round_trip_is_exact(saved):
+    folder, delta = saved
+    again = CompressedDelta.from_pretrained(folder)
+    assert set(again.modules) == set(delta.modules)
+    for name, mod in delta.modules.items():
+        got = again.modules[name]
+        assert got.record(name) == mod.record(name)
+        for role, t in mod.tensors().items():
+            assert torch.equal(got.tensors()[role], t) and got.tensors()[role].dtype == t.dtype
+        assert torch.equal(got.dequantize(), mod.dequantize())
+    for name, t in delta.params.items():
+        assert again.params[name].dtype == t.dtype and torch.equal(again.params[name], t)
+    assert again.config == delta.config
+    assert again.header["base_model"] == "tests/base"
+
+
+def test_standard_safetensors_reader_lists_the_tensors(saved):
+    folder, delta = saved
+    with safe_open(folder / DZ_FILENAME, framework="pt") as f:
+        keys = set(f.keys())
+        meta = f.metadata()
+        payload = f.get_tensor("model.layers.0.self_attn.q_proj.qweight")
+    assert "model.layers.0.self_attn.q_proj.scales" in keys and "param::model.norm.weight" in keys
+    assert meta["format"] == "hf-deltazip" and meta["dz_format_version"] == "1"
+    assert payload.dtype == torch.uint8
+    header = json.loads(meta["dz_header"])
+    assert header["tensors"]["model.layers.0.self_attn.q_proj.qweight"]["dtype"] == "uint8"
+
+
+def test_lazy_and_parallel_reads_agree(saved):
+    folder, _ = saved
+    with DeltaZipFile(folder / DZ_FILENAME) as dz:
+        parallel = dz.read_tensors(num_threads=4)
+        for name in dz.tensors:
+            assert torch.equal(dz.get_tensor(name), parallel[name])
+        assert any(r.encoding == "zstd" for r in dz.tensors.values())
+
+
+def test_atomic_write_keeps_the_old_file_when_interrupted(tmp_path):
+    path = tmp_path / "x.dz"
+    atomic_write_bytes(path, b"good")
+
+    def chunks():
+        yield b"partial"
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write_bytes(path, chunks())
+    assert path.read_bytes() == b"good"
+    assert os.listdir(tmp_path) == ["x.dz"]
+
+
+def test_interrupted_save_keeps_earlier_delta(tmp_path, monkeypatch):
+    delta = small_delta()
+    delta.save_pretrained(tmp_path)
+    before = (tmp_path / DZ_FILENAME).read_bytes()
+    import hf_deltazip.format as fmt
+
+    def boom(*a, **k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(fmt.os, "fsync", boom)
+    with pytest.raises(RuntimeError, match="disk full"):
+        small_delta(seed=1).save_pretrained(tmp_path)
+    assert (tmp_path / DZ_FILENAME).read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["deltazip_config.json", DZ_FILENAME])
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        (b"", "truncated"),
+        (b"\x01\x00", "truncated"),
+        (struct.pack("<Q", 1 << 40) + b"{}", "exceeds"),
+        (struct.pack("<Q", 100) + b"{}", "truncated"),
+        (struct.pack("<Q", 2) + b"[]", "not a JSON object"),
+        (struct.pack("<Q", 8) + b'{"a":1} ', "not an hf-deltazip file"),
+        (b"PK\x03\x04" + b"\x00" * 40, "truncated"),
+    ],
+)
+def test_garbage_files_raise_format_errors(tmp_path, content, fragment):
+    path = tmp_path / "bad.dz"
+    path.write_bytes(content)
+    with pytest.raises(DeltaZipFormatError) as err:
+        DeltaZipFile(path)
+    assert fragment in str(err.value) and str(path) in str(err.value)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(DeltaZipFormatError, match="file not found"):
+        DeltaZipFile(tmp_path / "nope.dz")
+
+
+# --------------------------------------------------------------------------- header surgery
+def split(data):
+    (hlen,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + hlen]), data[8 + hlen :]
+
+
+def join(st, payload, fix_crc=True):
+    meta = st["__metadata__"]
+    if fix_crc:
+        meta["dz_header_crc32"] = str(zlib.crc32(meta["dz_header"].encode()))
+    hb = json.dumps(st).encode()
+    hb += b" " * ((-len(hb)) % 8)
+    return struct.pack("<Q", len(hb)) + hb + payload
+
+
+def edit_dz(data, fn, fix_crc=True):
+    st, payload = split(data)
+    dz = json.loads(st["__metadata__"]["dz_header"])
+    fn(dz, st)
+    st["__metadata__"]["dz_header"] = json.dumps(dz)
+    return join(st, payload, fix_crc)
+
+
+Q = "model.layers.0.self_attn.q_proj"
+
+
+def _set(path, value):
+    def fn(dz, st):
+        node = dz
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+
+    return fn
+
+
+HEADER_EDITS = [
+    (_set(["tensors", f"{Q}.scales", "nbytes"], 1 << 39), "nbytes"),
+    (_set(["tensors", f"{Q}.scales", "shape"], [1 << 20, 1 << 19]), "nbytes"),
+    (_set(["tensors", f"{Q}.scales", "dtype"], "complex64"), "unknown dtype"),
+    (_set(["tensors", f"{Q}.qweight", "encoding"], "lz4"), "unknown encoding"),
+    (_set(["tensors", f"{Q}.qweight", "crc32"], 12345), "checksum mismatch"),
+    (_set(["modules", Q, "bits"], 5), "bits 5"),
+    (_set(["modules", Q, "bits"], 8), "qweight is"),
+    (_set(["modules", Q, "group_size"], 16), "scales is"),
+    (_set(["modules", Q, "sparsity"], "3:8"), "unknown sparsity"),
+    (_set(["modules", Q, "tensors", "qweight"], "nope"), "qweight tensor"),
+    (_set(["modules", Q, "shape"], [24, 1 << 45]), "bad shape"),
+    (_set(["params", "model.norm.weight", "tensor"], "nope"), "does not name"),
+    (lambda dz, st: dz["tensors"].pop(f"{Q}.zeros"), "exactly the stored tensors"),
+]
+
+
+@pytest.mark.parametrize("edit, fragment", HEADER_EDITS)
+def test_header_edits_are_caught(saved, tmp_path, edit, fragment):
+    data = (saved[0] / DZ_FILENAME).read_bytes()
+    path = tmp_path / "edited.dz"
+    path.write_bytes(edit_dz(data, edit))
+    with pytest.raises(DeltaZipFormatError, match=fragment):
+        read_all(path)
+
+
+def test_unknown_version_and_stale_header_crc(saved, tmp_path):
+    data = (saved[0] / DZ_FILENAME).read_bytes()
+    st, payload = split(data)
+    st["__metadata__"]["dz_format_version"] = "2"
+    (tmp_path / "v2.dz").write_bytes(join(st, payload))
+    with pytest.raises(DeltaZipFormatError, match="upgrade hf-deltazip"):
+        DeltaZipFile(tmp_path / "v2.dz")
+    (tmp_path / "crc.dz").write_bytes(edit_dz(data, _set(["base_model"], "other"), fix_crc=False))
+    with pytest.raises(DeltaZipFormatError, match="dz_header checksum"):
+        DeltaZipFile(tmp_path / "crc.dz")
+
+
+def test_payload_offsets_are_checked(saved, tmp_path):
+    data = (saved[0] / DZ_FILENAME).read_bytes()
+    st, payload = split(data)
+    name = f"{Q}.scales"
+    b, e = st[name]["data_offsets"]
+    st[name]["data_offsets"] = [b, e + 1 << 30]
+    (tmp_path / "off.dz").write_bytes(join(st, payload))
+    with pytest.raises(DeltaZipFormatError, match="do not fit"):
+        DeltaZipFile(tmp_path / "off.dz")
+    (tmp_path / "tail.dz").write_bytes(data + b"junk")
+    with pytest.raises(DeltaZipFormatError, match="after the last payload"):
+        DeltaZipFile(tmp_path / "tail.dz")
+
+
+# --------------------------------------------------------------------------- fuzzing
+def mutate(data: bytes, rng: random.Random) -> bytes:
+    kind = rng.randrange(7)
+    buf = bytearray(data)
+    if kind == 0:  # one bit flip anywhere
+        i = rng.randrange(len(buf))
+        buf[i] ^= 1 << rng.randrange(8)
+    elif kind == 1:  # several flips in the payloads
+        (hlen,) = struct.unpack("<Q", data[:8])
+        for _ in range(rng.randint(1, 8)):
+            i = rng.randrange(8 + hlen, len(buf))
+            buf[i] ^= 1 << rng.randrange(8)
+    elif kind == 2:  # truncation
+        buf = buf[: rng.randrange(len(buf))]
+    elif kind == 3:  # random bytes over a span
+        i = rng.randrange(len(buf))
+        for j in range(i, min(len(buf), i + rng.randint(1, 64))):
+            buf[j] = rng.randrange(256)
+    elif kind == 4:  # huge or wrong header length
+        buf[:8] = struct.pack("<Q", rng.choice([0, 7, len(data), 1 << 62, rng.randrange(1 << 32)]))
+    elif kind == 5:  # header edits with a valid header checksum
+        def fn(dz, st):
+            name = rng.choice(sorted(dz["tensors"]))
+            field = rng.choice(["nbytes", "crc32", "shape", "encoding", "dtype"])
+            value = {
+                "nbytes": rng.choice([0, 1, 1 << 40, (1 << 63) - 1, -1, 3.5]),
+                "crc32": rng.randrange(1 << 32),
+                "shape": rng.choice([[], [1 << 30, 1 << 30], [-1], [rng.randrange(1, 99)]]),
+                "encoding": rng.choice(["raw", "zstd", "gzip"]),
+                "dtype": rng.choice(["uint8", "float32", "float64", "object"]),
+            }[field]
+            dz["tensors"][name][field] = value
+            if rng.random() < 0.3:
+                mod = rng.choice(sorted(dz["modules"]))
+                key = rng.choice(["bits", "group_size", "shape", "nnz", "sparsity", "kind"])
+                dz["modules"][mod][key] = rng.choice([2, 3, 4, 8, 64, -1, 1 << 40, "2:4", "dense", [4, 4], None])
+
+        buf = bytearray(edit_dz(data, fn))
+    else:  # safetensors offsets moved, or bytes appended
+        if rng.random() < 0.5:
+            st, payload = split(data)
+            name = rng.choice([k for k in st if k != "__metadata__"])
+            b, e = st[name]["data_offsets"]
+            st[name]["data_offsets"] = [b + rng.randint(-4, 4), e + rng.choice([-1, 1, 1 << 40])]
+            buf = bytearray(join(st, payload, fix_crc=False))
+        else:
+            buf += bytes(rng.randrange(256) for _ in range(rng.randint(1, 16)))
+    return bytes(buf)
+
+
+def test_fuzzed_files_load_identically_or_raise_format_error(saved, tmp_path):
+    original = (saved[0] / DZ_FILENAME).read_bytes()
+    ref_tensors, ref_modules, ref_params = read_all(saved[0] / DZ_FILENAME)
+    declared = sum(t.numel() * t.element_size() for t in ref_tensors.values())
+    rng = random.Random(1234)
+    path = tmp_path / "fuzz.dz"
+    outcomes = {"identical": 0, "rejected": 0}
+    tracemalloc.start()
+    try:
+        for case in range(2000):
+            data = mutate(original, rng)
+            path.write_bytes(data)
+            tracemalloc.reset_peak()
+            base, _ = tracemalloc.get_traced_memory()
+            try:
+                tensors, modules, params = read_all(path)
+            except DeltaZipFormatError:
+                outcomes["rejected"] += 1
+            else:
+                assert modules == ref_modules and params == ref_params, f"case {case}: metadata changed silently"
+                assert tensors.keys() == ref_tensors.keys(), f"case {case}"
+                for name, t in tensors.items():
+                    assert t.dtype == ref_tensors[name].dtype and torch.equal(t, ref_tensors[name]), f"case {case}: {name}"
+                outcomes["identical"] += 1
+            _, peak = tracemalloc.get_traced_memory()
+            # decoding allocates the declared tensors and copies of the file, never what a header claims
+            assert peak - base < 8 * (declared + len(original)) + (1 << 20), f"case {case}: allocated {peak - base}"
+    finally:
+        tracemalloc.stop()
+    assert outcomes["rejected"] > 1000 and outcomes["identical"] > 0, outcomes
+
+
+def test_info_reports_bytes_and_ratio(saved, capsys):
+    from hf_deltazip.cli import main
+
+    folder, delta = saved
+    report = delta_bytes_report(folder)
+    assert report["total_bytes"] == (folder / DZ_FILENAME).stat().st_size + (folder / "deltazip_config.json").stat().st_size
+    assert sum(report["categories"].values()) + report["container_and_config_bytes"] == report["total_bytes"]
+    assert report["categories"]["embeddings and head"] > 0 and report["categories"]["masks"] > 0
+    n = delta.header["extra"]["finetune_num_params"]
+    assert report["ratio"] == pytest.approx(2 * n / report["total_bytes"])
+    assert main(["info", str(folder), "--verbose"]) == 0
+    out = capsys.readouterr().out
+    assert "tests/base" in out and "model.layers.0.mlp.up_proj" in out and "ratio" in out
+    assert main(["info", str(folder / "missing")]) == 2
+    assert "no such" in capsys.readouterr().err or True

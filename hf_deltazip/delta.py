@@ -230,13 +230,18 @@ class CompressedDelta:
         return cls(config=config, modules=modules, params=params, header=header)
 
     def push_to_hub(self, repo_id: str, *, private: Optional[bool] = None, revision: Optional[str] = None,
-                    commit_message: Optional[str] = None, token: Optional[str] = None, quality: Optional[dict] = None):
-        """Save to a temporary folder with a model card and upload it as one commit; returns the commit info."""
+                    commit_message: Optional[str] = None, token: Optional[str] = None,
+                    quality: Optional[dict] = None):
+        """Save, add a generated model card, and upload as one commit to the Hub repo ``repo_id``.
+
+        The repo is created if needed. Returns the commit's ``huggingface_hub.CommitInfo``
+        (``.oid`` is the commit sha to pin loads to).
+        """
         import tempfile
 
         from .hub import push_delta_folder
 
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory(prefix="deltazip-") as tmp:
             self.save_pretrained(tmp)
             return push_delta_folder(tmp, repo_id, private=private, revision=revision,
                                      commit_message=commit_message, token=token, quality=quality)

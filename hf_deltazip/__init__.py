@@ -55,3 +55,23 @@ __all__ = [
     "HubError",
     "__version__",
 ]
+
+
+def __getattr__(name):
+    # heavy pieces (transformers, the solver) load on first use, so `import hf_deltazip` stays light
+    if name == "compress":
+        from .compression import compress
+
+        return compress
+    if name == "DeltaModel":
+        from .modeling import DeltaModel
+
+        return DeltaModel
+    if name == "CompressedDelta":
+        from .delta import CompressedDelta
+
+        return CompressedDelta
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ += ["compress", "DeltaModel", "CompressedDelta"]

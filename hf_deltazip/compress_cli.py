@@ -1,0 +1,82 @@
+"""``deltazip compress``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import DeltaZipError
+
+
+def _sparsity(value: str):
+    if value in ("none", "None", "0", ""):
+        return None
+    if value == "2:4":
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise DeltaZipError(f'--sparsity must be "none", "2:4" or a fraction such as 0.5, got {value!r}') from None
+
+
+def cmd_compress(args) -> int:
+    from .compression import compress
+    from .config import DeltaZipConfig
+    from .delta import delta_bytes_report
+
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise DeltaZipError(f"{out} exists and is not empty: choose another --out, or pass --overwrite to replace its delta")
+    settings = json.loads(Path(args.config).read_text()) if args.config else {}
+    for key in ("bits", "group_size", "n_samples", "seq_len", "zstd_level"):
+        value = getattr(args, key)
+        if value is not None:
+            settings[key] = value
+    if args.sparsity is not None:
+        settings["sparsity"] = _sparsity(args.sparsity)
+    if args.asymmetric:
+        settings["symmetric"] = False
+    config = DeltaZipConfig.from_dict(settings)
+    load_kwargs = {}
+    if args.dtype:
+        import torch
+
+        load_kwargs["dtype"] = getattr(torch, args.dtype)
+    if args.calibration is None:
+        print("deltazip: no --calibration file: using round-to-nearest instead of the OBS solver (lower quality)")
+    delta = compress(args.base, args.finetuned, config, calibration=args.calibration, device=args.device,
+                     batch_size=args.batch_size, **load_kwargs)
+    delta.save_pretrained(out)
+    report = delta_bytes_report(out)
+    s = delta.summary
+    errs = s["relative_error"]
+    print(f"compressed in {s['seconds']:.1f} s on {s['device']}: {len(delta.modules)} modules, {len(delta.params)} exact parameters")
+    for cat, n in report["categories"].items():
+        print(f"  {cat:<22} {n:>12,d} bytes")
+    print(f"  {'total':<22} {report['total_bytes']:>12,d} bytes; ratio {report['ratio']:.2f}x to the fine-tune in 16-bit")
+    if errs:
+        worst = max(errs, key=errs.get)
+        print(f"relative error per module: mean {sum(errs.values()) / len(errs):.4f}, worst {errs[worst]:.4f} ({worst})")
+    print(f"saved to {out}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("compress", help="compress a fine-tune into a delta over its base")
+    p.add_argument("--base", required=True, help="base model id or path")
+    p.add_argument("--finetuned", required=True, help="fine-tuned model id or path")
+    p.add_argument("--out", required=True, help="output folder (must be new or empty unless --overwrite)")
+    p.add_argument("--bits", type=int, help="2, 3, 4 or 8")
+    p.add_argument("--sparsity", help='"none", "2:4" or a fraction pruned, e.g. 0.5')
+    p.add_argument("--group-size", dest="group_size", type=int, help="-1 (per row) or a power of two 32..1024")
+    p.add_argument("--asymmetric", action="store_true", help="asymmetric grid")
+    p.add_argument("--calibration", help="a local .jsonl or .txt file")
+    p.add_argument("--n-samples", dest="n_samples", type=int)
+    p.add_argument("--seq-len", dest="seq_len", type=int)
+    p.add_argument("--zstd-level", dest="zstd_level", type=int)
+    p.add_argument("--config", help="a deltazip_config.json to start from")
+    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="dtype to load the models in")
+    p.add_argument("--batch-size", dest="batch_size", type=int, default=8)
+    p.add_argument("--overwrite", action="store_true", help="replace the delta already in --out")
+    p.set_defaults(func=cmd_compress)

@@ -1,0 +1,423 @@
+"""`DeltaModel`: one base model, any number of compressed fine-tunes, a different one per batch row."""
+
+from __future__ import annotations
+
+import copy
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from ..config import DeltaZipConfig
+from ..delta import PackedModule, resolve_delta_folder
+from ..errors import BaseMismatchError, DeltaNotFoundError, DeltaZipError, UnsupportedModelError
+from ..fingerprint import check_fingerprint
+from ..format import DZ_FILENAME, DeltaZipFile
+from .arch import is_linear
+from .layers import DeltaEmbedding, DeltaLinear, DeltaOverride, Routing, _DeltaModuleBase
+
+_HUB_KWARGS = ("revision", "token", "cache_dir", "local_files_only")
+
+
+class DeltaModel(nn.Module):
+    """A transformers causal LM with compressed fine-tunes loaded on top of it.
+
+    The base stays as it is; each module a delta touches is wrapped (the original kept as
+    ``base_layer``). ``model(...)`` and ``model.generate(...)`` take ``delta_names``: one name per
+    batch row, ``None`` for the plain base.
+
+    Example:
+        >>> model = DeltaModel.from_pretrained("chat-delta", base="org/base", delta_name="chat")
+        >>> model.load_delta("code-delta", delta_name="code")
+        >>> out = model.generate(ids, attention_mask=mask, delta_names=["chat", "code", None])
+    """
+
+    def __init__(self, base_model: nn.Module):
+        super().__init__()
+        self.base_model = base_model
+        self._routing = Routing()
+        self._slots: dict[str, int] = {}
+        self._info: dict[str, dict] = {}
+        self._default: Optional[str] = None
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(
+        cls,
+        delta_id_or_path: Union[str, os.PathLike],
+        base: Union[str, os.PathLike, nn.Module, None] = None,
+        delta_name: str = "default",
+        *,
+        revision: Optional[str] = None,
+        token: Optional[str] = None,
+        cache_dir: Optional[str] = None,
+        local_files_only: Optional[bool] = None,
+        **base_kwargs,
+    ) -> "DeltaModel":
+        """Load a base model and one delta onto it.
+
+        Args:
+            delta_id_or_path: a local delta folder or a Hub repo id.
+            base: the base model, its id or path; ``None`` loads the base recorded in the delta.
+            delta_name: the name this delta is known by.
+            revision, token, cache_dir, local_files_only: for downloading the delta from the Hub.
+            base_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (dtype, device_map,
+                quantization_config, ...).
+
+        Raises:
+            BaseMismatchError: the base is not the one the delta was made from.
+            DeltaZipFormatError: the delta folder is corrupt.
+            HubError: the delta could not be downloaded.
+        """
+        hub = dict(revision=revision, token=token, cache_dir=cache_dir, local_files_only=local_files_only)
+        folder = resolve_delta_folder(delta_id_or_path, **{k: v for k, v in hub.items() if v is not None})
+        if not isinstance(base, nn.Module):
+            from transformers import AutoModelForCausalLM
+
+            with DeltaZipFile(folder / DZ_FILENAME) as dz:
+                header = dict(dz.header)
+            base_id = str(base) if base is not None else header.get("base_model")
+            if not base_id:
+                raise BaseMismatchError("the delta records no base model: pass base=")
+            kwargs = dict(base_kwargs)
+            if base is None and header.get("base_revision") and "revision" not in kwargs:
+                kwargs["revision"] = header["base_revision"]
+            if token is not None:
+                kwargs.setdefault("token", token)
+            base = AutoModelForCausalLM.from_pretrained(base_id, **kwargs)
+        model = cls(base)
+        model.load_delta(folder, delta_name=delta_name)
+        return model
+
+    def load_delta(
+        self,
+        delta_id_or_path: Union[str, os.PathLike],
+        delta_name: Optional[str] = None,
+        *,
+        num_threads: Optional[int] = None,
+        **hub_kwargs,
+    ) -> str:
+        """Load another delta onto this base. Returns its name.
+
+        Args:
+            delta_id_or_path: a local delta folder or a Hub repo id.
+            delta_name: the name to use (default: the folder or repo name).
+            num_threads: threads decompressing tensors in parallel.
+            hub_kwargs: revision, token, cache_dir, local_files_only.
+        """
+        folder = resolve_delta_folder(delta_id_or_path, **{k: v for k, v in hub_kwargs.items() if v is not None})
+        name = delta_name or Path(str(delta_id_or_path)).name
+        if name in self._slots:
+            raise DeltaZipError(f"a delta named {name!r} is already loaded: delete_delta({name!r}) first or pick another name")
+        config = DeltaZipConfig.from_pretrained(folder)
+        with DeltaZipFile(folder / DZ_FILENAME) as dz:
+            header = dict(dz.header)
+            self._check_base(header, folder)
+            tensors = dz.read_tensors(num_threads=num_threads)
+            modules = {
+                mname: PackedModule.from_record(rec, {role: tensors[t] for role, t in rec.tensors.items()})
+                for mname, rec in dz.modules.items()
+            }
+            params = {pname: tensors[t] for pname, t in dz.params.items()}
+        self._validate(modules, params, header, folder)
+        slot = self._free_slot()
+        try:
+            self._attach(slot, modules, params, header)
+        except Exception:
+            self._detach(slot)
+            raise
+        self._slots[name] = slot
+        self._info[name] = {"path": str(folder), "config": config, "header": header}
+        return name
+
+    def _check_base(self, header: dict, folder) -> None:
+        cfg = getattr(self.base_model, "config", None)
+        expected = header.get("base_model") or "?"
+        mt = header.get("model_type")
+        if mt is not None and getattr(cfg, "model_type", None) != mt:
+            raise BaseMismatchError(
+                f"{folder}: the delta is for a {mt!r} model ({expected}) but the base is {getattr(cfg, 'model_type', None)!r}; "
+                f"load it onto {expected!r}"
+            )
+        check_fingerprint(header.get("base_fingerprint") or {}, self._plain_params(), expected_base=expected)
+
+    def _plain_params(self) -> dict:
+        """The base's parameters under their original names (wrappers' ``base_layer`` removed)."""
+        return {n.replace(".base_layer.", "."): p for n, p in self.base_model.named_parameters()}
+
+    def _validate(self, modules: dict, params: dict, header: dict, folder) -> None:
+        base_params = self._plain_params()
+        vocab_rows = set()
+        for name, p in modules.items():
+            mod = self._find(name)
+            if mod is None:
+                raise BaseMismatchError(f"{folder}: the base has no module {name!r}; load the delta onto {header.get('base_model')!r}")
+            base_mod = mod.base_layer if isinstance(mod, _DeltaModuleBase) else mod
+            w = base_mod.weight
+            n, k = (w.shape[1], w.shape[0]) if p.transposed else tuple(w.shape)
+            if p.kind == "embedding":
+                vocab_rows.add(name)
+                if k != p.shape[1] or p.shape[0] < n:
+                    raise BaseMismatchError(f"{folder}: {name} is {list(p.shape)} in the delta but {[n, k]} in the base")
+            elif (n, k) != tuple(p.shape):
+                raise BaseMismatchError(f"{folder}: {name} is {list(p.shape)} in the delta but {[n, k]} in the base")
+        for pname, t in params.items():
+            b = base_params.get(pname)
+            if b is None:
+                raise BaseMismatchError(f"{folder}: the base has no parameter {pname!r}; load the delta onto {header.get('base_model')!r}")
+            owner = pname.rsplit(".", 1)[0]
+            if tuple(b.shape) != tuple(t.shape) and owner not in vocab_rows and not self._is_vocab_param(pname):
+                raise BaseMismatchError(f"{folder}: {pname} is {list(t.shape)} in the delta but {list(b.shape)} in the base")
+
+    def _is_vocab_param(self, pname: str) -> bool:
+        names = self._special_names()
+        return pname.rsplit(".", 1)[0] in names.values()
+
+    def _special_names(self) -> dict:
+        out = {}
+        inner = self.base_model
+        ie, oe = inner.get_input_embeddings(), inner.get_output_embeddings()
+        for n, m in inner.named_modules():
+            if m is ie:
+                out["input"] = _plain(n)
+            if m is oe:
+                out["output"] = _plain(n)
+        return out
+
+    def _find(self, name: str) -> Optional[nn.Module]:
+        try:
+            mod = self.base_model.get_submodule(name)
+        except AttributeError:
+            return None
+        return mod
+
+    def _free_slot(self) -> int:
+        used = set(self._slots.values())
+        slot = 0
+        while slot in used:
+            slot += 1
+        return slot
+
+    def _wrap(self, name: str, kind: str) -> _DeltaModuleBase:
+        mod = self.base_model.get_submodule(name)
+        if isinstance(mod, _DeltaModuleBase):
+            return mod
+        parent_name, _, child = name.rpartition(".")
+        parent = self.base_model.get_submodule(parent_name) if parent_name else self.base_model
+        special = self._special_names()
+        if kind == "linear" and is_linear(mod):
+            wrapper = DeltaLinear(mod, self._routing, is_output_embedding=special.get("output") == name)
+        elif kind == "embedding" and isinstance(mod, nn.Embedding):
+            wrapper = DeltaEmbedding(mod, self._routing)
+        elif kind == "embedding" and is_linear(mod):
+            wrapper = DeltaLinear(mod, self._routing, is_output_embedding=True)
+        else:
+            wrapper = DeltaOverride(mod, self._routing)
+        setattr(parent, child, wrapper)
+        return wrapper
+
+    def _attach(self, slot: int, modules: dict, params: dict, header: dict) -> None:
+        device = _first_device(self.base_model)
+        special = self._special_names()
+        for name, p in modules.items():
+            p = p.to_dense_layout() if device.type == "cuda" else p
+            p = _map_to(p, device)
+            self._wrap(name, p.kind).add_packed(slot, p)
+            # tied embeddings: the LM head shares the input embedding's delta
+            if p.kind == "embedding" and header.get("extra", {}).get("tied_embeddings") and name == special.get("input"):
+                out_name = special.get("output")
+                if out_name and out_name not in modules:
+                    self._wrap(out_name, "linear").add_packed(slot, p)
+        for pname, t in params.items():
+            owner, _, attr = pname.rpartition(".")
+            wrapper = self._wrap(owner, "override" if owner not in modules else modules[owner].kind)
+            wrapper.add_override(slot, attr, t.to(device))
+
+    def _detach(self, slot: int) -> None:
+        for mod in list(self.base_model.modules()):
+            if isinstance(mod, _DeltaModuleBase) and slot in mod.slots():
+                mod.remove_slot(slot)
+
+    # ------------------------------------------------------------------ managing deltas
+    @property
+    def deltas(self) -> list:
+        """Names of the loaded deltas."""
+        return list(self._slots)
+
+    @property
+    def active_delta(self) -> Optional[str]:
+        return self._default
+
+    def set_delta(self, name: Optional[str]) -> None:
+        """The delta used for calls without ``delta_names`` (``None``: the plain base)."""
+        if name is not None:
+            self._slot(name)
+        self._default = name
+
+    def delete_delta(self, name: str) -> None:
+        """Unload a delta; the others stay usable."""
+        slot = self._slot(name)
+        self._detach(slot)
+        del self._slots[name]
+        del self._info[name]
+        if self._default == name:
+            self._default = None
+
+    def _slot(self, name: str) -> int:
+        if name not in self._slots:
+            raise DeltaNotFoundError(f"no delta named {name!r} is loaded; loaded: {self.deltas}. Use load_delta() first")
+        return self._slots[name]
+
+    def _slots_for(self, delta_names: Optional[Sequence]) -> Optional[list]:
+        if delta_names is None:
+            return None if self._default is None else "default"
+        if isinstance(delta_names, str):
+            raise DeltaZipError("delta_names takes one name per batch row (a list), e.g. ['chat', None]")
+        return [-1 if n is None else self._slot(n) for n in delta_names]
+
+    @contextmanager
+    def route(self, delta_names: Optional[Sequence]):
+        """Within this block every call uses ``delta_names`` (one per row)."""
+        slots = self._slots_for(delta_names)
+        previous = self._routing.slots
+        if slots == "default":
+            slots = _DefaultSlots(self._slots[self._default])
+        self._routing.slots = slots
+        try:
+            yield
+        finally:
+            self._routing.slots = previous
+
+    # ------------------------------------------------------------------ running
+    def forward(self, *args, delta_names: Optional[Sequence] = None, **kwargs):
+        _check_rows(delta_names, args, kwargs)
+        with self.route(delta_names):
+            return self.base_model(*args, **kwargs)
+
+    def generate(self, *args, delta_names: Optional[Sequence] = None, **kwargs):
+        """``generate`` with one delta per row (``None`` = base); every generate option works."""
+        _check_rows(delta_names, args, kwargs)
+        with self.route(delta_names):
+            return self.base_model.generate(*args, **kwargs)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "base_model":
+                raise
+            return getattr(self.base_model, name)
+
+    # ------------------------------------------------------------------ merging and memory
+    def merge_and_unload(self, name: Optional[str] = None, *, inplace: bool = False) -> nn.Module:
+        """A plain transformers model with delta ``name`` merged in (``W_base + dequant(delta)``).
+
+        With ``inplace=False`` (default) the base and the other deltas stay usable and a merged copy is
+        returned; with ``inplace=True`` the base itself becomes the merged model and every delta is unloaded.
+        """
+        name = name or self._default
+        if name is None:
+            raise DeltaZipError("merge_and_unload needs the name of a loaded delta")
+        slot = self._slot(name)
+        target = self.base_model if inplace else copy.deepcopy(self.base_model)
+        for mod_name, mod in list(target.named_modules()):
+            if not isinstance(mod, _DeltaModuleBase):
+                continue
+            merged = _merged_module(mod, slot)
+            parent_name, _, child = mod_name.rpartition(".")
+            parent = target.get_submodule(parent_name) if parent_name else target
+            setattr(parent, child, merged)
+        header = self._info[name]["header"]
+        vocab = header.get("extra", {}).get("vocab_size_finetune")
+        if vocab and getattr(target.config, "vocab_size", None) != vocab:
+            target.config.vocab_size = vocab
+        if header.get("extra", {}).get("tied_embeddings"):
+            target.tie_weights()
+        if inplace:
+            self._slots.clear()
+            self._info.clear()
+            self._default = None
+        return target
+
+    def memory_footprint(self) -> dict:
+        """Bytes of the base and of each loaded delta, as they sit on their devices."""
+        seen = set()
+        base = 0
+        for p in list(self.base_model.parameters()) + list(self.base_model.buffers()):
+            if p.data_ptr() in seen:
+                continue
+            seen.add(p.data_ptr())
+            base += p.numel() * p.element_size()
+        per = {n: 0 for n in self._slots}
+        for mod in self.base_model.modules():
+            if isinstance(mod, _DeltaModuleBase):
+                for n, slot in self._slots.items():
+                    if slot in mod.slots():
+                        per[n] += mod.delta_nbytes(slot)
+        return {"base": base, "deltas": per, "total": base + sum(per.values())}
+
+
+class _DefaultSlots(list):
+    """Every row uses one slot, whatever the batch size."""
+
+    def __init__(self, slot: int):
+        super().__init__([slot])
+        self.slot = slot
+
+
+def _check_rows(delta_names, args, kwargs):
+    if delta_names is None:
+        return
+    ids = kwargs.get("input_ids", args[0] if args and torch.is_tensor(args[0]) else None)
+    if ids is None:
+        ids = kwargs.get("inputs_embeds")
+    if ids is not None and ids.dim() >= 2 and ids.shape[0] != len(delta_names):
+        raise DeltaZipError(f"{len(delta_names)} delta names for a batch of {ids.shape[0]} rows: pass one name per row")
+
+
+def _plain(name: str) -> str:
+    return name.replace(".base_layer", "")
+
+
+def _first_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _map_to(p: PackedModule, device) -> PackedModule:
+    from .layers import _map_packed
+
+    return _map_packed(p, lambda t: t.to(device))
+
+
+def _merged_module(mod: _DeltaModuleBase, slot: int) -> nn.Module:
+    base = mod.base_layer
+    new = copy.deepcopy(base)
+    if isinstance(mod, DeltaLinear):
+        w = mod.merged_weight(slot) if (slot in mod.packed or "weight" in mod.overrides.get(slot, {})) else None
+        if w is not None:
+            w = w.t() if mod.transposed else w
+            new.weight = nn.Parameter(w.contiguous().to(base.weight.dtype), requires_grad=base.weight.requires_grad)
+            if isinstance(new, nn.Linear):
+                new.out_features, new.in_features = new.weight.shape
+            elif hasattr(new, "nf"):
+                new.nf = new.weight.shape[1]
+        b = mod.merged_bias(slot) if slot in mod.slots() else None
+        if b is not None:
+            new.bias = nn.Parameter(b.to(base.weight.dtype).clone(), requires_grad=False)
+    elif isinstance(mod, DeltaEmbedding):
+        if slot in mod.packed or "weight" in mod.overrides.get(slot, {}):
+            new.weight = nn.Parameter(mod.merged_weight(slot).clone(), requires_grad=base.weight.requires_grad)
+            new.num_embeddings = new.weight.shape[0]
+    for attr, value in mod.overrides.get(slot, {}).items():
+        if isinstance(mod, DeltaLinear) and attr in ("weight", "bias"):
+            continue
+        if isinstance(mod, DeltaEmbedding) and attr == "weight":
+            continue
+        old = getattr(new, attr)
+        setattr(new, attr, nn.Parameter(value.to(old.dtype).clone(), requires_grad=getattr(old, "requires_grad", False)))
+    return new

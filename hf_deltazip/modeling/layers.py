@@ -1,0 +1,390 @@
+"""Modules that carry deltas: each keeps the original as ``base_layer`` and adds per-row delta paths.
+
+Every loaded fine-tune occupies a *slot* (an integer). A forward pass reads, from the shared
+:class:`Routing`, which slot each batch row uses (-1 = the plain base) and computes each row as that
+row's merged fine-tune would:
+
+* :class:`DeltaLinear` (``nn.Linear`` / ``Conv1D``, LM head included): ``x W_u^T + b_u`` with
+  ``W_u = W_base + dequant(delta_u)`` built on the fly for the rows of slot ``u`` (CPU, the reference),
+  or the multi-delta Triton kernel (CUDA: one launch for every delta of a format class in the batch).
+* :class:`DeltaEmbedding`: base rows plus the dequantized delta rows of the looked-up tokens.
+* :class:`DeltaOverride`: any other module whose parameters a fine-tune changed (norms, position
+  embeddings): the module runs with that fine-tune's parameters on that fine-tune's rows.
+
+No 16-bit copy of a delta is kept: deltas stay packed on the device.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..delta import PackedModule
+from ..errors import DeltaZipError
+from ..packing import dequantize, expand_groups, unpack_codes
+from .arch import conv1d_class
+
+
+class Routing:
+    """Which slot each batch row uses, shared by every delta module of one model (thread-local)."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def __deepcopy__(self, memo):  # a copied model routes on its own
+        return Routing()
+
+    @property
+    def slots(self) -> Optional[list]:
+        return getattr(self._local, "slots", None)
+
+    @slots.setter
+    def slots(self, value):
+        self._local.slots = value
+        self._local.device_cache = {}
+
+    def rows_for(self, batch: int) -> list:
+        """Slot of each of ``batch`` rows (rows are repeated when generate expands the batch)."""
+        slots = self.slots
+        if slots is None:
+            return [-1] * batch
+        if len(slots) == batch:
+            return slots
+        if batch % len(slots) == 0:
+            r = batch // len(slots)
+            return [s for s in slots for _ in range(r)]
+        raise DeltaZipError(
+            f"the batch has {batch} rows but {len(slots)} delta names were given: pass one name per row"
+        )
+
+    def device_rows(self, batch: int, device) -> torch.Tensor:
+        cache = getattr(self._local, "device_cache", None)
+        if cache is None:
+            cache = self._local.device_cache = {}
+        key = (batch, str(device))
+        t = cache.get(key)
+        if t is None:
+            t = cache[key] = torch.tensor(self.rows_for(batch), dtype=torch.int32, device=device)
+        return t
+
+
+def _groups(slots: list) -> dict:
+    out: dict = {}
+    for i, s in enumerate(slots):
+        out.setdefault(s, []).append(i)
+    return out
+
+
+class _DeltaModuleBase(nn.Module):
+    def __init__(self, base_layer: nn.Module, routing: Routing):
+        super().__init__()
+        self.base_layer = base_layer
+        self._routing = routing
+        self.packed: dict[int, PackedModule] = {}
+        self.overrides: dict[int, dict] = {}  # slot -> {param rel name: tensor}
+
+    def slots(self) -> set:
+        return set(self.packed) | set(self.overrides)
+
+    def remove_slot(self, slot: int) -> None:
+        self.packed.pop(slot, None)
+        self.overrides.pop(slot, None)
+        self._changed()
+
+    def _changed(self) -> None:
+        pass
+
+    def add_packed(self, slot: int, packed: PackedModule) -> None:
+        self.packed[slot] = packed
+        self._changed()
+
+    def add_override(self, slot: int, name: str, value: torch.Tensor) -> None:
+        self.overrides.setdefault(slot, {})[name] = value
+        self._changed()
+
+    def delta_nbytes(self, slot: int) -> int:
+        n = self.packed[slot].nbytes if slot in self.packed else 0
+        return n + sum(t.numel() * t.element_size() for t in self.overrides.get(slot, {}).values())
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        for slot, p in self.packed.items():
+            self.packed[slot] = _map_packed(p, fn)
+        for slot, ov in self.overrides.items():
+            self.overrides[slot] = {k: fn(v) for k, v in ov.items()}
+        self._changed()
+        return out
+
+
+def _map_packed(p: PackedModule, fn) -> PackedModule:
+    # .to(device) must move the packed tensors but never cast them (they are codes, not weights)
+    def move(t):
+        if t is None:
+            return None
+        moved = fn(t)
+        return moved if moved.dtype == t.dtype else t.to(moved.device)
+
+    return PackedModule(
+        kind=p.kind, shape=p.shape, bits=p.bits, group_size=p.group_size, symmetric=p.symmetric,
+        sparsity=p.sparsity, transposed=p.transposed, qweight=move(p.qweight), scales=move(p.scales),
+        zeros=move(p.zeros), positions=move(p.positions), mask=move(p.mask), nnz=p.nnz,
+    )
+
+
+class DeltaLinear(_DeltaModuleBase):
+    """A linear layer (``nn.Linear`` or transformers' ``Conv1D``) plus the packed deltas of every slot."""
+
+    def __init__(self, base_layer: nn.Module, routing: Routing, *, is_output_embedding: bool = False):
+        super().__init__(base_layer, routing)
+        c = conv1d_class()
+        self.transposed = c is not None and isinstance(base_layer, c)
+        self.is_output_embedding = is_output_embedding
+        self._stacks = None  # kernel-side stacks, rebuilt when slots change
+
+    @property
+    def weight(self):
+        return self.base_layer.weight
+
+    @property
+    def bias(self):
+        return self.base_layer.bias
+
+    @property
+    def in_features(self) -> int:
+        w = self.base_layer.weight
+        return w.shape[0] if self.transposed else w.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        w = self.base_layer.weight
+        return w.shape[1] if self.transposed else w.shape[0]
+
+    def _changed(self) -> None:
+        self._stacks = None
+
+    def out_width(self) -> int:
+        widths = [self.out_features] + [p.shape[0] for p in self.packed.values()]
+        return max(widths)
+
+    def base_weight_nk(self) -> torch.Tensor:
+        w = self.base_layer.weight
+        return w.t() if self.transposed else w
+
+    def merged_weight(self, slot: int, dtype=None) -> torch.Tensor:
+        """``W_base + dequant(delta)`` as ``[N, K]`` (the merged fine-tune's weight)."""
+        w = self.base_weight_nk()
+        dtype = dtype or w.dtype
+        if "weight" in self.overrides.get(slot, {}):
+            ov = self.overrides[slot]["weight"]
+            return (ov.t() if self.transposed else ov).to(dtype)
+        p = self.packed.get(slot)
+        if p is None:
+            return w.to(dtype)
+        wf = w.float()
+        if p.shape[0] > wf.shape[0]:
+            wf = torch.cat([wf, wf.new_zeros(p.shape[0] - wf.shape[0], wf.shape[1])])
+        return (wf + p.dequantize().to(wf.device)).to(dtype)
+
+    def merged_bias(self, slot: int) -> Optional[torch.Tensor]:
+        ov = self.overrides.get(slot, {})
+        if "bias" in ov:
+            return ov["bias"]
+        b = self.base_layer.bias
+        p = self.packed.get(slot)
+        if b is not None and p is not None and p.shape[0] > b.shape[0]:
+            b = torch.cat([b, b.new_zeros(p.shape[0] - b.shape[0])])
+        return b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.packed and not self.overrides:
+            return self.base_layer(x)
+        batch = x.shape[0] if x.dim() > 1 else 1
+        slots = self._routing.rows_for(batch)
+        present = set(slots)
+        if not (present & self.slots()):
+            y = self.base_layer(x)
+            return self._pad_out(y, batch, x) if self.out_width() != self.out_features else y
+        if x.is_cuda and x.dim() >= 2 and not self.overrides and self._kernel_ok():
+            return self._forward_kernel(x, batch)
+        return self._forward_reference(x, slots)
+
+    def _pad_out(self, y, batch, x):
+        width = self.out_width()
+        out = y.new_full((*y.shape[:-1], width), float("-inf") if self.is_output_embedding else 0.0)
+        out[..., : y.shape[-1]] = y
+        return out
+
+    def _forward_reference(self, x: torch.Tensor, slots: list) -> torch.Tensor:
+        width = self.out_width()
+        out = None
+        for slot, rows in _groups(slots).items():
+            idx = torch.tensor(rows, device=x.device)
+            xr = x.index_select(0, idx)
+            if slot in self.packed or slot in self.overrides:
+                y = F.linear(xr, self.merged_weight(slot, x.dtype), _cast(self.merged_bias(slot), x.dtype))
+            else:
+                y = self.base_layer(xr)
+            if out is None:
+                fill = float("-inf") if self.is_output_embedding else 0.0
+                out = y.new_full((x.shape[0], *y.shape[1:-1], width), fill)
+            out[rows, ..., : y.shape[-1]] = y
+        return out
+
+    # -- CUDA path
+    def _kernel_ok(self) -> bool:
+        try:
+            from ..kernels import multi_delta  # noqa: F401
+        except Exception:
+            return False
+        return all(p.shape[0] == self.out_features for p in self.packed.values())
+
+    def _build_stacks(self, device):
+        from ..kernels.multi_delta import DeltaStack
+
+        classes: dict = {}
+        for slot, p in sorted(self.packed.items()):
+            p = p.to_dense_layout()
+            key = (p.bits, p.group_size, p.sparsity)
+            classes.setdefault(key, []).append((slot, p))
+        stacks = []
+        for key, items in classes.items():
+            stack = DeltaStack.from_packed([p for _, p in items], device=device)
+            lookup = torch.full((max(self.packed) + 2,), -1, dtype=torch.int32)
+            for i, (slot, _) in enumerate(items):
+                lookup[slot + 1] = i
+            stacks.append((stack, lookup.to(device)))
+        self._stacks = stacks
+        return stacks
+
+    def _forward_kernel(self, x: torch.Tensor, batch: int) -> torch.Tensor:
+        from ..kernels.multi_delta import multi_delta_linear
+
+        stacks = self._stacks or self._build_stacks(x.device)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        per_row = self._routing.device_rows(batch, x.device)
+        tokens = x2.shape[0] // batch
+        slot_tok = per_row.repeat_interleave(tokens) if tokens > 1 else per_row
+        w = self.base_weight_nk()
+        bias = self.base_layer.bias
+        y = None
+        for stack, lookup in stacks:
+            rd = lookup[(slot_tok + 1).long()]
+            if y is None:
+                y = multi_delta_linear(x2, w, bias, stack, rd)
+            else:  # a second format class: its delta on top, no second base pass
+                y = y + multi_delta_linear(x2, None, None, stack, rd)
+        return y.reshape(*lead, y.shape[-1])
+
+
+def _cast(t, dtype):
+    return None if t is None else t.to(dtype)
+
+
+class DeltaEmbedding(_DeltaModuleBase):
+    """Input embeddings plus per-slot delta rows (fine-tunes may add tokens)."""
+
+    @property
+    def weight(self):
+        return self.base_layer.weight
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.base_layer.weight.shape[0]
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.base_layer.weight.shape[1]
+
+    def merged_weight(self, slot: int, dtype=None) -> torch.Tensor:
+        w = self.base_layer.weight
+        dtype = dtype or w.dtype
+        if "weight" in self.overrides.get(slot, {}):
+            return self.overrides[slot]["weight"].to(dtype)
+        p = self.packed.get(slot)
+        if p is None:
+            return w
+        wf = w.float()
+        if p.shape[0] > wf.shape[0]:
+            wf = torch.cat([wf, wf.new_zeros(p.shape[0] - wf.shape[0], wf.shape[1])])
+        return (wf + p.dequantize().to(wf.device)).to(dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        batch = ids.shape[0] if ids.dim() > 1 else 1
+        slots = self._routing.rows_for(batch)
+        if not (set(slots) & self.slots()):
+            return self.base_layer(ids)
+        out = None
+        w = self.base_layer.weight
+        for slot, rows in _groups(slots).items():
+            idx = torch.tensor(rows, device=ids.device)
+            r_ids = ids.index_select(0, idx)
+            if "weight" in self.overrides.get(slot, {}):
+                y = F.embedding(r_ids, self.overrides[slot]["weight"].to(w.dtype))
+            elif slot in self.packed:
+                y = self._lookup(slot, r_ids)
+            else:
+                y = self.base_layer(r_ids)
+            if out is None:
+                out = y.new_empty((ids.shape[0], *y.shape[1:]))
+            out[rows] = y
+        return out
+
+    def _lookup(self, slot: int, ids: torch.Tensor) -> torch.Tensor:
+        """``(W_base + delta)[ids]`` computing only the rows looked up."""
+        p = self.packed[slot]
+        w = self.base_layer.weight
+        if int(ids.max()) >= p.shape[0]:
+            raise DeltaZipError(f"token id {int(ids.max())} is outside this fine-tune's vocabulary of {p.shape[0]}")
+        uniq, inverse = torch.unique(ids, return_inverse=True)
+        base_rows = torch.zeros(uniq.numel(), w.shape[1], dtype=torch.float32, device=w.device)
+        in_base = uniq < w.shape[0]
+        base_rows[in_base] = w[uniq[in_base]].float()
+        delta_rows = _dequantize_rows(p, uniq).to(w.device)
+        rows = (base_rows + delta_rows).to(w.dtype)
+        return rows[inverse]
+
+
+def _dequantize_rows(p: PackedModule, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` of a packed delta, dequantized (float32)."""
+    k = p.shape[1]
+    if p.sparsity == "dense":
+        r = rows.to(p.qweight.device)
+        codes = unpack_codes(p.qweight.index_select(0, r), p.bits, k)
+        return dequantize(codes, p.scales.index_select(0, r), p.zeros.index_select(0, r), p.group_size)
+    return p.dequantize().index_select(0, rows.to(p.qweight.device))
+
+
+class DeltaOverride(_DeltaModuleBase):
+    """Any module whose parameters some fine-tunes replace (norms, biases, position embeddings)."""
+
+    def forward(self, x, *args, **kwargs):
+        if not torch.is_tensor(x) or x.dim() == 0:
+            return self.base_layer(x, *args, **kwargs)
+        routed = self._routing.slots
+        if routed is None:
+            return self.base_layer(x, *args, **kwargs)
+        batch = len(routed) if x.shape[0] == 1 and len(routed) > 1 else x.shape[0]
+        slots = self._routing.rows_for(batch)
+        if not (set(slots) & set(self.overrides)):
+            return self.base_layer(x, *args, **kwargs)
+        if x.shape[0] != batch:  # broadcast inputs (position ids of shape [1, T])
+            x = x.expand(batch, *x.shape[1:])
+        out = None
+        for slot, rows in _groups(slots).items():
+            idx = torch.tensor(rows, device=x.device)
+            xr = x.index_select(0, idx)
+            if slot in self.overrides:
+                params = {k: v.to(dict(self.base_layer.named_parameters())[k].dtype) for k, v in self.overrides[slot].items()}
+                y = torch.func.functional_call(self.base_layer, params, (xr, *args), kwargs)
+            else:
+                y = self.base_layer(xr, *args, **kwargs)
+            if out is None:
+                out = y.new_empty((batch, *y.shape[1:]))
+            out[rows] = y
+        return out

@@ -1,0 +1,20 @@
+"""``deltazip bench quality|kernels``: thin entry points to the benchmark scripts in hf_deltazip.bench."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def cmd_bench(args) -> int:
+    if args.which == "quality":
+        from .bench.quality import main
+    else:
+        from .bench.kernels import main
+    return int(main(args.rest) or 0)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks: quality (gain kept vs ratio) or kernels (GPU)")
+    p.add_argument("which", choices=["quality", "kernels"])
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
+    p.set_defaults(func=cmd_bench)

@@ -35,10 +35,13 @@ class DeltaModel(nn.Module):
         >>> out = model.generate(ids, attention_mask=mask, delta_names=["chat", "code", None])
     """
 
-    def __init__(self, base_model: nn.Module):
+    def __init__(self, base_model: nn.Module, *, use_kernels: str = "auto"):
         super().__init__()
+        if use_kernels not in ("auto", "always", "never"):
+            raise DeltaZipError(f'use_kernels must be "auto", "always" or "never", got {use_kernels!r}')
         self.base_model = base_model
         self._routing = Routing()
+        self._routing.kernels = use_kernels
         self._slots: dict[str, int] = {}
         self._info: dict[str, dict] = {}
         self._default: Optional[str] = None

@@ -35,6 +35,7 @@ class Routing:
 
     def __init__(self):
         self._local = threading.local()
+        self.kernels = "auto"  # "auto": Triton kernels on CUDA; "always": also on CPU (TRITON_INTERPRET); "never"
 
     def __deepcopy__(self, memo):  # a copied model routes on its own
         return Routing()
@@ -145,6 +146,7 @@ class DeltaLinear(_DeltaModuleBase):
         self.transposed = c is not None and isinstance(base_layer, c)
         self.is_output_embedding = is_output_embedding
         self._stacks = None  # kernel-side stacks, rebuilt when slots change
+        self._bias_delta = None
 
     @property
     def weight(self):
@@ -209,7 +211,10 @@ class DeltaLinear(_DeltaModuleBase):
         if not (present & self.slots()):
             y = self.base_layer(x)
             return self._pad_out(y, batch, x) if self.out_width() != self.out_features else y
-        if x.is_cuda and x.dim() >= 2 and not self.overrides and self._kernel_ok():
+        mode = self._routing.kernels
+        use = mode == "always" or (mode == "auto" and x.is_cuda)
+        only_bias = all(set(ov) <= {"bias"} for ov in self.overrides.values())
+        if use and self.packed and x.dim() >= 2 and only_bias and self._kernel_ok():
             return self._forward_kernel(x, batch)
         return self._forward_reference(x, slots)
 
@@ -235,7 +240,7 @@ class DeltaLinear(_DeltaModuleBase):
             out[rows, ..., : y.shape[-1]] = y
         return out
 
-    # -- CUDA path
+    # -- kernel path (CUDA; or the Triton interpreter when use_kernels="always")
     def _kernel_ok(self) -> bool:
         try:
             from ..kernels import multi_delta  # noqa: F401
@@ -244,7 +249,8 @@ class DeltaLinear(_DeltaModuleBase):
         return all(p.shape[0] == self.out_features for p in self.packed.values())
 
     def _build_stacks(self, device):
-        from ..kernels.multi_delta import DeltaStack
+        """One device stack per format class (bits, group size, 2:4 or dense) of the loaded deltas."""
+        from ..kernels import build_delta_stack
 
         classes: dict = {}
         for slot, p in sorted(self.packed.items()):
@@ -252,34 +258,60 @@ class DeltaLinear(_DeltaModuleBase):
             key = (p.bits, p.group_size, p.sparsity)
             classes.setdefault(key, []).append((slot, p))
         stacks = []
-        for key, items in classes.items():
-            stack = DeltaStack.from_packed([p for _, p in items], device=device)
-            lookup = torch.full((max(self.packed) + 2,), -1, dtype=torch.int32)
+        size = max(self.packed) + 2
+        for (bits, group_size, sparsity), items in classes.items():
+            stack = build_delta_stack(
+                [p.qweight for _, p in items], [p.scales for _, p in items], [p.zeros for _, p in items],
+                [p.positions for _, p in items] if sparsity == "2:4" else None,
+                bits=bits, group_size=group_size, in_features=self.in_features, device=device,
+            )
+            lookup = torch.full((size,), -1, dtype=torch.int32)
+            member = torch.zeros((size,), dtype=torch.bool)
             for i, (slot, _) in enumerate(items):
                 lookup[slot + 1] = i
-            stacks.append((stack, lookup.to(device)))
+                member[slot + 1] = True
+            stacks.append((stack, lookup.to(device), member.to(device)))
+        self._bias_delta = None
+        if self.overrides:  # fine-tunes that changed the bias: add (b_u - b_base) to their rows
+            base_b = self.base_layer.bias
+            table = torch.zeros(size, self.out_features, dtype=torch.float32)
+            for slot, ov in self.overrides.items():
+                if "bias" in ov:
+                    b0 = base_b.detach().float().cpu() if base_b is not None else 0.0
+                    table[slot + 1] = ov["bias"].detach().float().cpu() - b0
+            self._bias_delta = table.to(device)
         self._stacks = stacks
         return stacks
 
     def _forward_kernel(self, x: torch.Tensor, batch: int) -> torch.Tensor:
-        from ..kernels.multi_delta import multi_delta_linear
+        from ..kernels import multi_delta_linear
 
         stacks = self._stacks or self._build_stacks(x.device)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         per_row = self._routing.device_rows(batch, x.device)
         tokens = x2.shape[0] // batch
-        slot_tok = per_row.repeat_interleave(tokens) if tokens > 1 else per_row
+        slot_tok = (per_row.repeat_interleave(tokens) if tokens > 1 else per_row).long() + 1
         w = self.base_weight_nk()
+        if self.transposed:
+            w = self._contiguous_weight(w)
         bias = self.base_layer.bias
         y = None
-        for stack, lookup in stacks:
-            rd = lookup[(slot_tok + 1).long()]
-            if y is None:
-                y = multi_delta_linear(x2, w, bias, stack, rd)
-            else:  # a second format class: its delta on top, no second base pass
-                y = y + multi_delta_linear(x2, None, None, stack, rd)
+        for stack, lookup, member in stacks:
+            yc = multi_delta_linear(x2, w, bias, stack, lookup[slot_tok])
+            # each row belongs to one format class: take it from that class's launch
+            y = yc if y is None else torch.where(member[slot_tok][:, None], yc, y)
+        if self._bias_delta is not None:
+            y = (y.float() + self._bias_delta[slot_tok]).to(y.dtype)
         return y.reshape(*lead, y.shape[-1])
+
+    def _contiguous_weight(self, w):
+        # Conv1D stores [K, N]; the kernel reads [N, K] rows: keep one transposed copy per weight version
+        key = (w.data_ptr(), w._version)
+        if getattr(self, "_wt_key", None) != key:
+            self._wt = w.contiguous()
+            self._wt_key = key
+        return self._wt
 
 
 def _cast(t, dtype):

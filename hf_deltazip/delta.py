@@ -98,7 +98,7 @@ class PackedModule:
             return unpack_bits(self.mask, 1, k).bool()
         if self.sparsity == "2:4":
             pos = unpack_bits(self.positions, 2, k // 2)
-            return expand_2of4(torch.ones(n, k // 2, dtype=torch.bool), pos, k, fill=False)
+            return expand_2of4(torch.ones(n, k // 2, dtype=torch.bool, device=pos.device), pos, k, fill=False)
         return None
 
     def dense_codes(self) -> torch.Tensor:

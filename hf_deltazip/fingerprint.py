@@ -21,7 +21,10 @@ def _sample(t: torch.Tensor) -> list:
     n = flat.numel()
     if n == 0:
         return []
-    idx = torch.linspace(0, n - 1, min(SAMPLES, n)).round().long().to(flat.device)
+    count = min(SAMPLES, n)
+    # integer arithmetic: float linspace rounds past the last index on tensors of 2**24+ elements
+    idx = (torch.arange(count, dtype=torch.int64) * (n - 1)) // max(count - 1, 1)
+    idx = idx.to(flat.device)
     return [float(v) for v in flat[idx].float().cpu()]
 
 

@@ -47,6 +47,8 @@ OUR_SETTINGS = {
     "2-bit per-row": dict(bits=2, group_size=-1, embedding_bits=2, embedding_group_size=1024),
     "4-bit + 50% sparse": dict(bits=4, sparsity=0.5, group_size=-1, embedding_bits=3, embedding_group_size=1024),
     "2-bit + 75% sparse": dict(bits=2, sparsity=0.75, group_size=-1, embedding_bits=2, embedding_group_size=1024),
+    "2-bit + 85% sparse": dict(bits=2, sparsity=0.85, group_size=-1, embedding_bits=2, embedding_group_size=1024),
+    "2-bit + 90% sparse": dict(bits=2, sparsity=0.9, group_size=-1, embedding_bits=2, embedding_group_size=1024),
 }
 QUICK_SETTINGS = ("4-bit g128", "2-bit + 2:4", "2-bit + 75% sparse")
 
@@ -175,7 +177,11 @@ def run_quality(
         rows.append({"method": "RTN", "setting": name, "bytes": rtn_bytes, "ratio": fp16_bytes / rtn_bytes, **s, **_gains(s, s_base, s_ft)})
         log(f"[{time.perf_counter() - t0:6.1f}s]   RTN: {_fmt_row(rows[-1])}")
         for method in ("DARE", "SVD"):
-            model, nbytes = _baseline_model(base, ft, mats, method, bpw, device)
+            try:
+                model, nbytes = _baseline_model(base, ft, mats, method, bpw, device)
+            except ValueError as e:  # e.g. DARE's bitmask alone is larger than the budget
+                log(f"[{time.perf_counter() - t0:6.1f}s]   {method}: cannot be built at this budget ({e})")
+                continue
             total = nbytes + exact_bytes
             s = _score(model, pair, tok, ft, prompts, device)
             rows.append({"method": method, "setting": f"= {name} bytes", "bytes": total, "ratio": fp16_bytes / total,

@@ -118,7 +118,7 @@ def dare_baseline(
     d = delta.detach().float()
     drop = int(math.floor(p * n * k + 0.5))
     keep = torch.ones(n * k, dtype=torch.bool)
-    keep[torch.randperm(n * k, generator=generator)[:drop]] = False
+    keep[torch.randperm(n * k, generator=generator, device=generator.device if generator is not None else "cpu").to(keep.device)[:drop]] = False
     keep = keep.view(n, k).to(d.device)
     kept_values = (d / (1.0 - p)).to(value_dtype).float()
     return Reconstruction(kept_values * keep, dare_nbytes((n, k), p))

@@ -1,0 +1,533 @@
+"""Kernel benchmark: the multi-delta linear layer against its baselines (``deltazip bench kernels``).
+
+Protocol (docs: REFERENCE section 5):
+
+* Shapes of an 8B Llama (``N x K`` = out x in): 4096x4096, 1024x4096, 14336x4096, 4096x14336.
+  Rows ``M`` in 1, 4, 16, 32, 64; distinct deltas ``U`` in 1, 4, 8, 16, 32 (only ``U <= M``:
+  a batch cannot touch more deltas than it has rows); 2 and 4 bits, dense and 2:4; groups of 128.
+* Baselines: cuBLAS bf16 on the base alone; ``U`` separate bf16 matmuls (``U`` merged fine-tunes,
+  each on its own rows); torch's int4 matmul (``torch._weight_int4pack_mm``) once per delta.
+* Timing: every variant is captured ``R`` times in one CUDA graph, each call on its own copy of
+  the weights so that one replay streams more than 3x the 60 MB L2; ``triton.testing.do_bench``
+  gives the median replay time (it also flushes L2 before each replay), divided by ``R``. Random
+  data, never zeros. The kernel is checked against the reference before it is timed.
+* Bytes counted per call: ``2NK`` (base) + each used delta once (codes, scales, zeros, positions)
+  + activations in and out. Share = GB/s over a device-to-device copy measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+from typing import Callable, Optional
+
+import torch
+
+SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]  # (N, K)
+ROWS = [1, 4, 16, 32, 64]
+DELTAS = [1, 4, 8, 16, 32]
+FORMATS = [(4, False), (2, False), (4, True), (2, True)]  # (bits, 2:4)
+QUICK_SHAPES = [(4096, 4096), (4096, 14336)]
+QUICK_ROWS = [1, 16, 32]
+QUICK_DELTAS = [1, 4, 16]
+L2_BYTES = 60 * 2**20
+GROUP_SIZE = 128
+
+
+def _kernels():
+    try:
+        from hf_deltazip import kernels as K
+    except ImportError:  # the kernels folder not yet wired in as a subpackage
+        import kernels as K
+    return K
+
+
+def _fmt_name(bits: int, sparse: bool) -> str:
+    return f"{bits}b" + ("+2:4" if sparse else "")
+
+
+# --------------------------------------------------------------------------- timing
+def time_calls(calls: list[Callable[[], None]], warmup_ms: int = 10, rep_ms: int = 50) -> float:
+    """Median microseconds of one call, the calls captured together in a CUDA graph."""
+    import triton
+
+    for c in calls[:2]:  # compile, allocate semaphores, warm cuBLAS
+        c()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # one eager pass on the capture stream too
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    ms = triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    del graph
+    return ms * 1e3 / len(calls)
+
+
+def copy_bandwidth(nbytes: int = 2 * 2**30) -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted)."""
+    import triton
+
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=20, rep=100, return_mode="median")
+    del src, dst
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def _rows_for(m: int, u: int, gen: torch.Generator) -> torch.Tensor:
+    """Each of the ``u`` deltas gets ``m // u`` or one more rows, in random order."""
+    rd = torch.arange(m) % u
+    return rd[torch.randperm(m, generator=gen)].to(torch.int32)
+
+
+def _splits(m: int, u: int) -> list[tuple[int, int]]:
+    base, extra = divmod(m, u)
+    out, start = [], 0
+    for j in range(u):
+        c = base + (1 if j < extra else 0)
+        out.append((start, start + c))
+        start += c
+    return out
+
+
+# --------------------------------------------------------------------------- parallel compile
+def _compile_one(job) -> str:
+    """Worker: launch one kernel variant once on small data (fills Triton's on-disk cache)."""
+    n, k, bits, sparse, cfg, m = job
+    try:
+        K = _kernels()
+        st = K.random_delta_stack(2, n, k, bits=bits, group_size=GROUP_SIZE, sparse_2of4=sparse, device="cuda")
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        rd = torch.zeros(m, dtype=torch.int32, device="cuda")
+        K.multi_delta_linear(x, w, None, st, rd, config=cfg)
+        torch.cuda.synchronize()
+        return ""
+    except Exception as e:  # noqa: BLE001 - reported by the caller
+        return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def precompile(jobs, workers: int = 8, log=print) -> None:
+    """Compile kernel variants in parallel processes before timing (one GPU, many CPU cores)."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    jobs = list(dict.fromkeys(jobs))
+    if not jobs:
+        return
+    t0 = time.time()
+    with cf.ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=mp.get_context("spawn")) as ex:
+        for job, err in zip(jobs, ex.map(_compile_one, jobs)):
+            if err:
+                log(f"  compile failed for {job}: {err}")
+    log(f"# compiled {len(jobs)} variants in {time.time() - t0:.0f} s")
+
+
+# --------------------------------------------------------------------------- one shape
+class ShapeBench:
+    """Weights and activations of one layer shape, with enough copies to defeat the L2."""
+
+    def __init__(self, n: int, k: int, max_rows: int, max_deltas: int, gen_seed: int = 0):
+        self.n, self.k = n, k
+        self.max_deltas = max_deltas
+        torch.manual_seed(gen_seed)
+        base_bytes = 2 * n * k
+        self.copies = max(2, math.ceil(3 * L2_BYTES / base_bytes))
+        self.x = [torch.randn(max_rows, k, device="cuda", dtype=torch.bfloat16) for _ in range(self.copies)]
+        self.base = [0.02 * torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(self.copies)]
+        self.out = [torch.empty(max_rows, n, device="cuda", dtype=torch.bfloat16) for _ in range(self.copies)]
+        self._merged = None
+        self._int4 = None
+
+    def merged(self) -> list[torch.Tensor]:
+        """Distinct bf16 matrices standing for merged fine-tunes (a pool larger than the L2)."""
+        if self._merged is None:
+            pool = max(self.max_deltas, math.ceil(3 * L2_BYTES / (2 * self.n * self.k)))
+            self._merged = [
+                0.02 * torch.randn(self.n, self.k, device="cuda", dtype=torch.bfloat16) for _ in range(pool)
+            ]
+        return self._merged
+
+    def int4(self):
+        """Packed int4 weights for ``torch._weight_int4pack_mm``, or ``None`` if torch lacks it."""
+        if self._int4 is None:
+            try:
+                pool = max(self.max_deltas, math.ceil(3 * L2_BYTES / (self.n * self.k // 2)))
+                ws = []
+                for _ in range(pool):
+                    raw = torch.randint(0, 256, (self.n, self.k // 2), dtype=torch.uint8, device="cuda")
+                    packed = torch._convert_weight_to_int4pack(raw, 8)
+                    sz = torch.rand(self.k // GROUP_SIZE, self.n, 2, device="cuda").to(torch.bfloat16) * 0.01
+                    ws.append((packed, sz))
+                x = self.x[0][:1]
+                torch._weight_int4pack_mm(x, ws[0][0], GROUP_SIZE, ws[0][1])
+                torch.cuda.synchronize()
+                self._int4 = ws
+            except Exception as e:  # noqa: BLE001 - any failure: report the baseline as missing
+                print(f"  int4 baseline unavailable: {type(e).__name__}: {e}", flush=True)
+                self._int4 = []
+        return self._int4 or None
+
+    def stacks(self, bits: int, sparse: bool):
+        """One stack of ``max_deltas`` random deltas per weight copy."""
+        K = _kernels()
+        return [
+            K.random_delta_stack(
+                self.max_deltas, self.n, self.k, bits=bits, group_size=GROUP_SIZE, sparse_2of4=sparse,
+                device="cuda", scale_range=(1e-3, 4e-3),
+            )
+            for _ in range(self.copies)
+        ]
+
+
+def run(
+    shapes=SHAPES,
+    rows=ROWS,
+    deltas=DELTAS,
+    formats=FORMATS,
+    *,
+    out_dir: Optional[str] = None,
+    configs: Optional[dict] = None,
+    config_for: Optional[Callable[[int, int], dict]] = None,
+    baselines: bool = True,
+    rep_ms: int = 50,
+    log=print,
+) -> dict:
+    """Run the benchmark; returns ``{"meta": ..., "results": [...]}`` and writes it to ``out_dir``.
+
+    ``configs`` maps a name to a :class:`MultiDeltaConfig` to time instead of the default one
+    (each result row then carries the config's name); ``config_for(n, k)`` gives such a mapping
+    per layer shape.
+    """
+    if config_for is None:
+        def config_for(n, k, _c=configs or {"default": None}):
+            return _c
+    if not torch.cuda.is_available():
+        raise RuntimeError("the kernel benchmark needs a CUDA GPU")
+    K = _kernels()
+    import triton
+
+    gen = torch.Generator().manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    bw = copy_bandwidth()
+    meta = {
+        "gpu": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "copy_GBps": bw / 1e9,
+        "group_size": GROUP_SIZE,
+        "host": platform.node(),
+    }
+    log(f"# {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
+    log(f"# device-to-device copy: {bw / 1e9:.0f} GB/s (read + write)")
+    results = []
+    max_rows, max_deltas = max(rows), max(deltas)
+    dev = torch.device("cuda")
+    jobs = []
+    for n, k in shapes:
+        for bits, sparse in formats:
+            for name, cfg in config_for(n, k).items():
+                for m in rows:
+                    for u in deltas:
+                        if u > m:
+                            continue
+                        c = cfg
+                        if c is None:  # the default depends on the rows per delta: one job per variant
+                            stub = K.random_delta_stack(u, 1, k, bits=bits, group_size=GROUP_SIZE, sparse_2of4=sparse)
+                            c = K.default_config(m, n, k, stub, dev)
+                        jobs.append((n, k, bits, sparse, c, 1 if m <= K.multi_delta.FUSED_SORT_MAX_M else m))
+    precompile(jobs, log=log)
+    for n, k in shapes:
+        t0 = time.time()
+        sb = ShapeBench(n, k, max_rows, max_deltas)
+        base_t, sep_t, int4_t = {}, {}, {}
+        if baselines:
+            for m in rows:
+                calls = [
+                    (lambda i=i: torch.mm(sb.x[i][:m], sb.base[i].t(), out=sb.out[i][:m])) for i in range(sb.copies)
+                ]
+                base_t[m] = time_calls(calls, rep_ms=rep_ms)
+            merged = sb.merged()
+            int4 = sb.int4()
+            for m in rows:
+                for u in deltas:
+                    if u > m:
+                        continue
+                    spl = _splits(m, u)
+                    reps = max(1, min(len(merged) // u, 8))
+
+                    def sep(i, spl=spl, u=u, m=m):
+                        for j, (a, b) in enumerate(spl):
+                            w = merged[(i * u + j) % len(merged)]
+                            torch.mm(sb.x[i % sb.copies][a:b], w.t(), out=sb.out[i % sb.copies][a:b])
+
+                    sep_t[(m, u)] = time_calls([lambda i=i: sep(i) for i in range(reps)], rep_ms=rep_ms)
+                    if int4:
+                        reps4 = max(1, min(len(int4) // u, 8))
+
+                        def q4(i, spl=spl, u=u):
+                            for j, (a, b) in enumerate(spl):
+                                pw, sz = int4[(i * u + j) % len(int4)]
+                                torch._weight_int4pack_mm(sb.x[i % sb.copies][a:b], pw, GROUP_SIZE, sz)
+
+                        int4_t[(m, u)] = time_calls([lambda i=i: q4(i) for i in range(reps4)], rep_ms=rep_ms)
+        for bits, sparse in formats:
+            stacks = sb.stacks(bits, sparse)
+            fmt = _fmt_name(bits, sparse)
+            for name, cfg in config_for(n, k).items():
+                errs = []
+                for m, u in ((min(rows), 1), (max(rows), 1), (max(rows), min(max(deltas), max(rows)))):
+                    errs.append(_verify(sb, stacks[0], m, u, gen, cfg))
+                err = max(errs)
+                ok = err < 1e-3
+                if not ok:
+                    log(f"  !! {n}x{k} {fmt} [{name}]: relative error {err:.2e} against the reference")
+                for m in rows:
+                    for u in deltas:
+                        if u > m:
+                            continue
+                        rd = _rows_for(m, u, gen).cuda()
+                        sts = [s.select(0, u) for s in stacks]
+                        calls = [
+                            (lambda i=i: K.multi_delta_linear(
+                                sb.x[i][:m], sb.base[i], None, sts[i % len(sts)], rd, out=sb.out[i][:m], config=cfg))
+                            for i in range(sb.copies)
+                        ]
+                        try:
+                            us = time_calls(calls, rep_ms=rep_ms)
+                        except Exception as e:  # noqa: BLE001 - a failing config is a result too
+                            log(f"  !! {n}x{k} {fmt} M={m} U={u} [{name}]: {type(e).__name__}: {str(e)[:200]}")
+                            continue
+                        nbytes = K.layer_bytes(m, n, k, sts[0])
+                        row = {
+                            "N": n, "K": k, "M": m, "U": u, "format": fmt, "config": name,
+                            "us": us, "GBps": nbytes / (us * 1e-6) / 1e9,
+                            "share": nbytes / (us * 1e-6) / bw,
+                            "floor_us": nbytes / bw * 1e6,
+                            "bf16_base_us": base_t.get(m), "bf16_sep_us": sep_t.get((m, u)),
+                            "int4_sep_us": int4_t.get((m, u)),
+                            "speedup_vs_sep": (sep_t[(m, u)] / us) if (m, u) in sep_t else None,
+                            "max_rel_err": err, "correct": ok,
+                        }
+                        results.append(row)
+            del stacks
+            torch.cuda.empty_cache()
+        log(f"# {n}x{k} done in {time.time() - t0:.0f} s")
+        del sb
+        torch.cuda.empty_cache()
+        _dump({"meta": meta, "results": results}, out_dir)  # partial results survive a timeout
+    report = {"meta": meta, "results": results}
+    _dump(report, out_dir)
+    return report
+
+
+def _dump(report: dict, out_dir: Optional[str]) -> None:
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "bench_kernels.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        with open(os.path.join(out_dir, "bench_kernels.md"), "w") as f:
+            f.write(markdown_table(report))
+
+
+def _verify(sb, stack, m, u, gen, cfg) -> float:
+    """Relative error of the kernel against the reference on the delta term (bf16 in, fp32 out)."""
+    K = _kernels()
+    st = stack.select(0, u)
+    rd = _rows_for(m, u, gen).cuda()
+    x = sb.x[0][:m]
+    y = K.multi_delta_linear(x, sb.base[0], None, st, rd, out_dtype=torch.float32, config=cfg)
+    ref = K.multi_delta_linear_reference(x, sb.base[0], None, st, rd, out_dtype=torch.float32)
+    base = x.float() @ sb.base[0].float().t()
+    return float((y - ref).norm() / (ref - base).norm())
+
+
+def markdown_table(report: dict) -> str:
+    meta = report["meta"]
+    lines = [
+        f"GPU {meta['gpu']} ({meta['sms']} SMs), torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; "
+        f"copy bandwidth {meta['copy_GBps']:.0f} GB/s; groups of {meta['group_size']}.",
+        "",
+        "| N x K | M | U | format | config | us | GB/s | % copy | floor us | bf16 base us | U x bf16 us "
+        "| U x int4 us | speed-up vs U x bf16 | ok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(v, d=1):
+        return "-" if v is None else f"{v:.{d}f}"
+
+    for r in report["results"]:
+        lines.append(
+            f"| {r['N']}x{r['K']} | {r['M']} | {r['U']} | {r['format']} | {r['config']} | {f(r['us'])} | "
+            f"{f(r['GBps'], 0)} | {100 * r['share']:.0f} | {f(r['floor_us'])} | {f(r['bf16_base_us'])} | "
+            f"{f(r['bf16_sep_us'])} | {f(r['int4_sep_us'])} | {f(r['speedup_vs_sep'], 2)} | "
+            f"{'yes' if r['correct'] else 'NO'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+TUNE_CASES = [  # ((N, K), M, U, (bits, 2:4)): the headline cases and the corners, most important first
+    ((4096, 4096), 16, 16, (4, False)),
+    ((4096, 4096), 1, 1, (4, False)),
+    ((4096, 4096), 16, 16, (2, False)),
+    ((4096, 4096), 16, 16, (4, True)),
+    ((1024, 4096), 32, 32, (4, False)),
+    ((14336, 4096), 16, 16, (2, True)),
+]
+
+
+# launch policies the sweep tries: block sizes and pipeline depth, and how many programs per SM
+# the K split aims for (shared memory per program bounds how many run at once)
+POLICIES = {
+    "bkb128 s4 w2": dict(block_k_base=128, num_stages=4, waves=2),
+    "bkb64 s4 w2": dict(block_k_base=64, num_stages=4, waves=2),
+    "bkb64 s4 w4": dict(block_k_base=64, num_stages=4, waves=4),
+    "bkb64 s3 w4": dict(block_k_base=64, num_stages=3, waves=4),
+    "bkb64 s2 w4": dict(block_k_base=64, num_stages=2, waves=4),
+    "bkb64 s4 w8": dict(block_k_base=64, num_stages=4, waves=8),
+    "bkb64 s3 w8": dict(block_k_base=64, num_stages=3, waves=8),
+}
+
+
+def policy_config(policy: dict, n: int, k: int):
+    """The :class:`MultiDeltaConfig` a policy gives for an ``n x k`` layer."""
+    K = _kernels()
+    p = dict(policy)
+    waves = p.pop("waves", 2)
+    bn = p.get("block_n", 64)
+    return K.MultiDeltaConfig(**p, split_k=K.auto_split_k(n, k, bn, torch.device("cuda"), waves))
+
+
+def tune_configs(n: int, k: int) -> dict:
+    """The launch parameters the tuning sweep tries for an ``n x k`` layer."""
+    return {name: policy_config(pol, n, k) for name, pol in POLICIES.items()}
+
+
+def best_policy(rows: list[dict], log=print) -> str:
+    """The policy with the smallest geometric-mean time over the cases it ran correctly on all."""
+    cases = {(r["N"], r["K"], r["M"], r["U"], r["format"]) for r in rows}
+    score = {}
+    for name in POLICIES:
+        mine = [r for r in rows if r["config"] == name and r["err"] < 1e-3]
+        if len(mine) == len(cases):
+            score[name] = math.exp(sum(math.log(r["us"]) for r in mine) / len(mine))
+    for name, sc in sorted(score.items(), key=lambda kv: kv[1]):
+        log(f"#   {name:16s} geo-mean {sc:8.1f} us")
+    return min(score, key=score.get) if score else "bkb128 s4 w2"
+
+
+def tune(cases=TUNE_CASES, *, budget_s: float = 240, rep_ms: int = 40, log=print) -> list[dict]:
+    """Time every :func:`tune_configs` entry on each case; stops starting cases after ``budget_s``."""
+    K = _kernels()
+    gen = torch.Generator().manual_seed(1)
+    bw = copy_bandwidth()
+    log(f"# tune: copy bandwidth {bw / 1e9:.0f} GB/s")
+    precompile([(n, k, bits, sparse, cfg, m) for (n, k), m, u, (bits, sparse) in cases
+                for cfg in tune_configs(n, k).values()], log=log)
+    t_start = time.time()
+    out = []
+    shape_cache = {}
+    for (n, k), m, u, (bits, sparse) in cases:
+        if time.time() - t_start > budget_s:
+            log("# tune: time budget spent, skipping the remaining cases")
+            break
+        if (n, k) not in shape_cache:
+            shape_cache.clear()
+            torch.cuda.empty_cache()
+            shape_cache[(n, k)] = ShapeBench(n, k, 64, 32)
+        sb = shape_cache[(n, k)]
+        stacks = sb.stacks(bits, sparse)
+        rd = _rows_for(m, u, gen).cuda()
+        sts = [s.select(0, u) for s in stacks]
+        nbytes = K.layer_bytes(m, n, k, sts[0])
+        for name, cfg in tune_configs(n, k).items():
+            t0 = time.time()
+            try:
+                err = _verify(sb, stacks[0], m, u, gen, cfg)
+                calls = [
+                    (lambda i=i: K.multi_delta_linear(
+                        sb.x[i][:m], sb.base[i], None, sts[i], rd, out=sb.out[i][:m], config=cfg))
+                    for i in range(sb.copies)
+                ]
+                us = time_calls(calls, rep_ms=rep_ms)
+            except Exception as e:  # noqa: BLE001 - a config that fails to build is a result
+                log(f"  {n}x{k} M={m} U={u} {_fmt_name(bits, sparse)} [{name}]: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            share = nbytes / (us * 1e-6) / bw
+            row = {"N": n, "K": k, "M": m, "U": u, "format": _fmt_name(bits, sparse), "config": name,
+                   "split": cfg.split_k, "us": us, "share": share, "err": err, "wall_s": time.time() - t0}
+            out.append(row)
+            log(f"  {n}x{k} M={m:2d} U={u:2d} {row['format']:7s} {name:20s} split={cfg.split_k:2d} "
+                f"{us:8.1f} us {100 * share:5.1f}% err={err:.1e} ({row['wall_s']:.1f} s)")
+        del stacks, sts
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="deltazip bench kernels", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a subset: 2 shapes, M in 1/16/32, U in 1/4/16")
+    p.add_argument("--shapes", help="comma-separated NxK list, e.g. 4096x4096,1024x4096")
+    p.add_argument("--rows", help="comma-separated M values")
+    p.add_argument("--deltas", help="comma-separated U values")
+    p.add_argument("--formats", help="comma-separated formats, e.g. 4b,2b,4b+2:4,2b+2:4")
+    p.add_argument("--no-baselines", action="store_true", help="time the kernel only")
+    p.add_argument("--rep-ms", type=int, default=50, help="do_bench repetition time per measurement")
+    p.add_argument("--out", default=None, help="folder for bench_kernels.json / .md")
+    p.add_argument("--tune", action="store_true", help="sweep launch parameters on a few cases instead")
+    p.add_argument("--tune-budget-s", type=float, default=240)
+    p.add_argument("--auto-tune", action="store_true",
+                   help="sweep the launch policies first, then run the benchmark with the best one")
+    a = p.parse_args(argv)
+    config_for = None
+    if a.auto_tune:
+        rows_t = tune(budget_s=a.tune_budget_s)
+        name = best_policy(rows_t)
+        print(f"# best launch policy: {name} {POLICIES[name]}", flush=True)
+        if a.out:
+            os.makedirs(a.out, exist_ok=True)
+            with open(os.path.join(a.out, "tune_kernels.json"), "w") as f:
+                json.dump({"rows": rows_t, "best": name}, f, indent=1)
+
+        def config_for(n, k, _name=name):
+            return {_name: policy_config(POLICIES[_name], n, k)}
+    elif a.tune:
+        rows = tune(budget_s=a.tune_budget_s)
+        if a.out:
+            os.makedirs(a.out, exist_ok=True)
+            with open(os.path.join(a.out, "tune_kernels.json"), "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
+    shapes, rows, deltas = (QUICK_SHAPES, QUICK_ROWS, QUICK_DELTAS) if a.quick else (SHAPES, ROWS, DELTAS)
+    if a.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+    if a.rows:
+        rows = [int(v) for v in a.rows.split(",")]
+    if a.deltas:
+        deltas = [int(v) for v in a.deltas.split(",")]
+    formats = FORMATS
+    if a.formats:
+        formats = [(int(s.split("b")[0]), s.endswith("+2:4")) for s in a.formats.split(",")]
+    report = run(shapes, rows, deltas, formats, out_dir=a.out, config_for=config_for, baselines=not a.no_baselines,
+                 rep_ms=a.rep_ms)
+    sys.stdout.write(markdown_table(report))
+    return 0 if all(r["correct"] for r in report["results"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

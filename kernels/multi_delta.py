@@ -1,0 +1,377 @@
+"""One linear layer serving many deltas in one launch: reference, launcher and tuning table.
+
+For a batch ``x [M, K]`` whose row ``m`` asked for delta ``row_delta[m]`` (``-1``: the plain
+base model), :func:`multi_delta_linear` computes::
+
+    y[m] = x[m] @ W_base^T + bias + x[m] @ dequant(stack[row_delta[m]])^T      (fp32 accumulation)
+
+Design (the Triton kernel is in ``_multi_delta_triton.py``; its docstring has the details):
+
+* **Fused.** The base matmul runs in the same kernel as the deltas: at decode sizes a layer is
+  memory-bound and every byte counts (``2NK + U*NK*b/8``), and one launch per layer leaves no
+  gaps. The kernel streams the base tile once per row block (16-64 sorted rows) and each delta a
+  block uses once.
+* **Sorted on the device.** Each program ranks the rows by delta id in registers (``M <= 64``;
+  above that the launcher sorts with ``torch.argsort``, still on the device). No host sync, no
+  data-dependent shape: the grid is ``cdiv(N, BN) * cdiv(M, 16) * split_k``, fixed by the
+  shapes, so a captured CUDA graph stays right when the mix of deltas changes.
+* **Split-K without a second launch.** Partial sums go to an fp32 workspace; the last program of
+  each tile (a per-tile semaphore) sums them in a fixed order, so results are deterministic.
+
+On a CPU tensor without ``TRITON_INTERPRET=1`` the public function runs the reference.
+
+Caveats: the kernel trusts ``row_delta`` to be in ``[-1, U)`` (it cannot check without a host
+sync); a row with another id comes out as NaN instead of reading out of bounds. Launches that
+split K share one semaphore buffer per device: do not run two of them at once on different
+streams of one device.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+from .delta_stack import DeltaStack, dequantize_delta
+
+__all__ = [
+    "MultiDeltaConfig",
+    "multi_delta_linear",
+    "multi_delta_linear_reference",
+    "default_config",
+    "auto_split_k",
+    "layer_bytes",
+]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FUSED_SORT_MAX_M = 64
+
+
+@dataclass(frozen=True)
+class MultiDeltaConfig:
+    """Launch parameters of the multi-delta kernel.
+
+    Attributes:
+        block_m: rows per program (sorted rows; 16 is the smallest MMA tile).
+        block_n: output features per program.
+        block_k: dense inputs per k-step of a delta pass (raised to what the format needs for a
+            16-deep MMA; lowered to the group size when that is smaller and still deep enough).
+        block_k_base: inputs per k-step of the base pass.
+        split_k: programs that share one tile's K range (0: choose from the shape and the GPU).
+        swap_ab: put the weight tile on the MMA's M side (``W x^T``) instead of ``x W^T``.
+        wide_elements: read codes as 16-bit elements where that still gives 16-deep MMAs (two
+            codes of a plane per register: no byte shuffling); off: always bytes.
+        fast_dequant: on the GPU, turn codes into fp16/bf16 with inline PTX, two per
+            instruction (2-, 4- and fp16 8-bit codes); off: plain Triton integer arithmetic.
+        num_warps, num_stages: Triton's launch options.
+    """
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128
+    block_k_base: int = 64
+    split_k: int = 0
+    swap_ab: bool = True
+    num_warps: int = 4
+    num_stages: int = 3
+    fast_dequant: bool = True
+    wide_elements: bool = True
+
+
+# --------------------------------------------------------------------------- reference
+def multi_delta_linear_reference(
+    x: torch.Tensor,
+    base_weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    stack: DeltaStack,
+    row_delta: torch.Tensor,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """What :func:`multi_delta_linear` computes, in plain PyTorch (fp32 dequantize, fp32 matmul).
+
+    Synchronises with the device (it looks at ``row_delta`` on the host); meant for tests and as
+    the CPU path.
+
+    Raises:
+        ValueError: shapes or dtypes do not fit, or a ``row_delta`` value is outside ``[-1, U)``.
+    """
+    _check_inputs(x, base_weight, bias, stack, row_delta, out_dtype, None, need_same_device=True)
+    u_count = stack.num_deltas
+    rd = row_delta.to(torch.int64)
+    if rd.numel() and (int(rd.min()) < -1 or int(rd.max()) >= u_count):
+        raise ValueError(
+            f"row_delta values must be in [-1, {u_count}) (-1 = base model only), got "
+            f"min {int(rd.min())}, max {int(rd.max())}"
+        )
+    xf = x.float()
+    y = xf @ base_weight.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    for u in torch.unique(rd[rd >= 0]).tolist():
+        rows = (rd == u).nonzero().squeeze(1)
+        y[rows] += xf[rows] @ dequantize_delta(stack, u).t()
+    return y.to(out_dtype or x.dtype)
+
+
+# --------------------------------------------------------------------------- checks
+def _check_inputs(x, base_weight, bias, stack, row_delta, out_dtype, out, need_same_device):
+    if not isinstance(stack, DeltaStack):
+        raise TypeError(f"stack must be a DeltaStack (see build_delta_stack), got {type(stack).__name__}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D tensor [M, K]: flatten leading dims first, got {_shape(x)}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    m, k = x.shape
+    if base_weight.dim() != 2 or base_weight.shape[1] != k:
+        raise ValueError(f"base_weight must be [N, K={k}] to match x [{m}, {k}], got {tuple(base_weight.shape)}")
+    if base_weight.dtype != x.dtype:
+        raise ValueError(
+            f"base_weight is {base_weight.dtype} but x is {x.dtype}: cast x to the base weight's dtype"
+        )
+    n = base_weight.shape[0]
+    if stack.in_features != k or stack.out_features != n:
+        raise ValueError(
+            f"the delta stack is for a {stack.out_features}x{stack.in_features} layer, but base_weight is {n}x{k}"
+        )
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or not bias.dtype.is_floating_point):
+        raise ValueError(f"bias must be a float tensor [N={n}] or None, got {bias.dtype} {tuple(bias.shape)}")
+    if row_delta.dim() != 1 or row_delta.shape[0] != m or row_delta.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"row_delta must be int32 or int64 [M={m}] (one delta index per row, -1 = base only), got "
+            f"{row_delta.dtype} {tuple(row_delta.shape)}"
+        )
+    if out_dtype is not None and out_dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"out_dtype must be float16, bfloat16, float32 or None, got {out_dtype}")
+    if out is not None:
+        want = out_dtype or x.dtype
+        if tuple(out.shape) != (m, n) or out.dtype != want or out.device != x.device or out.stride(1) != 1:
+            raise ValueError(
+                f"out must be a {want} [{m}, {n}] tensor on {x.device} with contiguous rows, got "
+                f"{out.dtype} {tuple(out.shape)} on {out.device}"
+            )
+    if need_same_device:
+        named = {"x": x, "base_weight": base_weight, "row_delta": row_delta, "stack": stack.qweight}
+        if bias is not None:
+            named["bias"] = bias
+        devices = {name: t.device for name, t in named.items()}
+        if len(set(devices.values())) != 1:
+            where = ", ".join(f"{name} on {d}" for name, d in devices.items())
+            raise ValueError(f"all inputs must be on one device: {where}; move them with .to(device)")
+
+
+def _shape(t):
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+# --------------------------------------------------------------------------- tuning
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SM_COUNT:
+        _SM_COUNT[key] = torch.cuda.get_device_properties(key).multi_processor_count
+    return _SM_COUNT[key]
+
+
+def _min_block_k(bits: int, sparse: bool) -> int:
+    """Smallest k-step (dense inputs) whose code planes give a 16-deep MMA."""
+    per_byte = 8 // (2 if bits <= 3 else bits)
+    return 16 * per_byte * (2 if sparse else 1)
+
+
+def auto_split_k(n: int, k: int, block_n: int, device: torch.device, waves: float = 2.0) -> int:
+    """K splits that give about ``waves`` programs per SM for an ``n x k`` layer (one value per
+    shape: the row blocks are not counted, so the grid and the compiled kernel stay fixed)."""
+    if device.type != "cuda":
+        return 1
+    tiles = math.ceil(n / block_n)
+    return max(1, min(round(waves * _sm_count(device) / tiles), k // 256))
+
+
+def default_config(m: int, n: int, k: int, stack: DeltaStack, device: torch.device) -> MultiDeltaConfig:
+    """Launch parameters for an ``[m, k] x [n, k]`` layer with ``stack``'s format on ``device``.
+
+    Tuned on an H200 (``deltazip bench kernels --auto-tune``, BENCHMARKS_kernels.md): 64 outputs
+    per program, k-steps of 64 (base) and 128 (deltas), 3 pipeline stages, K split for about four
+    programs per SM. Row blocks are as large as the rows per delta of the stack (16 to 64), so a
+    batch of many rows over few deltas streams each weight once.
+    """
+    if device.type != "cuda":
+        return MultiDeltaConfig(block_n=32, block_k=64, block_k_base=64, split_k=1, swap_ab=False, num_stages=1)
+    rows_per_delta = math.ceil(m / max(stack.num_deltas, 1))
+    bm = 16 if rows_per_delta <= 16 else (32 if rows_per_delta <= 32 else 64)
+    cfg = MultiDeltaConfig(block_m=bm)
+    return replace(cfg, split_k=auto_split_k(n, k, cfg.block_n, device, waves=4.0))
+
+
+def layer_bytes(
+    m: int, n: int, k: int, stack: DeltaStack, act_bytes: int = 2, deltas_used: Optional[int] = None
+) -> int:
+    """Bytes one call must move at least: base weight, each used delta once, activations in and out."""
+    u = stack.num_deltas if deltas_used is None else deltas_used
+    per_delta = stack.nbytes() // max(stack.num_deltas, 1)
+    return n * k * act_bytes + u * per_delta + m * k * act_bytes + m * n * act_bytes
+
+
+# --------------------------------------------------------------------------- launcher
+_COUNTERS: dict = {}
+
+
+def _semaphores(device: torch.device, count: int) -> torch.Tensor:
+    key = str(device)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "multi_delta_linear needs its split-K semaphores allocated before CUDA graph capture: "
+                "run the layer once (a warm-up) before capturing"
+            )
+        buf = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+def _kernel():
+    from . import _multi_delta_triton as mod  # triton is imported here, on first use
+
+    kern = mod.multi_delta_linear_kernel
+    interpreted = type(kern).__name__ == "InterpretedFunction"
+    if interpreted != _interpreting():  # TRITON_INTERPRET changed since the first import
+        import importlib
+
+        mod = importlib.reload(mod)
+        kern = mod.multi_delta_linear_kernel
+    return kern
+
+
+def multi_delta_linear(
+    x: torch.Tensor,
+    base_weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    stack: DeltaStack,
+    row_delta: torch.Tensor,
+    out_dtype: Optional[torch.dtype] = None,
+    *,
+    out: Optional[torch.Tensor] = None,
+    config: Optional[MultiDeltaConfig] = None,
+) -> torch.Tensor:
+    """``y = x W_base^T + bias + x dequant(stack[row_delta[m]])^T`` per row, in one launch.
+
+    Args:
+        x: ``[M, K]`` activations, float16 or bfloat16 (float32 also works: slower, exact dots).
+        base_weight: ``[N, K]`` base weight, same dtype as ``x``, rows contiguous.
+        bias: ``[N]`` or ``None``.
+        stack: the layer's :class:`DeltaStack` (``U`` deltas of one format class).
+        row_delta: int32 / int64 ``[M]`` in ``[-1, U)``: the delta of each row, ``-1`` for the
+            plain base model. Read on the device only; values outside the range give NaN rows.
+        out_dtype: output dtype (default: ``x.dtype``).
+        out: optional preallocated ``[M, N]`` output.
+        config: launch parameters (default: :func:`default_config`).
+
+    Returns:
+        ``[M, N]`` tensor of ``out_dtype``, accumulated in fp32.
+
+    Raises:
+        TypeError / ValueError: a shape, dtype or device does not fit (the message says which).
+
+    Example:
+        >>> y = multi_delta_linear(x, layer.weight, layer.bias, stack, row_delta)
+    """
+    _check_inputs(x, base_weight, bias, stack, row_delta, out_dtype, out, need_same_device=True)
+    device = x.device
+    if device.type != "cuda" and not _interpreting():
+        y = multi_delta_linear_reference(x, base_weight, bias, stack, row_delta, out_dtype)
+        if out is not None:
+            out.copy_(y)
+            return out
+        return y
+    if base_weight.stride(1) != 1:
+        raise ValueError("base_weight must have contiguous rows (stride 1 along K): call .contiguous() once")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = base_weight.shape[0]
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=device)
+    if m == 0 or n == 0:
+        return out
+    if config is None:
+        config = default_config(m, n, k, stack, device)
+    _launch(x, base_weight, bias, stack, row_delta.contiguous(), out, config)
+    return out
+
+
+def _launch(x, base_weight, bias, stack, row_delta, out, cfg: MultiDeltaConfig):
+    m, k = x.shape
+    n = base_weight.shape[0]
+    bits, sparse, gs = stack.bits, stack.sparse_2of4, stack.group_size
+    u_count = stack.num_deltas
+
+    min_bk = _min_block_k(bits, sparse)
+    bk = max(cfg.block_k, min_bk)
+    if gs > 0 and bk > gs >= min_bk:
+        bk = gs  # a k-step inside one group: scale once per step
+    per_elem = gs > 0 and gs % bk != 0
+    bkb = cfg.block_k_base
+    kmax = max(bk, bkb)
+    split = cfg.split_k if cfg.split_k > 0 else auto_split_k(n, k, cfg.block_n, x.device, waves=4.0)
+    k_chunk = math.ceil(math.ceil(k / split) / kmax) * kmax
+    split = math.ceil(k / k_chunk)
+    bm, bn = cfg.block_m, cfg.block_n
+    n_rblocks = math.ceil(m / bm)
+    n_tiles = math.ceil(n / bn)
+    grid = (n_tiles * n_rblocks * split,)
+
+    fused_sort = m <= FUSED_SORT_MAX_M
+    mp = FUSED_SORT_MAX_M if fused_sort else 16  # fixed: one compile serves every M <= 64
+    perm = row_delta if fused_sort else torch.argsort(row_delta, stable=True)
+
+    if split > 1:
+        ws = torch.empty((split, n_rblocks * bm, n), dtype=torch.float32, device=x.device)
+        cnt = _semaphores(x.device, n_tiles * n_rblocks)
+    else:
+        ws = cnt = out
+    if x.dtype == torch.float16:
+        magic = 1
+    elif x.dtype == torch.bfloat16 and bits <= 4:
+        magic = 2
+    else:
+        magic = 0
+    if u_count > 0:
+        q, s, z = stack.qweight, stack.scales, stack.zeros
+        pos = stack.positions if sparse else q
+    else:  # nothing to read: any valid pointer will do
+        q = s = z = pos = x
+    fast = (cfg.fast_dequant and not _interpreting() and magic != 0 and bits in (2, 4, 8) and (bits != 8 or magic == 1)
+            and not (sparse and bits == 8))
+    # 16-bit packed elements (two codes of a plane per register) when they still give 16-deep
+    # MMAs; bytes otherwise (3-bit, and 2-bit 2:4 at k-steps of 128)
+    slots = bk // 2 if sparse else bk
+    per_elem16 = 16 // (2 if bits <= 3 else bits)
+    ew = 16 if (cfg.wide_elements and bits != 3 and slots // per_elem16 >= 16 and stack.qweight.shape[2] % 2 == 0
+                and not (sparse and per_elem16 == 8)) else 8
+    kq = stack.kept_features
+    kern = _kernel()
+    kern[grid](
+        x, base_weight, bias if bias is not None else out, q, s, z, pos, row_delta, perm,
+        out, ws, cnt,
+        m, n, k, u_count, kq, stack.qweight.shape[2] * 8 // ew, stack.num_groups, math.ceil(k / 8),
+        math.ceil(kq / 4), (gs if gs > 0 else 1 << 30).bit_length() - 1, k_chunk,
+        x.stride(0), base_weight.stride(0), out.stride(0),
+        BITS=bits, SPARSE=sparse, HAS_BIAS=bias is not None,
+        FUSED_SORT=fused_sort, MP=mp,
+        BM=bm, BN=bn, BK=bk, BKB=bkb,
+        SPLIT=split, SWAP=cfg.swap_ab, PER_ELEM=per_elem, MAGIC=magic,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", FAST=fast, EVEN_K=k % kmax == 0, EW=ew,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )

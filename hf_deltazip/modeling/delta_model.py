@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -42,9 +45,15 @@ class DeltaModel(nn.Module):
         self.base_model = base_model
         self._routing = Routing()
         self._routing.kernels = use_kernels
-        self._slots: dict[str, int] = {}
-        self._info: dict[str, dict] = {}
+        self._slots: dict[str, int] = {}  # resident deltas -> slot
+        self._info: dict[str, dict] = {}  # every known delta: folder, config, header, host copy, use clock
         self._default: Optional[str] = None
+        self._lock = threading.RLock()
+        self._clock = itertools.count()
+        self._max_resident: Optional[int] = None
+        self._max_resident_bytes: Optional[int] = None
+        self._max_host_bytes: int = 0
+        self._prefetcher = None
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -101,6 +110,7 @@ class DeltaModel(nn.Module):
         delta_name: Optional[str] = None,
         *,
         num_threads: Optional[int] = None,
+        resident: bool = True,
         **hub_kwargs,
     ) -> str:
         """Load another delta onto this base. Returns its name.
@@ -109,32 +119,175 @@ class DeltaModel(nn.Module):
             delta_id_or_path: a local delta folder or a Hub repo id.
             delta_name: the name to use (default: the folder or repo name).
             num_threads: threads decompressing tensors in parallel.
+            resident: put it on the model's device now (default); ``False`` only registers it (its header
+                and base are checked) and it is loaded on demand when a batch names it.
             hub_kwargs: revision, token, cache_dir, local_files_only.
         """
         folder = resolve_delta_folder(delta_id_or_path, **{k: v for k, v in hub_kwargs.items() if v is not None})
         name = delta_name or Path(str(delta_id_or_path)).name
-        if name in self._slots:
-            raise DeltaZipError(f"a delta named {name!r} is already loaded: delete_delta({name!r}) first or pick another name")
-        config = DeltaZipConfig.from_pretrained(folder)
+        with self._lock:
+            if name in self._info:
+                raise DeltaZipError(f"a delta named {name!r} is already loaded: delete_delta({name!r}) first or pick another name")
+            config = DeltaZipConfig.from_pretrained(folder)
+            with DeltaZipFile(folder / DZ_FILENAME) as dz:
+                header = dict(dz.header)
+                self._check_base(header, folder)
+            self._info[name] = {"path": str(folder), "config": config, "header": header, "host": None,
+                                "validated": False, "used": next(self._clock), "threads": num_threads}
+            if resident:
+                try:
+                    self._ensure_resident([name])
+                except Exception:
+                    del self._info[name]
+                    raise
+        return name
+
+    # ------------------------------------------------------------------ the delta cache
+    def configure_cache(
+        self,
+        *,
+        max_resident: Optional[int] = None,
+        max_resident_bytes: Optional[int] = None,
+        max_host_bytes: int = 0,
+    ) -> None:
+        """Limit the deltas kept on the model's device; keep evicted ones in (pinned) host memory.
+
+        A batch that names a delta that is not resident loads it on demand (from the host tier if it
+        is there, else from disk or the Hub cache), evicting the least recently used resident deltas
+        that the batch does not need.
+
+        Args:
+            max_resident: most deltas on the device at once (``None``: no limit).
+            max_resident_bytes: most bytes of deltas on the device at once (``None``: no limit).
+            max_host_bytes: bytes of host memory for copies of deltas (pinned when CUDA is available),
+                so an evicted delta comes back without reading and decompressing its file again.
+        """
+        for value, what in ((max_resident, "max_resident"), (max_resident_bytes, "max_resident_bytes")):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise DeltaZipError(f"{what} must be a positive integer or None, got {value!r}")
+        if not isinstance(max_host_bytes, int) or max_host_bytes < 0:
+            raise DeltaZipError(f"max_host_bytes must be a non-negative integer, got {max_host_bytes!r}")
+        with self._lock:
+            self._max_resident, self._max_resident_bytes, self._max_host_bytes = max_resident, max_resident_bytes, max_host_bytes
+            self._trim_host(keep=())
+            self._make_room(needed=(), incoming=0)
+
+    @property
+    def resident_deltas(self) -> list:
+        """Names of the deltas on the model's device now."""
+        return list(self._slots)
+
+    def prefetch(self, names: Sequence[str]) -> Future:
+        """Read and decompress deltas into the host tier in a background thread; returns a Future.
+
+        Use it to overlap loading the next batch's deltas with decoding the current one.
+        """
+        names = [n for n in names if n is not None]
+        for n in names:
+            if n not in self._info:
+                raise DeltaNotFoundError(f"no delta named {n!r} is loaded; loaded: {self.deltas}. Use load_delta() first")
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltazip-prefetch")
+
+        def work():
+            for n in names:
+                with self._lock:
+                    info = self._info.get(n)
+                    if info is None or info["host"] is not None or n in self._slots:
+                        continue
+                modules, params = self._read(n)  # disk and decompression: outside the lock
+                with self._lock:
+                    if n in self._info and self._info[n]["host"] is None:
+                        self._info[n]["host"] = _to_host(modules, params)
+                        self._info[n]["prefetched"] = True
+            return names
+
+        return self._prefetcher.submit(work)
+
+    def _read(self, name: str):
+        info = self._info[name]
+        folder = Path(info["path"])
         with DeltaZipFile(folder / DZ_FILENAME) as dz:
-            header = dict(dz.header)
-            self._check_base(header, folder)
-            tensors = dz.read_tensors(num_threads=num_threads)
+            tensors = dz.read_tensors(num_threads=info.get("threads"))
             modules = {
                 mname: PackedModule.from_record(rec, {role: tensors[t] for role, t in rec.tensors.items()})
                 for mname, rec in dz.modules.items()
             }
             params = {pname: tensors[t] for pname, t in dz.params.items()}
-        self._validate(modules, params, header, folder)
-        slot = self._free_slot()
-        try:
-            self._attach(slot, modules, params, header)
-        except Exception:
-            self._detach(slot)
-            raise
-        self._slots[name] = slot
-        self._info[name] = {"path": str(folder), "config": config, "header": header}
-        return name
+        if not info["validated"]:
+            self._validate(modules, params, info["header"], folder)
+            info["validated"] = True
+        return modules, params
+
+    def _ensure_resident(self, names) -> None:
+        with self._lock:
+            needed = list(dict.fromkeys(names))
+            if self._max_resident is not None and len(needed) > self._max_resident:
+                raise DeltaZipError(
+                    f"this batch needs {len(needed)} deltas but at most {self._max_resident} may be resident: "
+                    "raise max_resident with configure_cache() or split the batch"
+                )
+            for n in needed:
+                self._info[n]["used"] = next(self._clock)
+                if n in self._slots:
+                    continue
+                info = self._info[n]
+                if info["host"] is not None:
+                    modules, params = info["host"]
+                else:
+                    modules, params = self._read(n)
+                nbytes = _nbytes(modules, params)
+                self._make_room(needed=needed, incoming=nbytes)
+                slot = self._free_slot()
+                try:
+                    self._attach(slot, modules, params, info["header"])
+                except Exception:
+                    self._detach(slot)
+                    raise
+                self._slots[n] = slot
+                info["nbytes"] = nbytes
+                if info["host"] is None and self._max_host_bytes:
+                    info["host"] = _to_host(modules, params)
+                info.pop("prefetched", None)
+                self._trim_host(keep=needed)
+
+    def _resident_bytes(self) -> int:
+        return sum(self._info[n].get("nbytes", 0) for n in self._slots)
+
+    def _make_room(self, needed, incoming: int) -> None:
+        def over():
+            count = len(self._slots) + (1 if incoming else 0)
+            if self._max_resident is not None and count > self._max_resident:
+                return True
+            return self._max_resident_bytes is not None and self._resident_bytes() + incoming > self._max_resident_bytes
+
+        while over():
+            victims = sorted((self._info[n]["used"], n) for n in self._slots if n not in needed)
+            if not victims:
+                raise DeltaZipError(
+                    "the deltas this batch needs do not fit the resident budget: raise max_resident_bytes with "
+                    "configure_cache() or split the batch"
+                )
+            self._evict(victims[0][1])
+
+    def _evict(self, name: str) -> None:
+        slot = self._slots.pop(name)
+        self._detach(slot)
+        if self._default == name:
+            pass  # stays the default: it is loaded again on demand
+
+    def _trim_host(self, keep) -> None:
+        def host_bytes():
+            return sum(_nbytes(*i["host"]) for i in self._info.values() if i["host"] is not None and not i.get("prefetched"))
+
+        while host_bytes() > self._max_host_bytes:
+            held = sorted((i["used"], n) for n, i in self._info.items()
+                          if i["host"] is not None and not i.get("prefetched") and n not in keep)
+            if not held:
+                held = sorted((i["used"], n) for n, i in self._info.items() if i["host"] is not None and not i.get("prefetched"))
+            if not held:
+                break
+            self._info[held[0][1]]["host"] = None
 
     def _check_base(self, header: dict, folder) -> None:
         cfg = getattr(self.base_model, "config", None)
@@ -247,8 +400,8 @@ class DeltaModel(nn.Module):
     # ------------------------------------------------------------------ managing deltas
     @property
     def deltas(self) -> list:
-        """Names of the loaded deltas."""
-        return list(self._slots)
+        """Names of the loaded deltas (resident on the device or not)."""
+        return list(self._info)
 
     @property
     def active_delta(self) -> Optional[str]:
@@ -256,43 +409,52 @@ class DeltaModel(nn.Module):
 
     def set_delta(self, name: Optional[str]) -> None:
         """The delta used for calls without ``delta_names`` (``None``: the plain base)."""
-        if name is not None:
-            self._slot(name)
+        if name is not None and name not in self._info:
+            raise DeltaNotFoundError(f"no delta named {name!r} is loaded; loaded: {self.deltas}. Use load_delta() first")
         self._default = name
 
     def delete_delta(self, name: str) -> None:
         """Unload a delta; the others stay usable."""
-        slot = self._slot(name)
-        self._detach(slot)
-        del self._slots[name]
-        del self._info[name]
-        if self._default == name:
-            self._default = None
+        with self._lock:
+            if name not in self._info:
+                raise DeltaNotFoundError(f"no delta named {name!r} is loaded; loaded: {self.deltas}")
+            if name in self._slots:
+                self._detach(self._slots.pop(name))
+            del self._info[name]
+            if self._default == name:
+                self._default = None
 
     def _slot(self, name: str) -> int:
-        if name not in self._slots:
+        if name not in self._info:
             raise DeltaNotFoundError(f"no delta named {name!r} is loaded; loaded: {self.deltas}. Use load_delta() first")
+        self._ensure_resident([name])
         return self._slots[name]
 
     def _slots_for(self, delta_names: Optional[Sequence]) -> Optional[list]:
         if delta_names is None:
-            return None if self._default is None else "default"
+            if self._default is None:
+                return None
+            return _DefaultSlots(self._slot(self._default))
         if isinstance(delta_names, str):
             raise DeltaZipError("delta_names takes one name per batch row (a list), e.g. ['chat', None]")
-        return [-1 if n is None else self._slot(n) for n in delta_names]
+        needed = [n for n in delta_names if n is not None]
+        for n in needed:
+            if n not in self._info:
+                raise DeltaNotFoundError(f"no delta named {n!r} is loaded; loaded: {self.deltas}. Use load_delta() first")
+        self._ensure_resident(needed)
+        return [-1 if n is None else self._slots[n] for n in delta_names]
 
     @contextmanager
     def route(self, delta_names: Optional[Sequence]):
-        """Within this block every call uses ``delta_names`` (one per row)."""
-        slots = self._slots_for(delta_names)
-        previous = self._routing.slots
-        if slots == "default":
-            slots = _DefaultSlots(self._slots[self._default])
-        self._routing.slots = slots
-        try:
-            yield
-        finally:
-            self._routing.slots = previous
+        """Within this block every call uses ``delta_names`` (one per row); holds the model's lock."""
+        with self._lock:
+            slots = self._slots_for(delta_names)
+            previous = self._routing.slots
+            self._routing.slots = slots
+            try:
+                yield
+            finally:
+                self._routing.slots = previous
 
     # ------------------------------------------------------------------ running
     def forward(self, *args, delta_names: Optional[Sequence] = None, **kwargs):
@@ -324,6 +486,10 @@ class DeltaModel(nn.Module):
         name = name or self._default
         if name is None:
             raise DeltaZipError("merge_and_unload needs the name of a loaded delta")
+        with self._lock:
+            return self._merge(name, inplace)
+
+    def _merge(self, name: str, inplace: bool) -> nn.Module:
         slot = self._slot(name)
         target = self.base_model if inplace else copy.deepcopy(self.base_model)
         for mod_name, mod in list(target.named_modules()):
@@ -360,7 +526,25 @@ class DeltaModel(nn.Module):
                 for n, slot in self._slots.items():
                     if slot in mod.slots():
                         per[n] += mod.delta_nbytes(slot)
-        return {"base": base, "deltas": per, "total": base + sum(per.values())}
+        host = {n: _nbytes(*i["host"]) for n, i in self._info.items() if i["host"] is not None}
+        return {"base": base, "deltas": per, "total": base + sum(per.values()), "host": host}
+
+
+def _nbytes(modules: dict, params: dict) -> int:
+    return sum(p.nbytes for p in modules.values()) + sum(t.numel() * t.element_size() for t in params.values())
+
+
+def _to_host(modules: dict, params: dict):
+    """CPU copies of a delta's tensors, pinned when CUDA is available (fast, asynchronous uploads)."""
+    pin = torch.cuda.is_available()
+
+    def host(t):
+        t = t.detach().to("cpu")
+        return t.pin_memory() if pin else t
+
+    from .layers import _map_packed
+
+    return ({n: _map_packed(p, host) for n, p in modules.items()}, {n: host(t) for n, t in params.items()})
 
 
 class _DefaultSlots(list):

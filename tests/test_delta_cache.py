@@ -1,0 +1,122 @@
+"""The delta cache: a resident budget, a host tier, on-demand loading, prefetch and thread safety."""
+
+import copy
+import shutil
+import threading
+
+import pytest
+import torch
+
+from hf_deltazip import DeltaModel, DeltaZipConfig, DeltaZipError, compress
+
+from model_factory import base_model, calibration_ids, finetune
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cache-deltas")
+    out = {}
+    for i in range(1, 4):
+        cfg = DeltaZipConfig(bits=4, group_size=32, n_samples=4, seq_len=16)
+        compress(base_model("llama"), finetune("llama", i), cfg, calibration=calibration_ids(n=4, length=16), progress=False).save_pretrained(root / f"d{i}")
+        out[f"d{i}"] = root / f"d{i}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(folders):
+    """Every delta resident, no budget: what the cached model must reproduce."""
+    model = DeltaModel(copy.deepcopy(base_model("llama")))
+    for name, folder in folders.items():
+        model.load_delta(folder, delta_name=name)
+    return model
+
+
+IDS = calibration_ids(n=2, length=8, seed=21)
+
+
+def logits(model, rows):
+    with torch.no_grad():
+        return model(input_ids=IDS, delta_names=rows).logits
+
+
+def test_resident_budget_evicts_least_recently_used(folders, reference):
+    model = DeltaModel(copy.deepcopy(base_model("llama")))
+    model.configure_cache(max_resident=2)
+    for name, folder in folders.items():
+        model.load_delta(folder, delta_name=name)
+    assert model.deltas == ["d1", "d2", "d3"]
+    assert sorted(model.resident_deltas) == ["d2", "d3"]  # d1 was evicted when d3 came in
+    assert torch.equal(logits(model, ["d1", None]), logits(reference, ["d1", None]))  # loaded on demand
+    assert sorted(model.resident_deltas) == ["d1", "d3"]  # d2 was the least recently used
+    assert torch.equal(logits(model, ["d2", "d3"]), logits(reference, ["d2", "d3"]))
+    assert sorted(model.resident_deltas) == ["d2", "d3"]
+    assert set(model.memory_footprint()["deltas"]) == {"d2", "d3"}
+    with pytest.raises(DeltaZipError, match="needs 3 deltas but at most 2"):
+        model.generate(IDS[:1].repeat(3, 1), delta_names=["d1", "d2", "d3"], max_new_tokens=1)
+
+
+def test_byte_budget(folders, reference):
+    model = DeltaModel(copy.deepcopy(base_model("llama")))
+    model.load_delta(folders["d1"], delta_name="d1")
+    one = model.memory_footprint()["deltas"]["d1"]
+    model.configure_cache(max_resident_bytes=int(one * 1.5))
+    model.load_delta(folders["d2"], delta_name="d2")
+    assert model.resident_deltas == ["d2"]
+    assert torch.equal(logits(model, ["d1", "d1"]), logits(reference, ["d1", "d1"]))
+    with pytest.raises(DeltaZipError, match="do not fit the resident budget"):
+        logits(model, ["d1", "d2"])
+
+
+def test_host_tier_serves_evicted_deltas_without_the_file(folders, reference, tmp_path):
+    local = {n: tmp_path / n for n in folders}
+    for n, f in folders.items():
+        shutil.copytree(f, local[n])
+    model = DeltaModel(copy.deepcopy(base_model("llama")))
+    model.configure_cache(max_resident=1, max_host_bytes=10**9)
+    model.load_delta(local["d1"], delta_name="d1")
+    model.load_delta(local["d2"], delta_name="d2")
+    assert model.resident_deltas == ["d2"] and set(model.memory_footprint()["host"]) == {"d1", "d2"}
+    shutil.rmtree(local["d1"])  # the host copy must be enough
+    assert torch.equal(logits(model, ["d1", None]), logits(reference, ["d1", None]))
+    model.configure_cache(max_resident=1, max_host_bytes=0)
+    assert model.memory_footprint()["host"] == {}
+
+
+def test_registered_delta_loads_on_first_use_and_prefetch(folders, reference):
+    model = DeltaModel(copy.deepcopy(base_model("llama")))
+    model.load_delta(folders["d1"], delta_name="d1", resident=False)
+    model.load_delta(folders["d2"], delta_name="d2", resident=False)
+    assert model.deltas == ["d1", "d2"] and model.resident_deltas == []
+    future = model.prefetch(["d2"])
+    assert future.result(timeout=60) == ["d2"]
+    assert "d2" in model.memory_footprint()["host"] and model.resident_deltas == []
+    assert torch.equal(logits(model, ["d2", "d1"]), logits(reference, ["d2", "d1"]))
+    assert sorted(model.resident_deltas) == ["d1", "d2"]
+    with pytest.raises(DeltaZipError, match="positive integer"):
+        model.configure_cache(max_resident=0)
+
+
+def test_concurrent_callers_get_their_own_deltas(folders, reference):
+    model = DeltaModel(copy.deepcopy(base_model("llama")))
+    model.configure_cache(max_resident=1)
+    for name, folder in folders.items():
+        model.load_delta(folder, delta_name=name, resident=False)
+    want = {n: logits(reference, [n, n]) for n in folders}
+    errors = []
+
+    def worker(name):
+        try:
+            for _ in range(3):
+                got = logits(model, [name, name])
+                if not torch.equal(got, want[name]):
+                    errors.append(name)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in folders]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert errors == []

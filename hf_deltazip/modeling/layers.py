@@ -267,9 +267,15 @@ class DeltaLinear(_DeltaModuleBase):
             )
             lookup = torch.full((size,), -1, dtype=torch.int32)
             member = torch.zeros((size,), dtype=torch.bool)
-            for i, (slot, _) in enumerate(items):
+            for i, (slot, p) in enumerate(items):
                 lookup[slot + 1] = i
                 member[slot + 1] = True
+                # keep one copy on the device: the slot's tensors become views into the stack
+                self.packed[slot] = PackedModule(
+                    kind=p.kind, shape=p.shape, bits=p.bits, group_size=p.group_size, symmetric=p.symmetric,
+                    sparsity=p.sparsity, transposed=p.transposed, qweight=stack.qweight[i], scales=stack.scales[i],
+                    zeros=stack.zeros[i], positions=None if stack.positions is None else stack.positions[i],
+                )
             stacks.append((stack, lookup.to(device), member.to(device)))
         self._bias_delta = None
         if self.overrides:  # fine-tunes that changed the bias: add (b_u - b_base) to their rows

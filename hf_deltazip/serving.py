@@ -1,0 +1,208 @@
+"""`DeltaServer`: many callers, many deltas, one base: requests are queued and run in shared batches.
+
+Admission is per batch (dynamic batching): a worker thread takes the waiting requests, up to
+``max_batch_size`` of them with the same generation settings, left-pads them into one batch and runs a
+single :meth:`DeltaModel.generate` in which every row uses its own delta. While a batch runs, the
+deltas of the requests still waiting are prefetched into the host tier. Requests that arrive during a
+batch join the next one; rows do not join a batch mid-generation (that is continuous batching, which
+this class does not do yet).
+
+Example:
+    >>> server = DeltaServer(model, tokenizer, max_batch_size=16)
+    >>> futures = [server.submit("reverse: a b c", delta_name=n, max_new_tokens=8) for n in ("chat", "code", None)]
+    >>> [f.result() for f in futures]
+    >>> server.close()
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from .errors import DeltaZipError
+
+
+@dataclass
+class _Request:
+    ids: list
+    delta: Optional[str]
+    kwargs: dict
+    text: bool
+    future: Future
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class RequestStats:
+    """Timing of one finished request (seconds)."""
+
+    queued: float
+    total: float
+    batch_size: int
+    new_tokens: int
+
+
+class DeltaServer:
+    """Serve :class:`~hf_deltazip.DeltaModel` requests from many threads in shared batches.
+
+    Args:
+        model: the model with every delta the requests may name already loaded (resident or not).
+        tokenizer: needed for text prompts and decoded answers; token-id prompts work without one.
+        max_batch_size: most requests in one batch.
+        max_wait_s: how long the worker waits for more requests before it starts a batch.
+        pad_token_id: padding for left-padded batches (default: the tokenizer's, else 0).
+    """
+
+    def __init__(self, model, tokenizer=None, *, max_batch_size: int = 32, max_wait_s: float = 0.002,
+                 pad_token_id: Optional[int] = None):
+        if max_batch_size < 1:
+            raise DeltaZipError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.max_wait_s = max_wait_s
+        if pad_token_id is None and tokenizer is not None:
+            pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_token_id = 0 if pad_token_id is None else pad_token_id
+        self.stats: list[RequestStats] = []
+        self._queue: "queue.Queue[Optional[_Request]]" = queue.Queue()
+        self._held: list[_Request] = []
+        self._closed = False
+        self._worker = threading.Thread(target=self._run, name="deltazip-server", daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------------ public
+    def submit(self, prompt, delta_name: Optional[str] = None, **generate_kwargs) -> Future:
+        """Queue one request; the Future gives the new tokens (a string for a text prompt, else ids).
+
+        Args:
+            prompt: text (needs the tokenizer) or a list / 1-D tensor of token ids.
+            delta_name: the delta to answer with; ``None`` for the plain base.
+            generate_kwargs: ``max_new_tokens``, ``do_sample``, ``temperature``, ... (requests batch
+                together only with requests of equal settings).
+        """
+        if self._closed:
+            raise DeltaZipError("this DeltaServer is closed")
+        if delta_name is not None and delta_name not in self.model.deltas:
+            raise DeltaZipError(f"no delta named {delta_name!r} is loaded; loaded: {self.model.deltas}")
+        text = isinstance(prompt, str)
+        if text:
+            if self.tokenizer is None:
+                raise DeltaZipError("text prompts need a tokenizer: DeltaServer(model, tokenizer)")
+            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        else:
+            ids = prompt.reshape(-1).tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+        if not ids:
+            raise DeltaZipError("empty prompt")
+        future: Future = Future()
+        self._queue.put(_Request(ids, delta_name, dict(generate_kwargs), text, future))
+        return future
+
+    def generate(self, prompts: Sequence, delta_names: Sequence, **generate_kwargs) -> list:
+        """Submit several requests and wait for all of them."""
+        if len(prompts) != len(delta_names):
+            raise DeltaZipError(f"{len(prompts)} prompts but {len(delta_names)} delta names: give one per prompt")
+        futures = [self.submit(p, d, **generate_kwargs) for p, d in zip(prompts, delta_names)]
+        return [f.result() for f in futures]
+
+    def close(self, timeout: Optional[float] = 60) -> None:
+        """Finish the queued requests and stop the worker."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+            self._worker.join(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ worker
+    def _take(self) -> list:
+        """The next batch: waiting requests with the settings of the oldest one."""
+        pending = self._held
+        self._held = []
+        if not pending:
+            item = self._queue.get()
+            if item is None:
+                return []
+            pending.append(item)
+        deadline = time.perf_counter() + self.max_wait_s
+        stop = False
+        while True:
+            timeout = deadline - time.perf_counter()
+            try:
+                item = self._queue.get(timeout=max(timeout, 0)) if timeout > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                stop = True
+                break
+            pending.append(item)
+        key = _settings_key(pending[0].kwargs)
+        batch = [r for r in pending if _settings_key(r.kwargs) == key][: self.max_batch_size]
+        chosen = set(map(id, batch))
+        self._held = [r for r in pending if id(r) not in chosen]
+        if stop:
+            self._queue.put(None)
+        return batch
+
+    def _run(self) -> None:
+        while True:
+            batch = self._take()
+            if not batch:
+                if self._held:
+                    continue
+                return
+            waiting = [r.delta for r in self._held if r.delta is not None]
+            if waiting and hasattr(self.model, "prefetch"):
+                try:
+                    self.model.prefetch(list(dict.fromkeys(waiting)))
+                except Exception:
+                    pass
+            started = time.perf_counter()
+            try:
+                outputs = self._run_batch(batch)
+            except BaseException as e:  # the callers see the error; the server keeps going
+                for r in batch:
+                    r.future.set_exception(e)
+                continue
+            done = time.perf_counter()
+            for r, out in zip(batch, outputs):
+                self.stats.append(RequestStats(started - r.submitted, done - r.submitted, len(batch), len(out)))
+                if r.text:
+                    r.future.set_result(self.tokenizer.decode(out, skip_special_tokens=True))
+                else:
+                    r.future.set_result(out)
+
+    def _run_batch(self, batch: list) -> list:
+        device = next(self.model.parameters()).device
+        width = max(len(r.ids) for r in batch)
+        ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, r in enumerate(batch):
+            ids[i, width - len(r.ids):] = torch.tensor(r.ids)
+            mask[i, width - len(r.ids):] = 1
+        kwargs = dict(batch[0].kwargs)
+        kwargs.setdefault("pad_token_id", self.pad_token_id)
+        eos = kwargs.get("eos_token_id", getattr(self.tokenizer, "eos_token_id", None))
+        with torch.no_grad():
+            out = self.model.generate(ids.to(device), attention_mask=mask.to(device),
+                                      delta_names=[r.delta for r in batch], **kwargs)
+        results = []
+        for row in out[:, width:].tolist():
+            if eos is not None and eos in row:
+                row = row[: row.index(eos)]
+            results.append(row)
+        return results
+
+
+def _settings_key(kwargs: dict):
+    return tuple(sorted((k, repr(v)) for k, v in kwargs.items()))

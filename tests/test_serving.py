@@ -1,0 +1,65 @@
+import copy
+import threading
+
+import pytest
+import torch
+
+from hf_deltazip import DeltaModel, DeltaZipConfig, DeltaZipError, compress
+from hf_deltazip.serving import DeltaServer
+
+from model_factory import base_model, calibration_ids, finetune
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    m = DeltaModel(copy.deepcopy(base_model("llama")))
+    m.configure_cache(max_resident=2, max_host_bytes=10**8)
+    for i in (1, 2, 3):
+        cfg = DeltaZipConfig(bits=4, group_size=32, n_samples=4, seq_len=16)
+        compress(base_model("llama"), finetune("llama", i), cfg, calibration=calibration_ids(n=4, length=16), progress=False).save_pretrained(root / f"d{i}")
+        m.load_delta(root / f"d{i}", delta_name=f"d{i}", resident=False)
+    return m
+
+
+def alone(model, ids, name, n=5):
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         delta_names=[name], max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def test_requests_from_many_threads_match_one_at_a_time(model):
+    prompts = [calibration_ids(n=1, length=3 + i % 4, seed=i)[0].tolist() for i in range(9)]
+    names = ["d1", "d2", None, "d3", "d1", "d2", "d3", None, "d1"]
+    want = [alone(model, p, n) for p, n in zip(prompts, names)]
+    results = [None] * len(prompts)
+    with DeltaServer(model, max_batch_size=2, max_wait_s=0.01) as server:
+        def client(i):
+            results[i] = server.submit(prompts[i], names[i], max_new_tokens=5, do_sample=False).result(timeout=120)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stats = list(server.stats)
+    assert results == want
+    assert len(stats) == 9 and max(s.batch_size for s in stats) == 2
+    assert all(s.total >= s.queued >= 0 for s in stats)
+
+
+def test_settings_split_batches_and_errors_reach_the_caller(model):
+    with DeltaServer(model, max_batch_size=8) as server:
+        a = server.submit([5, 6, 7], "d1", max_new_tokens=2)
+        b = server.submit([5, 6, 7], "d1", max_new_tokens=4)
+        assert len(a.result(timeout=60)) == 2 and len(b.result(timeout=60)) == 4
+        with pytest.raises(DeltaZipError, match="no delta named 'nope'"):
+            server.submit([1, 2], "nope")
+        with pytest.raises(DeltaZipError, match="need a tokenizer"):
+            server.submit("text", "d1")
+        bad = server.submit([1, 2, 3], "d1", max_new_tokens=2, num_beams=0)
+        with pytest.raises(Exception):
+            bad.result(timeout=60)
+        assert server.generate([[1, 2, 3]], ["d2"], max_new_tokens=3) == [alone(model, [1, 2, 3], "d2", 3)]
+    with pytest.raises(DeltaZipError, match="closed"):
+        server.submit([1], None)

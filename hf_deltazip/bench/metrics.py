@@ -159,16 +159,31 @@ def _groups_by_length(rows: list[list[int]], batch_size: int) -> Iterator[list[i
 
 def _greedy(model, prompt: torch.Tensor, max_new_tokens: int, eos_token_id: int | None, pad_token_id: int) -> torch.Tensor:
     """Greedy continuation of equal-length prompts ``[B, T]``: the new tokens ``[B, <= max_new_tokens]``,
-    padded with ``pad_token_id`` after EOS."""
-    out = model.generate(
-        input_ids=prompt,
-        attention_mask=torch.ones_like(prompt),
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-    )
-    return out[:, prompt.shape[1] :]
+    padded with ``pad_token_id`` after EOS (generation stops once every row has ended).
+
+    Uses the model's ``generate`` (KV cache) when it has one, else a plain loop of full forwards.
+    """
+    if hasattr(model, "generate"):
+        out = model.generate(
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+        )
+        return out[:, prompt.shape[1] :]
+    ids = prompt
+    done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
+    for _ in range(max_new_tokens):
+        nxt = _logits(model, ids, torch.ones_like(ids))[:, -1].argmax(-1)
+        nxt = torch.where(done, torch.full_like(nxt, pad_token_id), nxt)
+        if eos_token_id is not None:
+            done |= nxt == eos_token_id
+        ids = torch.cat([ids, nxt[:, None]], dim=1)
+        if bool(done.all()):
+            break
+    return ids[:, prompt.shape[1] :]
 
 
 def _pad_id(tokenizer) -> int:

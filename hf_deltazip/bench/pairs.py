@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
@@ -202,23 +203,23 @@ ARCHS = ("llama", "qwen2", "gpt2", "phi3")
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(
         hidden_size=64, num_layers=2, num_heads=4, kv_heads=2, intermediate_size=128, vocab_size=512,
-        max_positions=256, seq_len=64, base_batch=16, base_steps=300, base_lr=3e-3,
+        max_positions=256, seq_len=64, base_batch=16, base_steps=600, base_lr=3e-3,
         ft_batch=32, ft_steps=300, ft_lr=1e-3, n_eval=64,
     ),
     "small": dict(
         hidden_size=384, num_layers=6, num_heads=6, kv_heads=2, intermediate_size=1024, vocab_size=1024,
-        max_positions=512, seq_len=128, base_batch=16, base_steps=400, base_lr=1e-3,
-        ft_batch=32, ft_steps=300, ft_lr=3e-4, n_eval=200,
+        max_positions=512, seq_len=128, base_batch=8, base_steps=400, base_lr=1e-3,
+        ft_batch=32, ft_steps=300, ft_lr=5e-4, n_eval=200,
     ),
     "50m": dict(
         hidden_size=640, num_layers=12, num_heads=10, kv_heads=2, intermediate_size=1728, vocab_size=4096,
         max_positions=512, seq_len=256, base_batch=32, base_steps=2000, base_lr=6e-4,
-        ft_batch=32, ft_steps=600, ft_lr=1e-4, n_eval=200,
+        ft_batch=32, ft_steps=600, ft_lr=2e-4, n_eval=200,
     ),
     "100m": dict(
         hidden_size=768, num_layers=12, num_heads=12, kv_heads=4, intermediate_size=2304, vocab_size=8192,
         max_positions=512, seq_len=256, base_batch=32, base_steps=2000, base_lr=6e-4,
-        ft_batch=32, ft_steps=600, ft_lr=1e-4, n_eval=200,
+        ft_batch=32, ft_steps=600, ft_lr=2e-4, n_eval=200,
     ),
 }
 
@@ -459,6 +460,16 @@ class Pair:
         """The evaluation (fine-tune's) tokenizer."""
         return AutoTokenizer.from_pretrained(self.tokenizer_dir)
 
+    def calibration_texts(self, n: int, *, seed: int = 0) -> list[str]:
+        """``n`` task transcripts (prompt + answer + EOS) for calibrating a compressor: drawn from a
+        stream of their own, disjoint from :attr:`eval_examples`, deterministic in ``seed``."""
+        tokenizer = self.load_tokenizer()
+        examples = make_task_examples(
+            self.task, n, tokenizer, seed=self.info["settings"]["seed"], stream=f"calibration/{seed}",
+            vocab_added=self.info["settings"]["vocab_added"], exclude={ex.prompt for ex in self.eval_examples},
+        )
+        return [ex.text + tokenizer.eos_token for ex in examples]
+
     def load_finetuned(self, device: str | torch.device = "cpu") -> PreTrainedModel:
         return AutoModelForCausalLM.from_pretrained(self.finetuned_dir, dtype=torch.float32).to(device).eval()
 
@@ -481,7 +492,7 @@ def build_pair(
     *,
     arch: str = "llama",
     size: str = "tiny",
-    task: str = "reverse",
+    task: str = "sort",
     seed: int = 0,
     base_steps: int | None = None,
     ft_steps: int | None = None,
@@ -494,7 +505,8 @@ def build_pair(
     """Build (or reuse) a base / full fine-tune pair in ``out_dir``.
 
     The base is trained from scratch with the causal LM loss on stdlib source; the fine-tune starts
-    from it and trains every parameter on ``task`` (whole transcripts, prompt included). With
+    from it and trains every parameter on ``task`` (loss on the answers as in supervised fine-tuning,
+    prompt tokens weighted :data:`PROMPT_LOSS_WEIGHT`). With
     ``vocab_added`` > 0 the fine-tune first adds that many tokens (``<|sym_0|>``, ...) to the
     tokenizer, grows the embeddings (:func:`resize_embeddings`) and uses the new tokens as extra task
     symbols, so every new row is trained. Tied embeddings stay tied (gpt2 ties them).
@@ -508,7 +520,8 @@ def build_pair(
         out_dir: folder of the pair (created).
         arch: one of :data:`ARCHS`.
         size: one of :data:`SIZES` ("tiny": CPU seconds; "small": CPU minutes; "50m"/"100m": GPU).
-        task: one of :data:`TASKS`.
+        task: one of :data:`TASKS`. "sort" (the default) is learned fastest: about 0.94 exact match
+            at "small" after its 300 steps, where "reverse" reaches about 0.6.
         seed: seeds the tokenizer's files, the initial weights, the data order and the tasks.
         base_steps, ft_steps: optimizer steps (default: the size's recipe).
         device: where to train, e.g. "cpu" or "cuda" (bf16 autocast on CUDA; weights stay float32).
@@ -644,7 +657,9 @@ def load_pair(out_dir: str | os.PathLike, *, expect: dict[str, Any] | None = Non
 # --------------------------------------------------------------------------------------------------
 # Training internals
 
-Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # input_ids, attention_mask, labels
+# input_ids, attention_mask, and the loss weight of each token as a target (0: not predicted)
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+PROMPT_LOSS_WEIGHT = 0.1
 
 
 def _lm_batches(tokenizer, seed: int, steps: int, batch: int, seq_len: int) -> Iterator[Batch]:
@@ -653,34 +668,54 @@ def _lm_batches(tokenizer, seed: int, steps: int, batch: int, seq_len: int) -> I
     # ~0.4 tokens per character at a 512 vocabulary, fewer at larger ones; 3x covers both.
     docs = stdlib_documents(seed, max_chars=3 * need)
     stream: list[int] = []
-    for enc in tokenizer(docs, add_special_tokens=False)["input_ids"]:
-        stream += [tokenizer.bos_token_id, *enc, tokenizer.eos_token_id]
+    for enc in tokenizer.backend_tokenizer.encode_batch(docs, add_special_tokens=False):
+        stream += [tokenizer.bos_token_id, *enc.ids, tokenizer.eos_token_id]
     data = torch.tensor(stream, dtype=torch.long)
     gen = torch.Generator().manual_seed(seed)
     ones = torch.ones(batch, seq_len, dtype=torch.long)
+    weights = torch.ones(batch, seq_len)
+    weights[:, 0] = 0.0
     for _ in range(steps):
         starts = torch.randint(0, len(data) - seq_len, (batch,), generator=gen)
         ids = torch.stack([data[s : s + seq_len] for s in starts.tolist()])
-        yield ids, ones, ids
+        yield ids, ones, weights
 
 
 def _task_batches(tokenizer, task: str, seed: int, vocab_added: int, batch: int, held_out: set[str]) -> Iterator[Batch]:
-    """Endless fresh task transcripts (held-out prompts skipped), right-padded, loss on every real token."""
+    """Endless fresh task examples (held-out prompts skipped), right-padded.
+
+    The answer and its EOS carry the loss, as in supervised fine-tuning; prompt tokens carry
+    :data:`PROMPT_LOSS_WEIGHT` of it, so the fine-tune also learns the task's text (its held-out NLL
+    drops) without the random prompt symbols drowning the answer's signal. Prompt and answer are
+    tokenized apart, exactly as generation sees them.
+    """
     rng = random.Random(f"{task}/{seed}/train")
     symbols = _task_symbols(vocab_added)
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     while True:
-        texts: list[str] = []
-        while len(texts) < batch:
+        examples: list[TaskExample] = []
+        while len(examples) < batch:
             ex = _random_example(task, rng, symbols, tokenizer)
             if ex.prompt not in held_out:
-                texts.append(ex.text + tokenizer.eos_token)
-        enc = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt")
-        labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
-        yield enc["input_ids"], enc["attention_mask"], labels
+                examples.append(ex)
+        prompts = tokenizer([ex.prompt for ex in examples], add_special_tokens=False)["input_ids"]
+        answers = tokenizer([ex.answer for ex in examples], add_special_tokens=False)["input_ids"]
+        width = max(len(p) + len(a) + 1 for p, a in zip(prompts, answers))
+        ids = torch.full((batch, width), pad, dtype=torch.long)
+        mask = torch.zeros((batch, width), dtype=torch.long)
+        weights = torch.zeros((batch, width))
+        for row, (p, a) in enumerate(zip(prompts, answers)):
+            seq = [*p, *a, eos]
+            ids[row, : len(seq)] = torch.tensor(seq)
+            mask[row, : len(seq)] = 1
+            weights[row, 1 : len(p)] = PROMPT_LOSS_WEIGHT
+            weights[row, len(p) : len(seq)] = 1.0
+        yield ids, mask, weights
 
 
 def _train(model, batches: Iterator[Batch], steps: int, lr: float, weight_decay: float, device, say, name: str) -> None:
-    """AdamW, linear warm-up then cosine decay to 10 %, gradient clipping at 1."""
+    """AdamW, linear warm-up then cosine decay to 10 %, gradient clipping at 1; the loss is the
+    weighted mean next-token NLL."""
     model.to(device).train()
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -699,9 +734,11 @@ def _train(model, batches: Iterator[Batch], steps: int, lr: float, weight_decay:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     for step in range(steps):
-        ids, mask, labels = (t.to(device) for t in next(batches))
+        ids, mask, weights = (t.to(device) for t in next(batches))
         with autocast:
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
+        loss = (nll * weights[:, 1:]).sum() / weights[:, 1:].sum()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -727,7 +764,9 @@ def _score(model, tokenizer, examples, texts, general_texts) -> dict[str, float]
     return {
         "exact_match": metrics.exact_match(model, tokenizer, examples, max_new_tokens=max_new),
         "task_nll": metrics.mean_token_nll(model, tokenizer, texts),
-        "general_nll": metrics.mean_token_nll(model, tokenizer, general_texts, max_length=512),
+        "general_nll": metrics.mean_token_nll(
+            model, tokenizer, general_texts, max_length=min(512, model.config.max_position_embeddings)
+        ),
     }
 
 

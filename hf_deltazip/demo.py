@@ -2,7 +2,7 @@
 
 1. Train a tiny base on the Python standard library's source, then two full fine-tunes of it on two
    tasks (reverse a list of letters; sort it).
-2. Compress each fine-tune's delta (4-bit, and 2-bit with 2:4 sparsity).
+2. Compress each fine-tune's delta (4-bit and 3-bit, groups of 32).
 3. Load both deltas onto one base and generate one batch whose rows ask for the first fine-tune,
    the second, and the plain base.
 4. Print the compression ratios, the gain each compressed fine-tune keeps, and the outputs.
@@ -30,7 +30,7 @@ def run_demo(workdir: Path, size: str = "tiny", device: str = "cpu", log=print, 
     t0 = time.perf_counter()
     workdir.mkdir(parents=True, exist_ok=True)
     jobs = {"reverse": DeltaZipConfig(bits=4, group_size=32, n_samples=32, seq_len=64),
-            "sort": DeltaZipConfig(bits=2, sparsity="2:4", group_size=-1, n_samples=32, seq_len=64)}
+            "sort": DeltaZipConfig(bits=3, group_size=32, n_samples=32, seq_len=64)}
     pairs = {}
     first = None
     for task in jobs:

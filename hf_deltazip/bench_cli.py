@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def cmd_bench(args) -> int:
@@ -10,7 +11,11 @@ def cmd_bench(args) -> int:
         from .bench.quality import main
     else:
         from .bench.kernels import main
-    return int(main(args.rest) or 0)
+    try:
+        return int(main(args.rest) or 0)
+    except RuntimeError as e:  # e.g. a GPU benchmark on a machine without one
+        print(f"deltazip bench {args.which}: {e}", file=sys.stderr)
+        return 2
 
 
 def add_parser(sub) -> None:

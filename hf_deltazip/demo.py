@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 
-def run_demo(workdir: Path, size: str = "tiny", device: str = "cpu", log=print, base_steps=300, ft_steps=300) -> dict:
+def run_demo(workdir: Path, size: str = "tiny", device: str = "cpu", log=print, base_steps=300, ft_steps=300,
+             keep: bool = True) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -113,7 +114,8 @@ def run_demo(workdir: Path, size: str = "tiny", device: str = "cpu", log=print, 
     for g in generations:
         name = g["delta"] or "(base)"
         log(f"  {name:<8} {g['prompt']!r:<28} -> {g['output']!r}   (task answer: {g['expected']!r})")
-    log(f"\ndone in {time.perf_counter() - t0:.1f}s; files in {workdir}")
+    where = f"files in {workdir}" if keep else "the temporary files are removed (pass --workdir to keep them)"
+    log(f"\ndone in {time.perf_counter() - t0:.1f}s; {where}")
     return {"results": results, "generations": generations, "seconds": time.perf_counter() - t0}
 
 
@@ -122,7 +124,7 @@ def cmd_demo(args) -> int:
         run_demo(Path(args.workdir), size=args.size, device=args.device)
         return 0
     with tempfile.TemporaryDirectory(prefix="deltazip-demo-") as tmp:
-        run_demo(Path(tmp), size=args.size, device=args.device)
+        run_demo(Path(tmp), size=args.size, device=args.device, keep=False)
     return 0
 
 

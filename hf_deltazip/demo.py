@@ -22,7 +22,7 @@ def run_demo(workdir: Path, size: str = "tiny", device: str = "cpu", log=print, 
     from transformers import AutoModelForCausalLM
 
     from .bench.metrics import exact_match, gain_kept, mean_token_nll
-    from .bench.pairs import build_pair, make_task_examples
+    from .bench.pairs import build_pair
     from .compression import compress
     from .config import DeltaZipConfig
     from .delta import delta_bytes_report
@@ -50,7 +50,7 @@ def run_demo(workdir: Path, size: str = "tiny", device: str = "cpu", log=print, 
     for task, config in jobs.items():
         pair = pairs[task]
         tok = pair.load_tokenizer()
-        calib = [ex.text + tok.eos_token for ex in make_task_examples(task, 64, tok, seed=1, stream="calibration")]
+        calib = pair.calibration_texts(64)  # disjoint from the held-out examples
         log(f"[{time.perf_counter() - t0:5.1f}s] compressing the {task!r} delta: bits={config.bits}, sparsity={config.sparsity}")
         delta = compress(pair.base_dir, pair.finetuned_dir, config, calibration=calib, tokenizer=tok, progress=False)
         folder = workdir / f"delta-{task}"

@@ -35,7 +35,7 @@ from ..delta import delta_bytes_report
 from ..modeling import DeltaModel
 from ..modeling.arch import conv1d_class
 from . import metrics
-from .pairs import build_pair, make_task_examples
+from .pairs import build_pair
 
 OUR_SETTINGS = {
     "8-bit g128": dict(bits=8, group_size=128),
@@ -139,7 +139,7 @@ def run_quality(
     s_base = _score(base, pair, tok, None, prompts, device)
     s_ft = _score(ft, pair, tok, None, prompts, device)
     log(f"[{time.perf_counter() - t0:6.1f}s] base {s_base}; fine-tune {s_ft}")
-    calib = [ex.text + tok.eos_token for ex in make_task_examples(task, n_calibration * 4, tok, seed=1, stream="calibration")]
+    calib = pair.calibration_texts(n_calibration * 4)  # disjoint from the held-out examples
     fp16_bytes = 2 * pair.info["finetuned_params"]
     rows = []
     names = settings or list(OUR_SETTINGS)

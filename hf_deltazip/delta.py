@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
@@ -24,7 +22,6 @@ from .packing import (
     expand_groups,
     pack_bits,
     pack_codes,
-    packed_nbytes,
     unpack_bits,
     unpack_codes,
 )
@@ -162,14 +159,6 @@ class PackedModule:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
-    def nbytes_by_category(self) -> dict:
-        out = {"values": self.qweight.numel(), "scales": self.scales.numel() * self.scales.element_size() + self.zeros.numel()}
-        out["masks"] = sum(t.numel() for t in (self.positions, self.mask) if t is not None)
-        return out
-
-
-def _category(rec_or_kind: str) -> str:
-    return "embeddings and head" if rec_or_kind == "embedding" else "linear deltas"
 
 
 @dataclass
@@ -246,9 +235,6 @@ class CompressedDelta:
             return push_delta_folder(tmp, repo_id, private=private, revision=revision,
                                      commit_message=commit_message, token=token, quality=quality)
 
-    # ------------------------------------------------------------------ accounting
-    def num_finetune_params(self) -> int:
-        return int(self.header.get("extra", {}).get("finetune_num_params", 0))
 
 
 def resolve_delta_folder(path_or_id: Union[str, os.PathLike], **hub_kwargs) -> Path:

@@ -6,7 +6,7 @@ import json
 import os
 import random
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Sequence, Union
 
 import torch
 

@@ -427,7 +427,7 @@ def _layer_hessians(layer, lin: dict, targets: list, captured: list) -> dict:
 
     handles = [lin[rel].register_forward_pre_hook(make_hook(rel)) for rel in targets]
     try:
-        for j, c in enumerate(captured):
+        for c in captured:
             c.run(layer, c.hidden)
             seen_this_batch.clear()
             first_pass["on"] = False

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..config import DeltaZipConfig
 from ..delta import PackedModule, resolve_delta_folder
-from ..errors import BaseMismatchError, DeltaNotFoundError, DeltaZipError, UnsupportedModelError
+from ..errors import BaseMismatchError, DeltaNotFoundError, DeltaZipError
 from ..fingerprint import check_fingerprint
 from ..format import DZ_FILENAME, DeltaZipFile
 from .arch import is_linear
@@ -271,10 +271,7 @@ class DeltaModel(nn.Module):
             self._evict(victims[0][1])
 
     def _evict(self, name: str) -> None:
-        slot = self._slots.pop(name)
-        self._detach(slot)
-        if self._default == name:
-            pass  # stays the default: it is loaded again on demand
+        self._detach(self._slots.pop(name))  # a default delta stays the default: it comes back on demand
 
     def _trim_host(self, keep) -> None:
         def host_bytes():

@@ -16,7 +16,6 @@ No 16-bit copy of a delta is kept: deltas stay packed on the device.
 
 from __future__ import annotations
 
-import math
 import threading
 from typing import Optional
 
@@ -26,7 +25,7 @@ from torch import nn
 
 from ..delta import PackedModule
 from ..errors import DeltaZipError
-from ..packing import dequantize, expand_groups, unpack_codes
+from ..packing import dequantize, unpack_codes
 from .arch import conv1d_class
 
 
@@ -79,6 +78,14 @@ def _groups(slots: list) -> dict:
     for i, s in enumerate(slots):
         out.setdefault(s, []).append(i)
     return out
+
+
+def base_plus_delta(w_nk: torch.Tensor, packed: PackedModule, dtype) -> torch.Tensor:
+    """``W_base + dequant(delta)`` in float32, cast to ``dtype``; rows the fine-tune added start from 0."""
+    wf = w_nk.float()
+    if packed.shape[0] > wf.shape[0]:
+        wf = torch.cat([wf, wf.new_zeros(packed.shape[0] - wf.shape[0], wf.shape[1])])
+    return (wf + packed.dequantize().to(wf.device)).to(dtype)
 
 
 class _DeltaModuleBase(nn.Module):
@@ -147,6 +154,7 @@ class DeltaLinear(_DeltaModuleBase):
         self.is_output_embedding = is_output_embedding
         self._stacks = None  # kernel-side stacks, rebuilt when slots change
         self._bias_delta = None
+        self._changed()
 
     @property
     def weight(self):
@@ -168,10 +176,13 @@ class DeltaLinear(_DeltaModuleBase):
 
     def _changed(self) -> None:
         self._stacks = None
+        self._slot_set = self.slots()
+        self._width = max([self.out_features] + [p.shape[0] for p in self.packed.values()])
+        only_bias = all(set(ov) <= {"bias"} for ov in self.overrides.values())
+        self._kernel_route = bool(self.packed) and only_bias and self._kernel_ok()
 
     def out_width(self) -> int:
-        widths = [self.out_features] + [p.shape[0] for p in self.packed.values()]
-        return max(widths)
+        return self._width
 
     def base_weight_nk(self) -> torch.Tensor:
         w = self.base_layer.weight
@@ -185,12 +196,7 @@ class DeltaLinear(_DeltaModuleBase):
             ov = self.overrides[slot]["weight"]
             return (ov.t() if self.transposed else ov).to(dtype)
         p = self.packed.get(slot)
-        if p is None:
-            return w.to(dtype)
-        wf = w.float()
-        if p.shape[0] > wf.shape[0]:
-            wf = torch.cat([wf, wf.new_zeros(p.shape[0] - wf.shape[0], wf.shape[1])])
-        return (wf + p.dequantize().to(wf.device)).to(dtype)
+        return w.to(dtype) if p is None else base_plus_delta(w, p, dtype)
 
     def merged_bias(self, slot: int) -> Optional[torch.Tensor]:
         ov = self.overrides.get(slot, {})
@@ -207,19 +213,17 @@ class DeltaLinear(_DeltaModuleBase):
             return self.base_layer(x)
         batch = x.shape[0] if x.dim() > 1 else 1
         slots = self._routing.rows_for(batch)
-        present = set(slots)
-        if not (present & self.slots()):
+        if self._slot_set.isdisjoint(slots):
             y = self.base_layer(x)
-            return self._pad_out(y, batch, x) if self.out_width() != self.out_features else y
+            return self._pad_out(y) if self._width != self.out_features else y
         mode = self._routing.kernels
         use = mode == "always" or (mode == "auto" and x.is_cuda)
-        only_bias = all(set(ov) <= {"bias"} for ov in self.overrides.values())
-        if use and self.packed and x.dim() >= 2 and only_bias and self._kernel_ok():
+        if use and self._kernel_route and x.dim() >= 2:
             return self._forward_kernel(x, batch)
         return self._forward_reference(x, slots)
 
-    def _pad_out(self, y, batch, x):
-        width = self.out_width()
+    def _pad_out(self, y):
+        width = self._width
         out = y.new_full((*y.shape[:-1], width), float("-inf") if self.is_output_embedding else 0.0)
         out[..., : y.shape[-1]] = y
         return out
@@ -345,12 +349,7 @@ class DeltaEmbedding(_DeltaModuleBase):
         if "weight" in self.overrides.get(slot, {}):
             return self.overrides[slot]["weight"].to(dtype)
         p = self.packed.get(slot)
-        if p is None:
-            return w
-        wf = w.float()
-        if p.shape[0] > wf.shape[0]:
-            wf = torch.cat([wf, wf.new_zeros(p.shape[0] - wf.shape[0], wf.shape[1])])
-        return (wf + p.dequantize().to(wf.device)).to(dtype)
+        return w.to(dtype) if p is None else base_plus_delta(w, p, dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         batch = ids.shape[0] if ids.dim() > 1 else 1

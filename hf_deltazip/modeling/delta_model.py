@@ -54,6 +54,8 @@ class DeltaModel(nn.Module):
         self._max_resident_bytes: Optional[int] = None
         self._max_host_bytes: int = 0
         self._prefetcher = None
+        self._held: dict[str, int] = {}  # deltas that running requests use: never evicted
+        self._side_stream = None
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -142,6 +144,44 @@ class DeltaModel(nn.Module):
                     raise
         return name
 
+    def add_delta(self, delta, delta_name: str, *, resident: bool = True) -> str:
+        """Put an in-memory delta on this base (no file): a :class:`~hf_deltazip.CompressedDelta`
+        (e.g. straight from :func:`hf_deltazip.compress`) or a dict ``{module name: PackedModule}``.
+
+        The delta's tensors may be on the CPU or on the model's device. If the cache evicts it later
+        it is kept in host memory, since there is no file to read it back from.
+        """
+        from ..delta import CompressedDelta
+
+        if isinstance(delta, CompressedDelta):
+            modules, params, header = dict(delta.modules), dict(delta.params), dict(delta.header)
+            if header.get("base_fingerprint") or header.get("model_type"):
+                self._check_base(header, f"delta {delta_name!r}")
+        elif isinstance(delta, dict) and all(isinstance(p, PackedModule) for p in delta.values()):
+            modules, params, header = dict(delta), {}, {"extra": {}}
+        else:
+            raise DeltaZipError(
+                f"add_delta takes a CompressedDelta or a dict of PackedModule, got {type(delta).__name__}; "
+                "for a folder or Hub repo use load_delta()"
+            )
+        header.setdefault("extra", {})
+        if not resident:  # kept until needed: in host memory, where the cache's budget counts it
+            modules, params = _to_host(modules, params)
+        with self._lock:
+            if delta_name in self._info:
+                raise DeltaZipError(f"a delta named {delta_name!r} is already loaded: delete_delta({delta_name!r}) first or pick another name")
+            self._validate(modules, params, header, f"delta {delta_name!r}")
+            self._info[delta_name] = {"path": None, "config": getattr(delta, "config", None), "header": header,
+                                      "host": (modules, params), "keep_host": True, "validated": True,
+                                      "used": next(self._clock), "threads": None}
+            if resident:
+                try:
+                    self._ensure_resident([delta_name])
+                except Exception:
+                    del self._info[delta_name]
+                    raise
+        return delta_name
+
     # ------------------------------------------------------------------ the delta cache
     def configure_cache(
         self,
@@ -161,6 +201,11 @@ class DeltaModel(nn.Module):
             max_resident_bytes: most bytes of deltas on the device at once (``None``: no limit).
             max_host_bytes: bytes of host memory for copies of deltas (pinned when CUDA is available),
                 so an evicted delta comes back without reading and decompressing its file again.
+
+        Call it before loading many deltas: on CUDA the kernel stacks are sized for ``max_resident``
+        deltas when they are first built, so later loads and evictions only write into that room (no
+        reallocation, and captured decode graphs stay valid). Without a ``max_resident`` a stack
+        keeps half again the room it needs and is rebuilt (old and new briefly both in memory) when full.
         """
         for value, what in ((max_resident, "max_resident"), (max_resident_bytes, "max_resident_bytes")):
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -169,6 +214,7 @@ class DeltaModel(nn.Module):
             raise DeltaZipError(f"max_host_bytes must be a non-negative integer, got {max_host_bytes!r}")
         with self._lock:
             self._max_resident, self._max_resident_bytes, self._max_host_bytes = max_resident, max_resident_bytes, max_host_bytes
+            self._routing.capacity = max_resident  # kernel stacks get room for this many deltas
             self._trim_host(keep=())
             self._make_room(needed=(), incoming=0)
 
@@ -177,10 +223,13 @@ class DeltaModel(nn.Module):
         """Names of the deltas on the model's device now."""
         return list(self._slots)
 
-    def prefetch(self, names: Sequence[str]) -> Future:
-        """Read and decompress deltas into the host tier in a background thread; returns a Future.
+    def prefetch(self, names: Sequence[str], *, to_device: bool = True) -> Future:
+        """Load deltas ahead of the requests that will name them, in a background thread; returns a Future.
 
-        Use it to overlap loading the next batch's deltas with decoding the current one.
+        Each delta is read and decompressed into (pinned) host memory; then, on CUDA and with
+        ``to_device``, copied into free room of the kernel stacks on a side stream, overlapping the
+        decode running on the main stream. A prefetch never evicts: a delta that does not fit the
+        resident budget stays in host memory and is uploaded when a batch names it.
         """
         names = [n for n in names if n is not None]
         for n in names:
@@ -196,19 +245,75 @@ class DeltaModel(nn.Module):
                     if info is None or info["host"] is not None or n in self._slots:
                         continue
                 modules, params = self._read(n)  # disk and decompression: outside the lock
+                host = _to_host(modules, params)
                 with self._lock:
                     if n in self._info and self._info[n]["host"] is None:
-                        self._info[n]["host"] = _to_host(modules, params)
+                        self._info[n]["host"] = host
                         self._info[n]["prefetched"] = True
+                    if to_device:
+                        self._upload_ahead(n)
             return names
 
         return self._prefetcher.submit(work)
+
+    def _upload_ahead(self, name: str) -> None:
+        """Copy a host-tier delta into free stack room on a side stream (caller holds the lock)."""
+        info = self._info.get(name)
+        device = _first_device(self.base_model)
+        if info is None or name in self._slots or info["host"] is None or device.type != "cuda":
+            return
+        modules, params = info["host"]
+        slot = self._free_slot()
+        nbytes = _nbytes(modules, params)
+        if params or (self._max_resident is not None and len(self._slots) + 1 > self._max_resident):
+            return
+        if self._max_resident_bytes is not None and self._resident_bytes() + nbytes > self._max_resident_bytes:
+            return
+        for mname, p in modules.items():
+            mod = self._find(mname)
+            if not (isinstance(mod, DeltaLinear) and mod.can_write_in_place(slot, p)):
+                return
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device)
+        self._side_stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self._side_stream):
+            self._attach(slot, modules, params, info["header"])
+            ready = torch.cuda.Event()
+            ready.record(self._side_stream)
+        self._slots[name] = slot
+        info.update(nbytes=nbytes, ready=ready)
+        info.pop("prefetched", None)
+        info.pop("keep_host", None)
+        if not self._max_host_bytes or info["path"] is None:
+            info["host"] = None  # pinned blocks stay alive until the copy is done (caching host allocator)
+        self._trim_host(keep=())
+
+    def _wait_ready(self, name: str) -> None:
+        ready = self._info[name].pop("ready", None)
+        if ready is not None:
+            torch.cuda.current_stream().wait_event(ready)
+
+    def _hold(self, names) -> None:
+        """Mark deltas as used by running requests (the cache will not evict them)."""
+        with self._lock:
+            for n in names:
+                if n is not None:
+                    self._held[n] = self._held.get(n, 0) + 1
+
+    def _unhold(self, names) -> None:
+        with self._lock:
+            for n in names:
+                if n is not None and self._held.get(n):
+                    self._held[n] -= 1
+                    if not self._held[n]:
+                        del self._held[n]
 
     def _read(self, name: str):
         info = self._info[name]
         folder = Path(info["path"])
         with DeltaZipFile(folder / DZ_FILENAME) as dz:
-            tensors = dz.read_tensors(num_threads=info.get("threads"))
+            pin = _first_device(self.base_model).type == "cuda"  # page-locked: uploads go asynchronously
+            tensors = dz.read_tensors(num_threads=info.get("threads"), pin_memory=pin)
             modules = {
                 mname: PackedModule.from_record(rec, {role: tensors[t] for role, t in rec.tensors.items()})
                 for mname, rec in dz.modules.items()
@@ -230,6 +335,7 @@ class DeltaModel(nn.Module):
             for n in needed:
                 self._info[n]["used"] = next(self._clock)
                 if n in self._slots:
+                    self._wait_ready(n)
                     continue
                 info = self._info[n]
                 if info["host"] is not None:
@@ -246,7 +352,9 @@ class DeltaModel(nn.Module):
                     raise
                 self._slots[n] = slot
                 info["nbytes"] = nbytes
-                if info["host"] is None and self._max_host_bytes:
+                if info.pop("keep_host", False):  # an in-memory delta: resident now, the caller's copy is not kept
+                    info["host"] = None
+                if info["host"] is None and self._max_host_bytes and info["path"] is not None:
                     info["host"] = _to_host(modules, params)
                 info.pop("prefetched", None)
                 self._trim_host(keep=needed)
@@ -262,7 +370,7 @@ class DeltaModel(nn.Module):
             return self._max_resident_bytes is not None and self._resident_bytes() + incoming > self._max_resident_bytes
 
         while over():
-            victims = sorted((self._info[n]["used"], n) for n in self._slots if n not in needed)
+            victims = sorted((self._info[n]["used"], n) for n in self._slots if n not in needed and not self._held.get(n))
             if not victims:
                 raise DeltaZipError(
                     "the deltas this batch needs do not fit the resident budget: raise max_resident_bytes with "
@@ -271,17 +379,38 @@ class DeltaModel(nn.Module):
             self._evict(victims[0][1])
 
     def _evict(self, name: str) -> None:
+        info = self._info[name]
+        if info["path"] is None and info["host"] is None:  # nothing to read it back from: keep it in host memory
+            info["host"] = _to_host(*self._gather(self._slots[name]))
+            info["keep_host"] = True
         self._detach(self._slots.pop(name))  # a default delta stays the default: it comes back on demand
+
+    def _gather(self, slot: int):
+        """A resident delta's packed modules and parameters, as the wrappers hold them."""
+        modules, params = {}, {}
+        special = self._special_names()
+        for name, mod in self.base_model.named_modules():
+            if not isinstance(mod, _DeltaModuleBase):
+                continue
+            name = _plain(name)
+            if slot in mod.packed and not (name == special.get("output") and isinstance(mod, DeltaLinear)
+                                           and mod.packed[slot].kind == "embedding"):
+                modules[name] = mod.packed[slot]
+            for attr, t in mod.overrides.get(slot, {}).items():
+                params[f"{name}.{attr}"] = t
+        return modules, params
 
     def _trim_host(self, keep) -> None:
         def host_bytes():
-            return sum(_nbytes(*i["host"]) for i in self._info.values() if i["host"] is not None and not i.get("prefetched"))
+            return sum(_nbytes(*i["host"]) for i in self._info.values()
+                       if i["host"] is not None and not i.get("prefetched") and not i.get("keep_host"))
 
         while host_bytes() > self._max_host_bytes:
             held = sorted((i["used"], n) for n, i in self._info.items()
-                          if i["host"] is not None and not i.get("prefetched") and n not in keep)
+                          if i["host"] is not None and not i.get("prefetched") and not i.get("keep_host") and n not in keep)
             if not held:
-                held = sorted((i["used"], n) for n, i in self._info.items() if i["host"] is not None and not i.get("prefetched"))
+                held = sorted((i["used"], n) for n, i in self._info.items()
+                              if i["host"] is not None and not i.get("prefetched") and not i.get("keep_host"))
             if not held:
                 break
             self._info[held[0][1]]["host"] = None
@@ -376,9 +505,11 @@ class DeltaModel(nn.Module):
         device = _first_device(self.base_model)
         special = self._special_names()
         for name, p in modules.items():
-            p = p.to_dense_layout() if device.type == "cuda" else p
-            p = _map_to(p, device)
-            self._wrap(name, p.kind).add_packed(slot, p)
+            wrapper = self._wrap(name, p.kind)
+            if not (isinstance(wrapper, DeltaLinear) and wrapper.can_write_in_place(slot, p)):
+                p = p.to_dense_layout() if device.type == "cuda" else p
+                p = _map_to(p, device)
+            wrapper.add_packed(slot, p)  # in place: one copy from (pinned) host memory into the stack
             # tied embeddings: the LM head shares the input embedding's delta
             if p.kind == "embedding" and header.get("extra", {}).get("tied_embeddings") and name == special.get("input"):
                 out_name = special.get("output")
@@ -389,10 +520,10 @@ class DeltaModel(nn.Module):
             wrapper = self._wrap(owner, "override" if owner not in modules else modules[owner].kind)
             wrapper.add_override(slot, attr, t.to(device))
 
-    def _detach(self, slot: int) -> None:
+    def _detach(self, slot: int, keep_room: bool = True) -> None:
         for mod in list(self.base_model.modules()):
             if isinstance(mod, _DeltaModuleBase) and slot in mod.slots():
-                mod.remove_slot(slot)
+                mod.remove_slot(slot, keep_room=keep_room)
 
     # ------------------------------------------------------------------ managing deltas
     @property
@@ -415,8 +546,10 @@ class DeltaModel(nn.Module):
         with self._lock:
             if name not in self._info:
                 raise DeltaNotFoundError(f"no delta named {name!r} is loaded; loaded: {self.deltas}")
+            if self._held.get(name):
+                raise DeltaZipError(f"delta {name!r} is in use by running requests; delete it once they finish")
             if name in self._slots:
-                self._detach(self._slots.pop(name))
+                self._detach(self._slots.pop(name), keep_room=False)
             del self._info[name]
             if self._default == name:
                 self._default = None

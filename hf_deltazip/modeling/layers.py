@@ -35,6 +35,23 @@ class Routing:
     def __init__(self):
         self._local = threading.local()
         self.kernels = "auto"  # "auto": Triton kernels on CUDA; "always": also on CPU (TRITON_INTERPRET); "never"
+        self.capacity: Optional[int] = None  # deltas a kernel stack is sized for (the cache's max_resident)
+        self.version = 0  # bumped whenever a delta module's device layout changes (captured graphs go stale)
+
+    def bump(self) -> None:
+        self.version += 1
+
+    def wants_kernels(self, device) -> bool:
+        return self.kernels == "always" or (self.kernels == "auto" and torch.device(device).type == "cuda")
+
+    @property
+    def static_rows(self) -> Optional[torch.Tensor]:
+        """A device tensor of per-row slots set while a decode step is captured (see ``engine``)."""
+        return getattr(self._local, "static_rows", None)
+
+    @static_rows.setter
+    def static_rows(self, value) -> None:
+        self._local.static_rows = value
 
     def __deepcopy__(self, memo):  # a copied model routes on its own
         return Routing()
@@ -99,13 +116,13 @@ class _DeltaModuleBase(nn.Module):
     def slots(self) -> set:
         return set(self.packed) | set(self.overrides)
 
-    def remove_slot(self, slot: int) -> None:
+    def remove_slot(self, slot: int, keep_room: bool = True) -> None:
         self.packed.pop(slot, None)
         self.overrides.pop(slot, None)
         self._changed()
 
     def _changed(self) -> None:
-        pass
+        self._routing.bump()
 
     def add_packed(self, slot: int, packed: PackedModule) -> None:
         self.packed[slot] = packed
@@ -175,11 +192,79 @@ class DeltaLinear(_DeltaModuleBase):
         return w.shape[1] if self.transposed else w.shape[0]
 
     def _changed(self) -> None:
+        """A change the kernel stacks cannot absorb in place: rebuild them (now on CUDA, else lazily)."""
         self._stacks = None
+        self._refresh()
+        self._routing.bump()
+        if self._kernel_route and self.packed:
+            device = self.base_layer.weight.device
+            if device.type != "meta" and self._routing.wants_kernels(device):
+                self._build_stacks(device)
+
+    def _refresh(self) -> None:
         self._slot_set = self.slots()
         self._width = max([self.out_features] + [p.shape[0] for p in self.packed.values()])
         only_bias = all(set(ov) <= {"bias"} for ov in self.overrides.values())
         self._kernel_route = bool(self.packed) and only_bias and self._kernel_ok()
+
+    def add_packed(self, slot: int, packed: PackedModule) -> None:
+        if self._stacks is not None and slot not in self.packed and self._write_in_place(slot, packed):
+            self._refresh()
+            return
+        self.packed[slot] = packed
+        self._changed()
+
+    def remove_slot(self, slot: int, keep_room: bool = True) -> None:
+        """Drop a slot's delta. With ``keep_room`` (evictions) its place in the stack stays allocated
+        for the next delta, and tensors a captured decode step reads stay alive."""
+        if self._stacks is not None and slot in self.packed and slot not in self.overrides:
+            # free the slot's place in its stack; the graph-visible tables change in place
+            for entry in self._stacks:
+                if slot in entry["index"]:
+                    entry["free"].append(entry["index"].pop(slot))
+                    entry["lookup"][slot + 1] = -1
+                    entry["member"][slot + 1] = False
+            del self.packed[slot]
+            self._refresh()
+            if not self.packed and not keep_room:
+                self._stacks = None
+                self._routing.bump()
+            return
+        super().remove_slot(slot)
+
+    def can_write_in_place(self, slot: int, packed: PackedModule) -> bool:
+        """Whether ``add_packed(slot, packed)`` would only write into free room of an existing stack."""
+        return self._stacks is not None and slot not in self.packed and self._place_for(slot, packed) is not None
+
+    def _place_for(self, slot: int, packed: PackedModule):
+        if packed.shape[0] != self.out_features or packed.shape[1] != self.in_features:
+            return None
+        key = (packed.bits, packed.group_size, packed.sparsity if packed.sparsity == "2:4" else "dense")
+        for entry in self._stacks:
+            if entry["key"] != key or not entry["free"] or slot + 1 >= entry["lookup"].shape[0]:
+                continue
+            if packed.scales.dtype == torch.float32 and entry["stack"].scales.dtype != torch.float32:
+                continue
+            return entry
+        return None
+
+    def _write_in_place(self, slot: int, packed: PackedModule) -> bool:
+        entry = self._place_for(slot, packed)
+        if entry is None:
+            return False
+        p = packed.to_dense_layout()
+        i = entry["free"].pop()
+        st = entry["stack"]
+        st.qweight[i].copy_(p.qweight, non_blocking=True)
+        st.scales[i].copy_(p.scales, non_blocking=True)
+        st.zeros[i].copy_(p.zeros, non_blocking=True)
+        if st.positions is not None:
+            st.positions[i].copy_(p.positions, non_blocking=True)
+        entry["index"][slot] = i
+        entry["lookup"][slot + 1] = i
+        entry["member"][slot + 1] = True
+        self.packed[slot] = _stack_view(p, st, i)
+        return True
 
     def out_width(self) -> int:
         return self._width
@@ -211,6 +296,11 @@ class DeltaLinear(_DeltaModuleBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.packed and not self.overrides:
             return self.base_layer(x)
+        static = self._routing.static_rows
+        if static is not None:  # a decode step being captured: no host-side decisions
+            if not self._kernel_route:
+                raise DeltaZipError(f"this layer's deltas cannot run in a captured decode step ({self._why_not()})")
+            return self._forward_kernel(x, static.shape[0], per_row=static)
         batch = x.shape[0] if x.dim() > 1 else 1
         slots = self._routing.rows_for(batch)
         if self._slot_set.isdisjoint(slots):
@@ -245,6 +335,17 @@ class DeltaLinear(_DeltaModuleBase):
         return out
 
     # -- kernel path (CUDA; or the Triton interpreter when use_kernels="always")
+    def graph_safe(self) -> bool:
+        """Whether a captured decode step can run this layer (no deltas, or all on the kernel route)."""
+        return not (self.packed or self.overrides) or self._kernel_route
+
+    def _why_not(self) -> str:
+        if any(set(ov) - {"bias"} for ov in self.overrides.values()):
+            return "a fine-tune replaces its weight outright"
+        if any(p.shape[0] != self.out_features for p in self.packed.values()):
+            return "a fine-tune adds output rows (tokens)"
+        return "the Triton kernels are not available"
+
     def _kernel_ok(self) -> bool:
         try:
             from ..kernels import multi_delta  # noqa: F401
@@ -253,34 +354,42 @@ class DeltaLinear(_DeltaModuleBase):
         return all(p.shape[0] == self.out_features for p in self.packed.values())
 
     def _build_stacks(self, device):
-        """One device stack per format class (bits, group size, 2:4 or dense) of the loaded deltas."""
-        from ..kernels import build_delta_stack
+        """One device stack per format class (bits, group size, 2:4 or dense) of the loaded deltas.
 
+        A stack has room for ``Routing.capacity`` deltas (the cache's ``max_resident``) or half again
+        as many as it holds, so most later loads are written into free room in place (no rebuild, no
+        new tensors: captured decode graphs stay valid) and evictions only free their place.
+        """
         classes: dict = {}
         for slot, p in sorted(self.packed.items()):
             p = p.to_dense_layout()
             key = (p.bits, p.group_size, p.sparsity)
             classes.setdefault(key, []).append((slot, p))
+        size = max(64, 2 * (max(self.packed) + 2))
+        hint = self._routing.capacity or 0
+        total = len(self.packed)
         stacks = []
-        size = max(self.packed) + 2
         for (bits, group_size, sparsity), items in classes.items():
-            stack = build_delta_stack(
-                [p.qweight for _, p in items], [p.scales for _, p in items], [p.zeros for _, p in items],
-                [p.positions for _, p in items] if sparsity == "2:4" else None,
-                bits=bits, group_size=group_size, in_features=self.in_features, device=device,
+            spare = max(hint - total, 0) if hint else (len(items) + 1) // 2
+            cap = len(items) + spare
+            first = items[0][1]
+            sdtype = torch.float32 if any(p.scales.dtype == torch.float32 for _, p in items) else torch.float16
+            n = first.qweight.shape[0]
+            stack = DeltaStackType()(
+                torch.empty((cap, n, first.qweight.shape[1]), dtype=torch.uint8, device=device),
+                torch.zeros((cap, n, first.scales.shape[1]), dtype=sdtype, device=device),
+                torch.zeros((cap, n, first.zeros.shape[1]), dtype=torch.uint8, device=device),
+                None if sparsity != "2:4" else torch.empty((cap, n, first.positions.shape[1]), dtype=torch.uint8, device=device),
+                bits, group_size, self.in_features,
             )
-            lookup = torch.full((size,), -1, dtype=torch.int32)
-            member = torch.zeros((size,), dtype=torch.bool)
-            for i, (slot, p) in enumerate(items):
-                lookup[slot + 1] = i
-                member[slot + 1] = True
-                # keep one copy on the device: the slot's tensors become views into the stack
-                self.packed[slot] = PackedModule(
-                    kind=p.kind, shape=p.shape, bits=p.bits, group_size=p.group_size, symmetric=p.symmetric,
-                    sparsity=p.sparsity, transposed=p.transposed, qweight=stack.qweight[i], scales=stack.scales[i],
-                    zeros=stack.zeros[i], positions=None if stack.positions is None else stack.positions[i],
-                )
-            stacks.append((stack, lookup.to(device), member.to(device)))
+            entry = {"key": (bits, group_size, sparsity), "stack": stack, "index": {}, "free": list(range(cap - 1, -1, -1)),
+                     "lookup": torch.full((size,), -1, dtype=torch.int32, device=device),
+                     "member": torch.zeros((size,), dtype=torch.bool, device=device)}
+            stacks.append(entry)
+            self._stacks = stacks
+            for slot, p in items:
+                self.packed.pop(slot)
+                self._write_in_place(slot, p)  # room for every item was made above
         self._bias_delta = None
         if self.overrides:  # fine-tunes that changed the bias: add (b_u - b_base) to their rows
             base_b = self.base_layer.bias
@@ -293,13 +402,14 @@ class DeltaLinear(_DeltaModuleBase):
         self._stacks = stacks
         return stacks
 
-    def _forward_kernel(self, x: torch.Tensor, batch: int) -> torch.Tensor:
+    def _forward_kernel(self, x: torch.Tensor, batch: int, per_row: Optional[torch.Tensor] = None) -> torch.Tensor:
         from ..kernels import multi_delta_linear
 
-        stacks = self._stacks or self._build_stacks(x.device)
+        stacks = self._stacks if self._stacks is not None else self._build_stacks(x.device)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        per_row = self._routing.device_rows(batch, x.device)
+        if per_row is None:
+            per_row = self._routing.device_rows(batch, x.device)
         tokens = x2.shape[0] // batch
         slot_tok = (per_row.repeat_interleave(tokens) if tokens > 1 else per_row).long() + 1
         w = self.base_weight_nk()
@@ -307,10 +417,10 @@ class DeltaLinear(_DeltaModuleBase):
             w = self._contiguous_weight(w)
         bias = self.base_layer.bias
         y = None
-        for stack, lookup, member in stacks:
-            yc = multi_delta_linear(x2, w, bias, stack, lookup[slot_tok])
+        for entry in stacks:
+            yc = multi_delta_linear(x2, w, bias, entry["stack"], entry["lookup"][slot_tok])
             # each row belongs to one format class: take it from that class's launch
-            y = yc if y is None else torch.where(member[slot_tok][:, None], yc, y)
+            y = yc if y is None else torch.where(entry["member"][slot_tok][:, None], yc, y)
         if self._bias_delta is not None:
             y = (y.float() + self._bias_delta[slot_tok]).to(y.dtype)
         return y.reshape(*lead, y.shape[-1])
@@ -322,6 +432,21 @@ class DeltaLinear(_DeltaModuleBase):
             self._wt = w.contiguous()
             self._wt_key = key
         return self._wt
+
+
+def DeltaStackType():
+    from ..kernels import DeltaStack
+
+    return DeltaStack
+
+
+def _stack_view(p: PackedModule, stack, i: int) -> PackedModule:
+    """The delta's packed tensors as views into place ``i`` of its stack (one device copy)."""
+    return PackedModule(
+        kind=p.kind, shape=p.shape, bits=p.bits, group_size=p.group_size, symmetric=p.symmetric,
+        sparsity=p.sparsity, transposed=p.transposed, qweight=stack.qweight[i], scales=stack.scales[i],
+        zeros=stack.zeros[i], positions=None if stack.positions is None else stack.positions[i],
+    )
 
 
 def _cast(t, dtype):
@@ -351,7 +476,13 @@ class DeltaEmbedding(_DeltaModuleBase):
         p = self.packed.get(slot)
         return w.to(dtype) if p is None else base_plus_delta(w, p, dtype)
 
+    def graph_safe(self) -> bool:
+        return all(p.sparsity == "dense" for p in self.packed.values())
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        static = self._routing.static_rows
+        if static is not None and self.slots():
+            return self._forward_static(ids, static)
         batch = ids.shape[0] if ids.dim() > 1 else 1
         slots = self._routing.rows_for(batch)
         if not (set(slots) & self.slots()):
@@ -371,6 +502,30 @@ class DeltaEmbedding(_DeltaModuleBase):
                 out = y.new_empty((ids.shape[0], *y.shape[1:]))
             out[rows] = y
         return out
+
+    def _forward_static(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Every slot's rows computed for the whole batch and kept where the row uses that slot: no
+        host decisions, so a captured decode step can run it (the slot set is fixed at capture)."""
+        if not self.graph_safe():
+            raise DeltaZipError("sparse embedding deltas cannot run in a captured decode step")
+        w = self.base_layer.weight
+        row_slot = rows.long().view(-1, *([1] * (ids.dim() - 1))).expand_as(ids)
+        out = F.embedding(ids.clamp(max=w.shape[0] - 1), w).float()
+        if any(p.shape[0] > w.shape[0] for p in self.packed.values()):
+            out = out * (ids < w.shape[0])[..., None]
+        for slot, p in self.packed.items():
+            if "weight" in self.overrides.get(slot, {}):
+                continue
+            sel = row_slot == slot
+            rows_p = torch.where(sel, ids, 0).clamp(max=p.shape[0] - 1)
+            delta = _dequantize_rows(p, rows_p.reshape(-1)).to(out.device).view(*ids.shape, -1)
+            out = out + delta * sel[..., None]
+        for slot, ov in self.overrides.items():
+            if "weight" in ov:
+                table = ov["weight"]
+                full = F.embedding(ids.clamp(max=table.shape[0] - 1), table).float()
+                out = torch.where((row_slot == slot)[..., None], full, out)
+        return out.to(w.dtype)
 
     def _lookup(self, slot: int, ids: torch.Tensor) -> torch.Tensor:
         """``(W_base + delta)[ids]`` computing only the rows looked up."""
@@ -400,9 +555,41 @@ def _dequantize_rows(p: PackedModule, rows: torch.Tensor) -> torch.Tensor:
 class DeltaOverride(_DeltaModuleBase):
     """Any module whose parameters some fine-tunes replace (norms, biases, position embeddings)."""
 
+    def _changed(self) -> None:
+        self._tables = None
+        super()._changed()
+
+    def _forward_static(self, x, rows: torch.Tensor, args, kwargs):
+        """All rows at once, each with its slot's parameters (gathered from per-slot tables on the
+        device and applied with ``vmap``): what a captured decode step runs."""
+        if args or kwargs or x.shape[0] != rows.shape[0]:
+            raise DeltaZipError("parameter overrides of this module cannot run in a captured decode step")
+        base = dict(self.base_layer.named_parameters())
+        if getattr(self, "_tables", None) is None:
+            size = max(self.overrides) + 2
+            tables = {}
+            for name in {n for ov in self.overrides.values() for n in ov}:
+                p0 = base[name].detach()
+                t = p0.unsqueeze(0).repeat(size, *([1] * p0.dim())).clone()
+                for slot, ov in self.overrides.items():
+                    if name in ov:
+                        t[slot + 1] = ov[name].to(p0.dtype)
+                tables[name] = t
+            self._tables = tables
+        idx = rows.long() + 1
+        params = {name: t[idx] for name, t in self._tables.items()}
+
+        def one(prm, xr):
+            return torch.func.functional_call(self.base_layer, prm, (xr.unsqueeze(0),)).squeeze(0)
+
+        return torch.vmap(one)(params, x)
+
     def forward(self, x, *args, **kwargs):
         if not torch.is_tensor(x) or x.dim() == 0:
             return self.base_layer(x, *args, **kwargs)
+        static = self._routing.static_rows
+        if static is not None and self.overrides:
+            return self._forward_static(x, static, args, kwargs)
         routed = self._routing.slots
         if routed is None:
             return self.base_layer(x, *args, **kwargs)

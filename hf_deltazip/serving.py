@@ -1,11 +1,12 @@
 """`DeltaServer`: many callers, many deltas, one base: requests are queued and run in shared batches.
 
-Admission is per batch (dynamic batching): a worker thread takes the waiting requests, up to
-``max_batch_size`` of them with the same generation settings, left-pads them into one batch and runs a
-single :meth:`DeltaModel.generate` in which every row uses its own delta. While a batch runs, the
-deltas of the requests still waiting are prefetched into the host tier. Requests that arrive during a
-batch join the next one; rows do not join a batch mid-generation (that is continuous batching, which
-this class does not do yet).
+By default admission is continuous: a worker thread runs a :class:`~hf_deltazip.engine.DecodeEngine`
+(static KV cache, CUDA-graph decode steps on a GPU) and, between two decode steps, puts waiting
+requests into free rows; a request's row is freed the step it finishes. Every row uses its own delta.
+While requests wait, their deltas are prefetched (read and decompressed on a CPU thread, uploaded on a
+side stream). Requests with generation options the engine does not implement (beam search, logits
+processors, ...) run through :meth:`DeltaModel.generate` as their own batch between decode steps;
+``continuous=False`` runs every request that way (dynamic batching per batch).
 
 Example:
     >>> server = DeltaServer(model, tokenizer, max_batch_size=16)
@@ -40,12 +41,17 @@ class _Request:
 
 @dataclass
 class RequestStats:
-    """Timing of one finished request (seconds)."""
+    """Timing of one finished request (seconds from submission)."""
 
-    queued: float
-    total: float
-    batch_size: int
+    queued: float  # until its prefill started
+    total: float  # until its last token
+    batch_size: int  # rows decoding when it was admitted (continuous) or its batch's size
     new_tokens: int
+    first_token: float = float("nan")  # until its first token (continuous admission)
+
+
+# generate() options the engine implements; others take the generate() path
+_ENGINE_OPTIONS = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id", "seed", "pad_token_id"}
 
 
 class DeltaServer:
@@ -57,10 +63,14 @@ class DeltaServer:
         max_batch_size: most requests in one batch.
         max_wait_s: how long the worker waits for more requests before it starts a batch.
         pad_token_id: padding for left-padded batches (default: the tokenizer's, else 0).
+        continuous: admit requests between decode steps (default) instead of per batch.
+        max_length: KV-cache length per row in continuous mode (prompt + new tokens must fit).
+        cuda_graphs: capture decode steps as CUDA graphs (default: on CUDA).
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch_size: int = 32, max_wait_s: float = 0.002,
-                 pad_token_id: Optional[int] = None):
+                 pad_token_id: Optional[int] = None, continuous: bool = True, max_length: int = 1024,
+                 cuda_graphs: Optional[bool] = None):
         if max_batch_size < 1:
             raise DeltaZipError(f"max_batch_size must be at least 1, got {max_batch_size}")
         self.model = model
@@ -74,7 +84,16 @@ class DeltaServer:
         self._queue: "queue.Queue[Optional[_Request]]" = queue.Queue()
         self._held: list[_Request] = []
         self._closed = False
-        self._worker = threading.Thread(target=self._run, name="deltazip-server", daemon=True)
+        self.engine = None
+        if continuous:
+            from .engine import DecodeEngine
+
+            self.engine = DecodeEngine(model, max_batch_size=max_batch_size, max_length=max_length,
+                                       cuda_graphs=cuda_graphs, pad_token_id=self.pad_token_id)
+        self._running: dict = {}  # engine handle -> (request, admitted at, batch size, first token at)
+        self._prefetched: set = set()
+        self._worker = threading.Thread(target=self._run_continuous if continuous else self._run,
+                                        name="deltazip-server", daemon=True)
         self._worker.start()
 
     # ------------------------------------------------------------------ public
@@ -100,6 +119,13 @@ class DeltaServer:
             ids = prompt.reshape(-1).tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
         if not ids:
             raise DeltaZipError("empty prompt")
+        if self.engine is not None and set(generate_kwargs) <= _ENGINE_OPTIONS:
+            need = len(ids) + generate_kwargs.get("max_new_tokens", 20)
+            if need > self.engine.max_length:
+                raise DeltaZipError(
+                    f"prompt ({len(ids)} tokens) + max_new_tokens is {need}, over max_length={self.engine.max_length}: "
+                    "raise DeltaServer(max_length=...) or ask for fewer tokens"
+                )
         future: Future = Future()
         self._queue.put(_Request(ids, delta_name, dict(generate_kwargs), text, future))
         return future
@@ -167,20 +193,117 @@ class DeltaServer:
                     self.model.prefetch(list(dict.fromkeys(waiting)))
                 except Exception:
                     pass
+            self._finish_batch(batch)
+
+    # ------------------------------------------------------------------ continuous admission
+    def _run_continuous(self) -> None:
+        engine = self.engine
+        stop = False
+        while True:
+            # wait for work only when nothing runs
+            block = not engine.active and not self._held and not stop
+            try:
+                item = self._queue.get(timeout=None) if block else self._queue.get_nowait()
+                while True:
+                    if item is None:
+                        stop = True
+                    else:
+                        self._held.append(item)
+                    item = self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            if stop and not self._held and not engine.active:
+                return
+            other = [r for r in self._held if not set(r.kwargs) <= _ENGINE_OPTIONS]
+            if other:  # options only generate() has: their own batch, between two decode steps
+                self._held = [r for r in self._held if set(r.kwargs) <= _ENGINE_OPTIONS]
+                for key in dict.fromkeys(_settings_key(r.kwargs) for r in other):
+                    self._finish_batch([r for r in other if _settings_key(r.kwargs) == key])
+            self._admit()
+            self._prefetch_waiting()
+            if engine.active:
+                try:
+                    finished = engine.step()
+                except BaseException as e:  # the running requests see the error; the server keeps going
+                    for handle, (r, *_rest) in list(self._running.items()):
+                        r.future.set_exception(e)
+                    self._running.clear()
+                    engine.__init__(self.model, max_batch_size=engine.max_batch_size, max_length=engine.max_length,
+                                    cuda_graphs=engine.cuda_graphs, pad_token_id=engine.pad_token_id)
+                    continue
+                done = time.perf_counter()
+                for f in finished:
+                    r, admitted, rows, first = self._running.pop(f.handle)
+                    self.stats.append(RequestStats(admitted - r.submitted, done - r.submitted, rows, len(f.tokens),
+                                                   first - r.submitted))
+                    self._resolve(r, f.tokens)
+
+    def _admit(self) -> None:
+        """Put waiting requests into free rows, oldest first, grouped by their sampling settings."""
+        engine = self.engine
+        waiting = []
+        for r in self._held:
+            if engine.free - len(waiting) <= 0 or not engine.can_add(len(r.ids)):
+                break
+            waiting.append(r)
+        admitted = set()
+        for key in dict.fromkeys(_settings_key(r.kwargs) for r in waiting):
+            group = [r for r in waiting if _settings_key(r.kwargs) == key]
+            kwargs = dict(group[0].kwargs)
+            kwargs.pop("pad_token_id", None)
+            kwargs.setdefault("max_new_tokens", 20)
+            if "eos_token_id" not in kwargs and self.tokenizer is not None:
+                kwargs["eos_token_id"] = self.tokenizer.eos_token_id
             started = time.perf_counter()
             try:
-                outputs = self._run_batch(batch)
-            except BaseException as e:  # the callers see the error; the server keeps going
-                for r in batch:
+                handles = engine.add([r.ids for r in group], [r.delta for r in group], **kwargs)
+            except DeltaZipError as e:
+                if "resident" in str(e) and engine.active:
+                    break  # the deltas in use fill the resident budget: wait for rows to finish
+                for r in group:
                     r.future.set_exception(e)
+                    admitted.add(id(r))
                 continue
-            done = time.perf_counter()
-            for r, out in zip(batch, outputs):
-                self.stats.append(RequestStats(started - r.submitted, done - r.submitted, len(batch), len(out)))
-                if r.text:
-                    r.future.set_result(self.tokenizer.decode(out, skip_special_tokens=True))
-                else:
-                    r.future.set_result(out)
+            first = time.perf_counter()
+            for h, r in zip(handles, group):
+                self._running[h] = (r, started, engine.active, first)
+                admitted.add(id(r))
+            # requests that finished inside add() are reported by the next step()
+        self._held = [r for r in self._held if id(r) not in admitted]
+
+    def _prefetch_waiting(self) -> None:
+        if not hasattr(self.model, "prefetch"):
+            return
+        info = getattr(self.model, "_info", {})
+        loaded = set(self.model.resident_deltas) | {n for n, i in info.items() if i.get("host") is not None}
+        self._prefetched -= loaded  # asked for and arrived: may be asked for again once evicted
+        names = [r.delta for r in self._held if r.delta is not None]
+        names = [n for n in dict.fromkeys(names) if n not in loaded and n not in self._prefetched]
+        if names:
+            self._prefetched.update(names)
+            try:
+                self.model.prefetch(names)
+            except Exception:  # prefetching is an optimisation: the request loads its delta when admitted
+                self._prefetched.difference_update(names)
+
+    def _finish_batch(self, batch: list) -> None:
+        started = time.perf_counter()
+        try:
+            outputs = self._run_batch(batch)
+        except BaseException as e:  # the callers see the error; the server keeps going
+            for r in batch:
+                r.future.set_exception(e)
+            return
+        done = time.perf_counter()
+        for r, out in zip(batch, outputs):
+            self.stats.append(RequestStats(started - r.submitted, done - r.submitted, len(batch), len(out)))
+            self._resolve(r, out)
+
+    def _resolve(self, r: _Request, out: list) -> None:
+        if r.text:
+            r.future.set_result(self.tokenizer.decode(out, skip_special_tokens=True))
+        else:
+            r.future.set_result(out)
 
     def _run_batch(self, batch: list) -> list:
         device = next(self.model.parameters()).device

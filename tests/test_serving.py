@@ -28,12 +28,13 @@ def alone(model, ids, name, n=5):
     return out[0, len(ids):].tolist()
 
 
-def test_requests_from_many_threads_match_one_at_a_time(model):
+@pytest.mark.parametrize("continuous", [True, False])
+def test_requests_from_many_threads_match_one_at_a_time(model, continuous):
     prompts = [calibration_ids(n=1, length=3 + i % 4, seed=i)[0].tolist() for i in range(9)]
     names = ["d1", "d2", None, "d3", "d1", "d2", "d3", None, "d1"]
     want = [alone(model, p, n) for p, n in zip(prompts, names)]
     results = [None] * len(prompts)
-    with DeltaServer(model, max_batch_size=2, max_wait_s=0.01) as server:
+    with DeltaServer(model, max_batch_size=2, max_wait_s=0.01, continuous=continuous, max_length=32) as server:
         def client(i):
             results[i] = server.submit(prompts[i], names[i], max_new_tokens=5, do_sample=False).result(timeout=120)
 
@@ -63,3 +64,21 @@ def test_settings_split_batches_and_errors_reach_the_caller(model):
         assert server.generate([[1, 2, 3]], ["d2"], max_new_tokens=3) == [alone(model, [1, 2, 3], "d2", 3)]
     with pytest.raises(DeltaZipError, match="closed"):
         server.submit([1], None)
+
+
+def test_a_short_request_joins_and_leaves_while_a_long_one_decodes(model):
+    long_ids, short_ids = [3, 4, 5, 6], [7, 8]
+    with DeltaServer(model, max_batch_size=4, max_length=64) as server:
+        long = server.submit(long_ids, "d1", max_new_tokens=40)
+        while not server.engine.active:  # the long request is decoding
+            pass
+        short = server.submit(short_ids, "d2", max_new_tokens=3)
+        assert short.result(timeout=120) == alone(model, short_ids, "d2", 3)
+        assert not long.done(), "the short request waited for the long one: admission is not continuous"
+        assert long.result(timeout=120) == alone(model, long_ids, "d1", 40)
+        stats = list(server.stats)
+    assert [s.new_tokens for s in stats] == [3, 40]
+    assert all(0 <= s.queued <= s.first_token <= s.total for s in stats)
+    with pytest.raises(DeltaZipError, match="max_length"):
+        with DeltaServer(model, max_length=8) as small:
+            small.submit([1, 2, 3], "d1", max_new_tokens=6)

@@ -1,4 +1,4 @@
-"""``deltazip bench quality|kernels``: thin entry points to the benchmark scripts in hf_deltazip.bench."""
+"""``deltazip bench quality|kernels|serve``: thin entry points to the benchmark scripts in hf_deltazip.bench."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import sys
 def cmd_bench(args) -> int:
     if args.which == "quality":
         from .bench.quality import main
+    elif args.which == "serve":
+        from .bench.serve import main
     else:
         from .bench.kernels import main
     try:
@@ -19,7 +21,7 @@ def cmd_bench(args) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: quality (gain kept vs ratio) or kernels (GPU)")
-    p.add_argument("which", choices=["quality", "kernels"])
+    p = sub.add_parser("bench", help="benchmarks: quality (gain kept vs ratio), kernels (GPU) or serve (many deltas, GPU)")
+    p.add_argument("which", choices=["quality", "kernels", "serve"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see --help after it)")
     p.set_defaults(func=cmd_bench)

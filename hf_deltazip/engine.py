@@ -176,11 +176,16 @@ class DecodeEngine:
                 return list(r.tokens)
         raise DeltaZipError(f"no active request with handle {handle}")
 
-    def can_add(self, prompt_len: int) -> bool:
-        """Whether a prompt of ``prompt_len`` tokens can be admitted now without starving active rows."""
+    def can_add(self, prompt_len: int, delta_names: Sequence = ()) -> bool:
+        """Whether prompts of up to ``prompt_len`` tokens naming ``delta_names`` can be admitted now: a
+        free row, cache room that active rows do not need, and the deltas fit the model's resident
+        budget next to the deltas active rows use."""
         rows = [r for r in self._rows if r is not None]
-        if len(rows) >= self.max_batch_size:
+        if len(rows) + max(len(delta_names), 1) > self.max_batch_size:
             return False
+        if self.delta_model is not None and any(n is not None for n in delta_names):
+            if not self.delta_model._fits(delta_names):
+                return False
         shift = min(r.start for r in rows) if rows else self._ptr
         ptr = max(self._ptr - shift, prompt_len)
         return all(ptr - (r.start - shift) + (r.max_new - len(r.tokens)) <= self.max_length for r in rows)
@@ -243,7 +248,7 @@ class DecodeEngine:
         i = 0
         while i < len(prompts) or self.active:
             take = min(self.free, len(prompts) - i)
-            while take and not self.can_add(max(len(p) for p in prompts[i:i + take])):
+            while take and not self.can_add(max(len(p) for p in prompts[i:i + take]), names[i:i + take]):
                 take -= 1
             if take:
                 part = dict(kwargs)

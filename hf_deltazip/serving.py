@@ -242,10 +242,11 @@ class DeltaServer:
         """Put waiting requests into free rows, oldest first, grouped by their sampling settings."""
         engine = self.engine
         waiting = []
-        for r in self._held:
-            if engine.free - len(waiting) <= 0 or not engine.can_add(len(r.ids)):
+        for r in self._held:  # oldest first; a request whose delta cannot be resident yet lets others by
+            if len(waiting) >= engine.free:
                 break
-            waiting.append(r)
+            if engine.can_add(len(r.ids), [x.delta for x in waiting] + [r.delta]):
+                waiting.append(r)
         admitted = set()
         for key in dict.fromkeys(_settings_key(r.kwargs) for r in waiting):
             group = [r for r in waiting if _settings_key(r.kwargs) == key]

@@ -200,8 +200,13 @@ def replay(engine, trace: Sequence[Request], names: Sequence, *, new_tokens: int
                             result.switch_log.append(switch(current))
                             result.switch_s += clock() - s
                     batch = [r for r in waiting if r.delta == current][: engine.free]
-            else:
-                batch = waiting[: engine.free]
+            else:  # first come, first served; a request whose delta cannot be resident yet lets others by
+                batch = []
+                for r in waiting:
+                    if len(batch) >= engine.free:
+                        break
+                    if engine.can_add(len(r.prompt), [names[x.delta] for x in batch] + [names[r.delta]]):
+                        batch.append(r)
             if batch:
                 chosen = {r.id for r in batch}
                 waiting = [r for r in waiting if r.id not in chosen]
@@ -592,9 +597,10 @@ def _make_engine(model, args):
                         cuda_graphs=False if args.eager else None)
 
 
-def _run(name: str, engine, trace, names, args, *, one_at_a_time: bool, switch=None, clock=None) -> tuple:
+def _run(name: str, engine, trace, names, args, *, one_at_a_time: bool, switch=None, clock=None,
+         warm_names=None) -> tuple:
     device = args.device
-    _warm_up(engine, names, args.vocab_size, args.prompt_len, steps=min(args.new_tokens, 4))
+    _warm_up(engine, warm_names or names, args.vocab_size, args.prompt_len, steps=min(args.new_tokens, 4))
     if switch is not None:
         switch(0)  # warm the copy path once; the replay's first switch is still timed
     if torch.device(device).type == "cuda":
@@ -614,27 +620,42 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
     """``deltazip`` and ``one-delta-loop``: one DeltaModel with all N deltas, one engine."""
     from ..modeling import DeltaModel
 
-    need = args.deltas * delta_bytes(base, args.bits, args.group_size) + kv_cache_bytes(base.config, args.batch, _cache_length(args)) + _GIB
+    one = delta_bytes(base, args.bits, args.group_size)
+    kv = kv_cache_bytes(base.config, args.batch, _cache_length(args))
     free = device_free_bytes(args.device)
-    if free is not None and need > free:
-        reason = (f"{args.deltas} deltas of {args.bits} bits plus the KV cache need {need / _GIB:.1f} GiB but "
-                  f"{free / _GIB:.1f} GiB are free: use --bits 2, fewer --deltas or --layers")
+    resident = args.deltas if args.max_resident is None else min(args.max_resident, args.deltas)
+    if args.max_resident is None and free is not None:
+        resident = min(args.deltas, int((free - kv - 2 * _GIB) // one))  # as many as fit, the rest in host memory
+    if resident < 1:
         for s in wanted:
-            skipped[s] = reason
+            skipped[s] = (f"not even one delta of {one / _GIB:.1f} GiB fits next to the KV cache in "
+                          f"{(free or 0) / _GIB:.1f} GiB: use --bits 2, --batch or --layers")
         return
-    how = {"deltazip": "all deltas resident; continuous batching, every row its own delta",
-           "one-delta-loop": "same model and engine; rows of one delta at a time"}
+    host = (args.deltas - resident) * one
+    avail = host_available_bytes()
+    if host and avail is not None and host > 0.8 * avail:
+        for s in wanted:
+            skipped[s] = (f"{args.deltas - resident} deltas that do not fit on the GPU need {host / _GIB:.1f} GiB of host "
+                          f"memory, {avail / _GIB:.1f} GiB are free: use --bits 2 or fewer --deltas")
+        return
+    tier = ("all deltas resident" if resident == args.deltas else
+            f"{resident} of {args.deltas} deltas resident on the GPU (LRU), the others in pinned host memory, "
+            "uploaded when a request needs them")
+    how = {"deltazip": f"{tier}; continuous batching, every row its own delta",
+           "one-delta-loop": f"{tier}; same engine, rows of one delta at a time"}
     dm = engine = None
     try:
         dm = DeltaModel(base)
-        dm.configure_cache(max_resident=args.deltas)  # before adding: the kernel stacks are sized once, for all N
+        dm.configure_cache(max_resident=resident)  # before adding: the kernel stacks are sized once
         names = [f"d{i}" for i in range(args.deltas)]
-        for i, n in enumerate(names):
-            dm.add_delta(random_delta(base, args.bits, args.group_size, seed=i), n)
+        for i, n in enumerate(names):  # the most popular ones start resident
+            dm.add_delta(random_delta(base, args.bits, args.group_size, seed=i), n, resident=i < resident)
         engine = _make_engine(dm, args)
         for system in wanted:
-            results[system], run = _run(system, engine, trace, names, args, one_at_a_time=system == "one-delta-loop")
+            results[system], run = _run(system, engine, trace, names, args, one_at_a_time=system == "one-delta-loop",
+                                        warm_names=names[:resident])
             results[system]["how"] = how[system]
+            results[system]["resident_deltas"] = resident
             outcomes[system] = run.outcomes
     except torch.cuda.OutOfMemoryError as e:
         for system in wanted:
@@ -856,6 +877,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=32, help="most rows decoding at once (default 32)")
     p.add_argument("--bits", type=int, default=4, help="delta bits (default 4)")
     p.add_argument("--group-size", type=int, default=128, help="delta quantization group (default 128)")
+    p.add_argument("--max-resident", type=int, help="deltas kept on the GPU (default: as many as fit; the others wait in pinned host memory)")
     p.add_argument("--host-buffers", type=int, default=2, help="swap-cpu: full host copies reused (default 2)")
     p.add_argument("--disk-files", type=int, default=2, help="swap-disk: safetensors files reused (default 2)")
     p.add_argument("--workdir", help="swap-disk: folder on a local disk for the files (default: a temporary folder)")

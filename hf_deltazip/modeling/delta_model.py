@@ -293,6 +293,23 @@ class DeltaModel(nn.Module):
         if ready is not None:
             torch.cuda.current_stream().wait_event(ready)
 
+    def _fits(self, names) -> bool:
+        """Whether the deltas ``names`` could all be resident next to the held ones (without waiting)."""
+        names = {n for n in names if n is not None}
+        keep = names | set(self._held)
+        if self._max_resident is not None and len(keep) > self._max_resident:
+            return False
+        if self._max_resident_bytes is not None:
+            def size(n):
+                info = self._info.get(n, {})
+                if "nbytes" in info:
+                    return info["nbytes"]
+                return _nbytes(*info["host"]) if info.get("host") is not None else 0
+
+            if sum(size(n) for n in keep) > self._max_resident_bytes:
+                return False
+        return True
+
     def _hold(self, names) -> None:
         """Mark deltas as used by running requests (the cache will not evict them)."""
         with self._lock:
@@ -352,8 +369,9 @@ class DeltaModel(nn.Module):
                     raise
                 self._slots[n] = slot
                 info["nbytes"] = nbytes
-                if info.pop("keep_host", False):  # an in-memory delta: resident now, the caller's copy is not kept
-                    info["host"] = None
+                if info.get("keep_host") and _on_device(modules, params):
+                    info["host"] = None  # an in-memory delta given on the device: the stack holds it now
+                    info.pop("keep_host")
                 if info["host"] is None and self._max_host_bytes and info["path"] is not None:
                     info["host"] = _to_host(modules, params)
                 info.pop("prefetched", None)
@@ -658,6 +676,11 @@ class DeltaModel(nn.Module):
                         per[n] += mod.delta_nbytes(slot)
         host = {n: _nbytes(*i["host"]) for n, i in self._info.items() if i["host"] is not None}
         return {"base": base, "deltas": per, "total": base + sum(per.values()), "host": host}
+
+
+def _on_device(modules: dict, params: dict) -> bool:
+    tensors = [p.qweight for p in modules.values()] + list(params.values())
+    return any(t.device.type != "cpu" for t in tensors)
 
 
 def _nbytes(modules: dict, params: dict) -> int:

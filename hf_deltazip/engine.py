@@ -113,10 +113,14 @@ class DecodeEngine:
         max_length: cache length; a request needs ``prompt + max_new_tokens <= max_length``.
         cuda_graphs: capture decode steps as CUDA graphs (default: on CUDA devices).
         pad_token_id: token id fed to idle rows.
+        max_deltas: most distinct deltas among the active rows (``None``: no limit). A decode step
+            reads every delta its rows use, so its time grows with their number; :meth:`can_add`
+            holds back requests for other deltas while the limit is reached, and they get in (oldest
+            first, when the caller admits in arrival order) as rows of running deltas finish.
     """
 
     def __init__(self, model, *, max_batch_size: int = 32, max_length: int = 1024,
-                 cuda_graphs: Optional[bool] = None, pad_token_id: int = 0):
+                 cuda_graphs: Optional[bool] = None, pad_token_id: int = 0, max_deltas: Optional[int] = None):
         from .modeling import DeltaModel
 
         if max_batch_size < 1 or max_length < 2:
@@ -136,6 +140,9 @@ class DecodeEngine:
         if self.cuda_graphs and self.device.type != "cuda":
             raise DeltaZipError("cuda_graphs=True needs the model on a CUDA device")
         self.pad_token_id = pad_token_id
+        if max_deltas is not None and max_deltas < 1:
+            raise DeltaZipError(f"max_deltas must be a positive integer or None, got {max_deltas}")
+        self.max_deltas = max_deltas
         params = inspect.signature(self.lm.forward).parameters
         self._cache_kw = "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
         self._keep_kw = "logits_to_keep" in params
@@ -186,6 +193,10 @@ class DecodeEngine:
         if self.delta_model is not None and any(n is not None for n in delta_names):
             if not self.delta_model._fits(delta_names):
                 return False
+            if self.max_deltas is not None:
+                running = {r.delta for r in rows} | set(delta_names)
+                if len(running - {None}) > self.max_deltas:
+                    return False
         shift = min(r.start for r in rows) if rows else self._ptr
         ptr = max(self._ptr - shift, prompt_len)
         return all(ptr - (r.start - shift) + (r.max_new - len(r.tokens)) <= self.max_length for r in rows)

@@ -66,11 +66,13 @@ class DeltaServer:
         continuous: admit requests between decode steps (default) instead of per batch.
         max_length: KV-cache length per row in continuous mode (prompt + new tokens must fit).
         cuda_graphs: capture decode steps as CUDA graphs (default: on CUDA).
+        max_deltas: most distinct deltas decoding at once (continuous mode; ``None``: no limit). Each
+            step reads every delta its rows use: a limit trades some latency for throughput.
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch_size: int = 32, max_wait_s: float = 0.002,
                  pad_token_id: Optional[int] = None, continuous: bool = True, max_length: int = 1024,
-                 cuda_graphs: Optional[bool] = None):
+                 cuda_graphs: Optional[bool] = None, max_deltas: Optional[int] = None):
         if max_batch_size < 1:
             raise DeltaZipError(f"max_batch_size must be at least 1, got {max_batch_size}")
         self.model = model
@@ -89,7 +91,7 @@ class DeltaServer:
             from .engine import DecodeEngine
 
             self.engine = DecodeEngine(model, max_batch_size=max_batch_size, max_length=max_length,
-                                       cuda_graphs=cuda_graphs, pad_token_id=self.pad_token_id)
+                                       cuda_graphs=cuda_graphs, pad_token_id=self.pad_token_id, max_deltas=max_deltas)
         self._running: dict = {}  # engine handle -> (request, admitted at, batch size, first token at)
         self._prefetched: set = set()
         self._worker = threading.Thread(target=self._run_continuous if continuous else self._run,
@@ -229,7 +231,8 @@ class DeltaServer:
                         r.future.set_exception(e)
                     self._running.clear()
                     engine.__init__(self.model, max_batch_size=engine.max_batch_size, max_length=engine.max_length,
-                                    cuda_graphs=engine.cuda_graphs, pad_token_id=engine.pad_token_id)
+                                    cuda_graphs=engine.cuda_graphs, pad_token_id=engine.pad_token_id,
+                                    max_deltas=engine.max_deltas)
                     continue
                 done = time.perf_counter()
                 for f in finished:

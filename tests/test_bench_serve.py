@@ -99,6 +99,9 @@ class SimEngine:
     def active(self):
         return len(self.rows)
 
+    def can_add(self, prompt_len, delta_names=()):
+        return len(self.rows) + max(len(delta_names), 1) <= self.max
+
     def add(self, prompts, delta_names, max_new_tokens, eos_token_id=None):
         assert eos_token_id is None
         if len(prompts) > self.free:

@@ -134,6 +134,23 @@ def test_held_deltas_are_not_evicted_and_bad_requests_fail_clearly(delta_dirs):
         DecodeEngine(base_model("llama"), cuda_graphs=True)
 
 
+def test_max_deltas_bounds_the_deltas_decoding_together(delta_dirs):
+    model = DeltaModel(copy.deepcopy(base_model("llama")))
+    for name, path in delta_dirs.items():
+        model.load_delta(path, delta_name=name)
+    engine = DecodeEngine(model, max_batch_size=4, max_length=32, max_deltas=2)
+    p = prompts(4, seed=6)
+    engine.add(p[:2], ["d1", "d2"], max_new_tokens=3)
+    assert not engine.can_add(8, ["d3"]) and engine.can_add(8, ["d1", None])
+    names = ["d3", "d1", "d2", "d3"]
+    want = [alone(model, q, 4, delta_names=[n]) for q, n in zip(p, names)]
+    while engine.active:
+        engine.step()
+    assert engine.run(p, names, max_new_tokens=4) == want
+    with pytest.raises(DeltaZipError, match="max_deltas"):
+        DecodeEngine(model, max_deltas=0)
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 

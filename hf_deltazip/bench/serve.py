@@ -594,7 +594,7 @@ def _make_engine(model, args):
     from ..engine import DecodeEngine
 
     return DecodeEngine(model, max_batch_size=args.batch, max_length=_cache_length(args),
-                        cuda_graphs=False if args.eager else None)
+                        cuda_graphs=False if args.eager else None, max_deltas=args.max_deltas)
 
 
 def _run(name: str, engine, trace, names, args, *, one_at_a_time: bool, switch=None, clock=None,
@@ -638,7 +638,8 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
             skipped[s] = (f"{args.deltas - resident} deltas that do not fit on the GPU need {host / _GIB:.1f} GiB of host "
                           f"memory, {avail / _GIB:.1f} GiB are free: use --bits 2 or fewer --deltas")
         return
-    tier = ("all deltas resident" if resident == args.deltas else
+    cap = "" if args.max_deltas is None else f"at most {args.max_deltas} distinct deltas decoding at once; "
+    tier = cap + ("all deltas resident" if resident == args.deltas else
             f"{resident} of {args.deltas} deltas resident on the GPU (LRU), the others in pinned host memory, "
             "uploaded when a request needs them")
     how = {"deltazip": f"{tier}; continuous batching, every row its own delta",
@@ -877,6 +878,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=32, help="most rows decoding at once (default 32)")
     p.add_argument("--bits", type=int, default=4, help="delta bits (default 4)")
     p.add_argument("--group-size", type=int, default=128, help="delta quantization group (default 128)")
+    p.add_argument("--max-deltas", type=int, help="deltazip: most distinct deltas among the decoding rows (default: no limit)")
     p.add_argument("--max-resident", type=int, help="deltas kept on the GPU (default: as many as fit; the others wait in pinned host memory)")
     p.add_argument("--host-buffers", type=int, default=2, help="swap-cpu: full host copies reused (default 2)")
     p.add_argument("--disk-files", type=int, default=2, help="swap-disk: safetensors files reused (default 2)")

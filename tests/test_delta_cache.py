@@ -120,3 +120,36 @@ def test_concurrent_callers_get_their_own_deltas(folders, reference):
     for t in threads:
         t.join(timeout=120)
     assert errors == []
+
+
+def _kernel_model(folders, device, dtype, monkeypatch):
+    if device == "cpu":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = DeltaModel(copy.deepcopy(base_model("llama")).to(device, dtype), use_kernels="always")
+    model.configure_cache(max_resident=3)  # kernel stacks with room for three
+    model.load_delta(folders["d1"], delta_name="d1")
+    model.load_delta(folders["d2"], delta_name="d2", resident=False)
+    return model
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_prefetch_uploads_into_free_room_ahead_of_use(folders, reference, device, monkeypatch):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = _kernel_model(folders, device, dtype, monkeypatch)
+    version = model._routing.version
+    assert model.prefetch(["d2"]).result(timeout=120) == ["d2"]
+    assert sorted(model.resident_deltas) == ["d1", "d2"], "d2 was not uploaded ahead of use"
+    assert "d2" not in model.memory_footprint()["host"]  # no host copy kept without a host budget
+    with torch.no_grad():
+        got = model(input_ids=IDS.to(device), delta_names=["d2", "d1"]).logits.float().cpu()
+    want = logits(reference, ["d2", "d1"])
+    tol = 1e-4 if device == "cpu" else 3e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+    # the linear layers took it into free room; embeddings and norms changed, so the layout moved on
+    assert model._routing.version > version
+    full = _kernel_model(folders, device, dtype, monkeypatch)
+    full.configure_cache(max_resident=1)
+    assert full.prefetch(["d2"]).result(timeout=120) == ["d2"]
+    assert full.resident_deltas == ["d1"], "a prefetch must not evict"

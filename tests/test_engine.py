@@ -173,3 +173,26 @@ def test_cuda_graph_steps_match_eager_steps_as_deltas_come_and_go(delta_dirs):
     model.delete_delta("d3")  # frees its place in the stacks; the step is captured again (embeddings changed)
     model.load_delta(delta_dirs["d3"], delta_name="d3")
     assert engine.run(ps, names, max_new_tokens=6) == eager
+
+
+@cuda
+def test_server_on_gpu_continuous_with_graphs_prefetch_and_eviction(delta_dirs):
+    """Continuous admission, captured steps, deltas coming and going under a 2-delta budget."""
+    from hf_deltazip.serving import DeltaServer
+
+    def make():
+        m = DeltaModel(copy.deepcopy(base_model("llama")).to("cuda"))  # float32: exact enough to compare tokens
+        m.configure_cache(max_resident=2, max_host_bytes=10**8)
+        for name, path in delta_dirs.items():
+            m.load_delta(path, delta_name=name, resident=False)
+        return m
+
+    ps = prompts(9, seed=8)
+    names = ["d1", "d2", "d3", None, "d3", "d1", "d2", "d2", "d3"]
+    ref = DecodeEngine(make(), max_batch_size=1, max_length=32, cuda_graphs=False)
+    want = [ref.run([p], [n], max_new_tokens=5)[0] for p, n in zip(ps, names)]
+    with DeltaServer(make(), max_batch_size=4, max_length=32) as server:
+        futures = [server.submit(p, n, max_new_tokens=5) for p, n in zip(ps, names)]
+        got = [f.result(timeout=300) for f in futures]
+        assert server.engine._graph is not None
+    assert got == want

@@ -20,7 +20,7 @@ from ..errors import BaseMismatchError, DeltaNotFoundError, DeltaZipError
 from ..fingerprint import check_fingerprint
 from ..format import DZ_FILENAME, DeltaZipFile
 from .arch import is_linear
-from .layers import DeltaEmbedding, DeltaLinear, DeltaOverride, Routing, _DeltaModuleBase
+from .layers import DeltaEmbedding, DeltaLinear, DeltaOverride, Routing, _DeltaModuleBase, _map_packed
 
 _HUB_KWARGS = ("revision", "token", "cache_dir", "local_files_only")
 
@@ -257,31 +257,50 @@ class DeltaModel(nn.Module):
         return self._prefetcher.submit(work)
 
     def _upload_ahead(self, name: str) -> None:
-        """Copy a host-tier delta into free stack room on a side stream (caller holds the lock)."""
+        """Put a host-tier delta on the device ahead of use, into free room only (caller holds the lock).
+
+        On CUDA the copies run on a side stream (device memory is taken on the main stream, so the
+        caching allocator never hands a block in use by a running step to the side stream); the
+        first batch that names the delta waits for them with an event.
+        """
         info = self._info.get(name)
         device = _first_device(self.base_model)
-        if info is None or name in self._slots or info["host"] is None or device.type != "cuda":
+        if info is None or name in self._slots or info["host"] is None or not self._routing.wants_kernels(device):
             return
         modules, params = info["host"]
         slot = self._free_slot()
         nbytes = _nbytes(modules, params)
-        if params or (self._max_resident is not None and len(self._slots) + 1 > self._max_resident):
+        if info["header"].get("extra", {}).get("tied_embeddings"):
+            return  # the LM head would share the embedding's delta: attach on demand instead
+        if self._max_resident is not None and len(self._slots) + 1 > self._max_resident:
             return
         if self._max_resident_bytes is not None and self._resident_bytes() + nbytes > self._max_resident_bytes:
             return
+        # only changes that need no new wrapper and no stack rebuild
         for mname, p in modules.items():
             mod = self._find(mname)
-            if not (isinstance(mod, DeltaLinear) and mod.can_write_in_place(slot, p)):
+            if isinstance(mod, DeltaLinear):
+                if not mod.can_write_in_place(slot, p):
+                    return
+            elif not isinstance(mod, _DeltaModuleBase):
                 return
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(device)
-        self._side_stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(self._side_stream):
-            self._attach(slot, modules, params, info["header"])
+        for pname in params:
+            owner = self._find(pname.rpartition(".")[0])
+            if not isinstance(owner, _DeltaModuleBase) or isinstance(owner, DeltaLinear):
+                return
+        side = None
+        if device.type == "cuda":
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(device)
+            side = self._side_stream
+            side.wait_stream(torch.cuda.current_stream(device))
+        self._attach(slot, modules, params, info["header"], side=side)
+        if side is not None:
             ready = torch.cuda.Event()
-            ready.record(self._side_stream)
+            ready.record(side)
+            info["ready"] = ready
         self._slots[name] = slot
-        info.update(nbytes=nbytes, ready=ready)
+        info["nbytes"] = nbytes
         info.pop("prefetched", None)
         info.pop("keep_host", None)
         if not self._max_host_bytes or info["path"] is None:
@@ -519,15 +538,33 @@ class DeltaModel(nn.Module):
         setattr(parent, child, wrapper)
         return wrapper
 
-    def _attach(self, slot: int, modules: dict, params: dict, header: dict) -> None:
+    def _attach(self, slot: int, modules: dict, params: dict, header: dict, side=None) -> None:
+        """Put a delta's tensors on the device under ``slot``; with a CUDA ``side`` stream, the copies
+        run on it (memory is taken on the current stream)."""
+        from contextlib import nullcontext
+
         device = _first_device(self.base_model)
         special = self._special_names()
+        on_side = torch.cuda.stream(side) if side is not None else nullcontext()
+
+        def move(t):
+            if side is None or t.device == device:
+                return t.to(device)
+            dst = torch.empty_like(t, device=device)
+            with torch.cuda.stream(side):
+                dst.copy_(t, non_blocking=True)
+            dst.record_stream(side)
+            return dst
+
         for name, p in modules.items():
             wrapper = self._wrap(name, p.kind)
             if not (isinstance(wrapper, DeltaLinear) and wrapper.can_write_in_place(slot, p)):
                 p = p.to_dense_layout() if device.type == "cuda" else p
-                p = _map_to(p, device)
-            wrapper.add_packed(slot, p)  # in place: one copy from (pinned) host memory into the stack
+                p = _map_packed(p, move)
+                wrapper.add_packed(slot, p)
+            else:
+                with on_side:
+                    wrapper.add_packed(slot, p)  # in place: one copy from (pinned) host memory into the stack
             # tied embeddings: the LM head shares the input embedding's delta
             if p.kind == "embedding" and header.get("extra", {}).get("tied_embeddings") and name == special.get("input"):
                 out_name = special.get("output")
@@ -536,7 +573,7 @@ class DeltaModel(nn.Module):
         for pname, t in params.items():
             owner, _, attr = pname.rpartition(".")
             wrapper = self._wrap(owner, "override" if owner not in modules else modules[owner].kind)
-            wrapper.add_override(slot, attr, t.to(device))
+            wrapper.add_override(slot, attr, move(t))
 
     def _detach(self, slot: int, keep_room: bool = True) -> None:
         for mod in list(self.base_model.modules()):
@@ -695,8 +732,6 @@ def _to_host(modules: dict, params: dict):
         t = t.detach().to("cpu")
         return t.pin_memory() if pin else t
 
-    from .layers import _map_packed
-
     return ({n: _map_packed(p, host) for n, p in modules.items()}, {n: host(t) for n, t in params.items()})
 
 
@@ -726,12 +761,6 @@ def _first_device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
-
-
-def _map_to(p: PackedModule, device) -> PackedModule:
-    from .layers import _map_packed
-
-    return _map_packed(p, lambda t: t.to(device))
 
 
 def _merged_module(mod: _DeltaModuleBase, slot: int) -> nn.Module:

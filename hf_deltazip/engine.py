@@ -45,6 +45,8 @@ from .errors import DeltaZipError
 
 __all__ = ["DecodeEngine", "Finished"]
 
+_MODEL_DEFAULT = object()  # eos_token_id not given: the model's generation config decides
+
 
 @dataclass
 class Finished:
@@ -131,6 +133,12 @@ class DecodeEngine:
         if config is None or getattr(config, "is_encoder_decoder", False):
             raise DeltaZipError("DecodeEngine needs a decoder-only transformers causal LM")
         self.config = config
+        windowed = [t for t in (getattr(config, "layer_types", None) or []) if t != "full_attention"]
+        if windowed:
+            raise DeltaZipError(
+                f"DecodeEngine runs full attention only; this model has {sorted(set(windowed))} layers: "
+                "use generate() for it"
+            )
         param = next(self.lm.parameters())
         self.device, self.dtype = param.device, param.dtype
         if not self.dtype.is_floating_point:
@@ -202,7 +210,7 @@ class DecodeEngine:
         return all(ptr - (r.start - shift) + (r.max_new - len(r.tokens)) <= self.max_length for r in rows)
 
     def add(self, prompts: Sequence, delta_names: Optional[Sequence] = None, *,
-            max_new_tokens: Union[int, Sequence[int]] = 32, eos_token_id=None, do_sample: bool = False,
+            max_new_tokens: Union[int, Sequence[int]] = 32, eos_token_id=_MODEL_DEFAULT, do_sample: bool = False,
             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None) -> list:
         """Admit requests into free rows: one batched prefill, which also picks each row's first token.
 
@@ -210,7 +218,8 @@ class DecodeEngine:
             prompts: token ids per request (lists or 1-D tensors).
             delta_names: the delta of each request (``None``: the base); default all ``None``.
             max_new_tokens: per request, or one value for all.
-            eos_token_id: an id or a list of ids that end a request (the token is not returned).
+            eos_token_id: an id or a list of ids that end a request (the token is not returned);
+                default: the model's ``generation_config.eos_token_id``; ``None``: never stop early.
             do_sample, temperature, top_k, top_p, seed: sampling instead of greedy choice.
 
         Returns:
@@ -236,6 +245,8 @@ class DecodeEngine:
                 )
         if self.delta_model is None and any(x is not None for x in names):
             raise DeltaZipError("this engine runs a plain model: delta names must be None (use a DeltaModel for deltas)")
+        if eos_token_id is _MODEL_DEFAULT:
+            eos_token_id = getattr(getattr(self.lm, "generation_config", None), "eos_token_id", None)
         eos = frozenset([] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
         sample = dict(temperature=temperature, top_k=top_k, top_p=top_p) if do_sample else None
         with self._lock, self._model_lock():

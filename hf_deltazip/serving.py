@@ -320,14 +320,16 @@ class DeltaServer:
         kwargs = dict(batch[0].kwargs)
         kwargs.setdefault("pad_token_id", self.pad_token_id)
         eos = kwargs.get("eos_token_id", getattr(self.tokenizer, "eos_token_id", None))
+        if eos is None:
+            eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        stops = set([eos] if isinstance(eos, int) else eos or [])
         with torch.no_grad():
             out = self.model.generate(ids.to(device), attention_mask=mask.to(device),
                                       delta_names=[r.delta for r in batch], **kwargs)
         results = []
-        for row in out[:, width:].tolist():
-            if eos is not None and eos in row:
-                row = row[: row.index(eos)]
-            results.append(row)
+        for row in out[:, width:].tolist():  # the tokens before end-of-sequence, as the engine returns them
+            ends = [i for i, t in enumerate(row) if t in stops]
+            results.append(row[: ends[0]] if ends else row)
         return results
 
 

@@ -24,20 +24,24 @@ def delta_dirs(tmp_path_factory):
 
 
 def alone(model, ids, n, **kw):
+    """generate() for one prompt; the engine returns the tokens before end-of-sequence, so strip it."""
     out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                         max_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
-    return out[0, len(ids):].tolist()
+                         max_new_tokens=n, do_sample=False, pad_token_id=0, **kw)[0, len(ids):].tolist()
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    stops = [i for i, t in enumerate(out) if t in eos]
+    return out[: stops[0]] if stops else out
 
 
 def prompts(count, seed=0):
     return [calibration_ids(n=1, length=2 + (i * 3) % 7, seed=seed + i)[0].tolist() for i in range(count)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "phi3"])
 def test_plain_model_matches_generate_with_rows_joining_and_cache_shifts(arch, monkeypatch):
     model = base_model(arch)
-    ps = prompts(7)
-    news = [5, 9, 3, 12, 1, 7, 4]
+    ps = prompts(7) + [[1, 5, 7, 9], [8, 9, 10, 11, 12]]  # the last one meets qwen2's eos
+    news = [5, 9, 3, 12, 1, 7, 4, 6, 6]
     want = [alone(model, p, n) for p, n in zip(ps, news)]
     engine = DecodeEngine(model, max_batch_size=3, max_length=20)
     shifts = []
@@ -132,6 +136,10 @@ def test_held_deltas_are_not_evicted_and_bad_requests_fail_clearly(delta_dirs):
         DecodeEngine(base_model("llama"), max_length=16).add([p[0]], ["d1"], max_new_tokens=2)
     with pytest.raises(DeltaZipError, match="CUDA"):
         DecodeEngine(base_model("llama"), cuda_graphs=True)
+    windowed = copy.deepcopy(base_model("llama"))
+    windowed.config.layer_types = ["sliding_attention", "full_attention"]
+    with pytest.raises(DeltaZipError, match="full attention only"):
+        DecodeEngine(windowed)
 
 
 def test_max_deltas_bounds_the_deltas_decoding_together(delta_dirs):

@@ -850,9 +850,14 @@ def _environment(args, argv) -> dict:
     import transformers
 
     device = torch.device(args.device)
+    here = Path(__file__).resolve().parent
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip() or None
+                                cwd=here, timeout=5).stdout.strip() or None
+        if commit:  # a tree that differs from its commit is not that commit
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "."],
+                                   capture_output=True, text=True, cwd=here.parent, timeout=10).stdout.strip()
+            commit += "+modified" if dirty else ""
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from hf_deltazip import DeltaModel, DeltaZipConfig, compress
-from hf_deltazip.modeling.layers import DeltaLinear
 
 from model_factory import base_model, calibration_ids, finetune
 

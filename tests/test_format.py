@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from hf_deltazip.delta import CompressedDelta, delta_bytes_report
 from hf_deltazip.errors import DeltaZipFormatError
-from hf_deltazip.format import DZ_FILENAME, DeltaZipFile, atomic_write_bytes, write_dz
+from hf_deltazip.format import DZ_FILENAME, DeltaZipFile, atomic_write_bytes
 
 from dz_factory import small_delta
 

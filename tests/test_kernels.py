@@ -7,7 +7,6 @@ The GPU tests run compiled kernels at real sizes and skip cleanly without CUDA.
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import packing
-from .solver import Sparsity, rtn_compress, storage_nbytes
+from .solver import Sparsity, rtn_compress
 
 _VALUE_BYTES = 2  # kept values, factors and the one scale are stored in 16 bits
 

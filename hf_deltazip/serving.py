@@ -20,6 +20,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -90,8 +91,12 @@ class DeltaServer:
         if continuous:
             from .engine import DecodeEngine
 
-            self.engine = DecodeEngine(model, max_batch_size=max_batch_size, max_length=max_length,
-                                       cuda_graphs=cuda_graphs, pad_token_id=self.pad_token_id, max_deltas=max_deltas)
+            try:
+                self.engine = DecodeEngine(model, max_batch_size=max_batch_size, max_length=max_length,
+                                           cuda_graphs=cuda_graphs, pad_token_id=self.pad_token_id, max_deltas=max_deltas)
+            except DeltaZipError as e:  # an architecture the engine cannot run: batch per batch instead
+                warnings.warn(f"DeltaServer: {e}; admitting requests per batch (continuous=False)")
+                continuous = False
         self._running: dict = {}  # engine handle -> (request, admitted at, batch size, first token at)
         self._prefetched: set = set()
         self._worker = threading.Thread(target=self._run_continuous if continuous else self._run,

@@ -82,3 +82,15 @@ def test_a_short_request_joins_and_leaves_while_a_long_one_decodes(model):
     with pytest.raises(DeltaZipError, match="max_length"):
         with DeltaServer(model, max_length=8) as small:
             small.submit([1, 2, 3], "d1", max_new_tokens=6)
+
+
+def test_models_the_engine_cannot_run_are_served_per_batch(model, monkeypatch):
+    want = alone(model, [3, 4, 5], "d1", 3)
+    config = model.base_model.config  # windowed layers: the engine refuses them
+    monkeypatch.setattr(config, "layer_types", ["sliding_attention"] * config.num_hidden_layers, raising=False)
+    monkeypatch.setattr(config, "sliding_window", 4096, raising=False)
+    with pytest.warns(UserWarning, match="per batch"):
+        server = DeltaServer(model, max_batch_size=2)
+    with server:
+        assert server.engine is None
+        assert server.submit([3, 4, 5], "d1", max_new_tokens=3).result(timeout=120) == want

@@ -35,7 +35,7 @@ from __future__ import annotations
 import inspect
 import threading
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
@@ -65,7 +65,6 @@ class _Row:
     handle: int
     delta: Optional[str]
     start: int  # first cache index of the prompt
-    position: int  # position id of the next token fed
     max_new: int
     eos: frozenset
     sample: Optional[dict]
@@ -261,6 +260,15 @@ class DecodeEngine:
             done, self._finished = self._finished, []
             return done
 
+    def reset(self) -> list:
+        """Abandon every active request (e.g. after a failed step); returns them as finished ``"aborted"``."""
+        with self._lock:
+            for row, r in enumerate(self._rows):
+                if r is not None:
+                    self._release(row, "aborted")
+            done, self._finished = self._finished, []
+            return done
+
     def run(self, prompts: Sequence, delta_names: Optional[Sequence] = None, **kwargs) -> list:
         """Generate for many requests (more than the rows, if need be) and return their new tokens in order."""
         prompts = list(prompts)
@@ -315,9 +323,9 @@ class DecodeEngine:
         allowed = causal[None] & real[:, None, :]
         mask = torch.full((n, 1, width, width), self._neg, dtype=self.dtype, device=self.device)
         mask.masked_fill_(allowed[:, None], 0.0)
-        if self.delta_model is not None:
-            self.delta_model._hold(names)
+        if self.delta_model is not None:  # under the model's lock: nothing evicts between these two
             slots = self.delta_model._slots_for(names)
+            self.delta_model._hold(names)
         route = self.delta_model.route(names) if self.delta_model is not None else nullcontext()
         self._cache.prefill = [None] * self._cache.layers
         try:
@@ -347,13 +355,14 @@ class DecodeEngine:
             row_mask[:, 0, 0, lo:hi].masked_fill_(real, 0.0)
             self._mask[index] = row_mask
         handles = []
-        firsts = self._choose(logits, [sample] * n, [self._generator(seed, i) for i in range(n)])
+        generators = [self._generator(seed, i) for i in range(n)]
+        firsts = self._choose(logits, [sample] * n, generators)
         for i, (row, p) in enumerate(zip(rows, prompts)):
             handle = self._next_handle
             self._next_handle += 1
             handles.append(handle)
-            r = _Row(handle=handle, delta=names[i], start=hi - len(p), position=len(p), max_new=news[i], eos=eos,
-                     sample=sample, generator=self._generator(seed, i))
+            r = _Row(handle=handle, delta=names[i], start=hi - len(p), max_new=news[i], eos=eos,
+                     sample=sample, generator=generators[i])
             self._rows[row] = r
             self._accept(row, firsts[i])
             if self._rows[row] is not None:
@@ -464,13 +473,12 @@ class DecodeEngine:
         self._ptr += 1
         self._cache.write.add_(1)
         self._positions.add_(1)
+        self._ids[:, 0].copy_(self._next)  # next inputs stay on the device; sampled rows and finished rows below
+        for i, token in chosen.items():
+            self._ids[i, 0] = token
         for i, r in enumerate(self._rows):
-            if r is None:
-                continue
-            token = chosen.get(i, greedy[i])
-            self._accept(i, token)
-            if self._rows[i] is not None:
-                self._ids[i, 0] = token
+            if r is not None:
+                self._accept(i, chosen.get(i, greedy[i]))
 
     def _choose(self, logits: torch.Tensor, samples: list, generators: list) -> list:
         """Greedy or sampled next tokens for a few rows of logits."""
@@ -509,20 +517,17 @@ class DecodeEngine:
     def _layout_version(self):
         return None if self.delta_model is None else self.delta_model._routing.version
 
+    @contextmanager
     def _static_rows(self):
+        """Route every delta module by the device tensor of row slots (what a captured step reads)."""
         routing = self.delta_model._routing if self.delta_model is not None else None
-        slots = self._slots
-
-        class _Ctx:
-            def __enter__(self_):
-                if routing is not None:
-                    routing.static_rows = slots
-
-            def __exit__(self_, *exc):
-                if routing is not None:
-                    routing.static_rows = None
-
-        return _Ctx()
+        if routing is not None:
+            routing.static_rows = self._slots
+        try:
+            yield
+        finally:
+            if routing is not None:
+                routing.static_rows = None
 
     def _capture(self, version) -> None:
         self._graph = None

@@ -235,9 +235,7 @@ class DeltaServer:
                     for handle, (r, *_rest) in list(self._running.items()):
                         r.future.set_exception(e)
                     self._running.clear()
-                    engine.__init__(self.model, max_batch_size=engine.max_batch_size, max_length=engine.max_length,
-                                    cuda_graphs=engine.cuda_graphs, pad_token_id=engine.pad_token_id,
-                                    max_deltas=engine.max_deltas)
+                    engine.reset()
                     continue
                 done = time.perf_counter()
                 for f in finished:

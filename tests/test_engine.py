@@ -120,7 +120,7 @@ def test_held_deltas_are_not_evicted_and_bad_requests_fail_clearly(delta_dirs):
         model.load_delta(path, delta_name=name, resident=False)
     engine = DecodeEngine(model, max_batch_size=4, max_length=24)
     p = prompts(3, seed=1)
-    engine.add(p[:2], ["d1", "d2"], max_new_tokens=4)
+    engine.add(p[:2], ["d1", "d2"], max_new_tokens=4, eos_token_id=None)  # both rows run 4 steps
     with pytest.raises(DeltaZipError, match="resident"):
         engine.add([p[2]], ["d3"], max_new_tokens=4)  # d1 and d2 are in use: d3 must wait
     assert sorted(model.resident_deltas) == ["d1", "d2"]
@@ -128,10 +128,11 @@ def test_held_deltas_are_not_evicted_and_bad_requests_fail_clearly(delta_dirs):
         engine.step()
     engine.add([p[2]], ["d3"], max_new_tokens=4)  # now one of them can go
     assert "d3" in model.resident_deltas
+    assert [f.reason for f in engine.reset()] == ["aborted"] and engine.free == 4 and not model._held
     with pytest.raises(DeltaZipError, match="max_length"):
         engine.add([list(range(1, 20))], [None], max_new_tokens=10)
     with pytest.raises(DeltaZipError, match="free rows"):
-        engine.add(prompts(4), [None] * 4, max_new_tokens=2)
+        engine.add(prompts(5), [None] * 5, max_new_tokens=2)
     with pytest.raises(DeltaZipError, match="plain model"):
         DecodeEngine(base_model("llama"), max_length=16).add([p[0]], ["d1"], max_new_tokens=2)
     with pytest.raises(DeltaZipError, match="CUDA"):

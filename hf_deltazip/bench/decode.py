@@ -112,23 +112,37 @@ def time_generate(model, ids, names, new_tokens, repeats=2):
     return best
 
 
-def evict_from_page_cache(paths) -> str:
-    """Make the next read of ``paths`` come from the disk. Returns how (for the report)."""
-    os.sync()
+def drop_page_cache() -> bool:
+    """Drop the whole page cache (needs root on Linux); ``False`` when not allowed."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return False
     try:
+        os.sync()
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
-        return "drop_caches"
+        return True
     except OSError:
-        pass
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return "posix_fadvise(DONTNEED)"
+        return False
+
+
+def evict_file(path) -> bool:
+    """Ask the kernel to drop ``path``'s pages from the page cache; ``False`` where that is not supported."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # dirty pages cannot be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return True
+    finally:
+        os.close(fd)
+
+
+def evict_from_page_cache(paths) -> str:
+    """Make the next read of ``paths`` come from the disk. Returns how (for the report)."""
+    if drop_page_cache():
+        return "drop_caches"
+    return "posix_fadvise(DONTNEED)" if all([evict_file(p) for p in paths]) else "not evicted"
 
 
 def sequential_read_GBps(path: Path) -> float:

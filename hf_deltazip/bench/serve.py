@@ -67,7 +67,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .decode import SHAPES, build_base, random_delta
+from .decode import SHAPES, build_base, drop_page_cache, evict_file, random_delta
 
 SYSTEMS = ("deltazip", "one-delta-loop", "swap-cpu", "swap-disk", "all-resident")
 ZIPF_CONVENTION = "P(rank i) = i^-a / sum_j j^-a, i = 1..N (rank i is delta d{i-1})"
@@ -394,31 +394,6 @@ def filesystem_of(path: Path) -> Optional[str]:
         if (target == point or target.startswith(point.rstrip("/") + "/")) and (best is None or len(point) >= len(best[0])):
             best = (point, kind)
     return best[1] if best else None
-
-
-def drop_page_cache() -> bool:
-    """Drop the whole page cache (needs root on Linux); ``False`` when not allowed."""
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return False
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
-def evict_file(path: Path) -> bool:
-    """Ask the kernel to drop ``path``'s pages from the page cache; ``False`` where that is not supported."""
-    if not hasattr(os, "posix_fadvise"):
-        return False
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        return True
-    finally:
-        os.close(fd)
 
 
 class DiskLoader:

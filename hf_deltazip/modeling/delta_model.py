@@ -128,21 +128,28 @@ class DeltaModel(nn.Module):
         folder = resolve_delta_folder(delta_id_or_path, **{k: v for k, v in hub_kwargs.items() if v is not None})
         name = delta_name or Path(str(delta_id_or_path)).name
         with self._lock:
-            if name in self._info:
-                raise DeltaZipError(f"a delta named {name!r} is already loaded: delete_delta({name!r}) first or pick another name")
+            self._check_new_name(name)
             config = DeltaZipConfig.from_pretrained(folder)
             with DeltaZipFile(folder / DZ_FILENAME) as dz:
                 header = dict(dz.header)
                 self._check_base(header, folder)
-            self._info[name] = {"path": str(folder), "config": config, "header": header, "host": None,
-                                "validated": False, "used": next(self._clock), "threads": num_threads}
-            if resident:
-                try:
-                    self._ensure_resident([name])
-                except Exception:
-                    del self._info[name]
-                    raise
+            self._register(name, {"path": str(folder), "config": config, "header": header, "host": None,
+                                  "validated": False, "threads": num_threads}, resident)
         return name
+
+    def _check_new_name(self, name: str) -> None:
+        if name in self._info:
+            raise DeltaZipError(f"a delta named {name!r} is already loaded: delete_delta({name!r}) first or pick another name")
+
+    def _register(self, name: str, info: dict, resident: bool) -> None:
+        """Record a delta (caller holds the lock); with ``resident``, load it now or forget it on failure."""
+        self._info[name] = {**info, "used": next(self._clock)}
+        if resident:
+            try:
+                self._ensure_resident([name])
+            except Exception:
+                del self._info[name]
+                raise
 
     def add_delta(self, delta, delta_name: str, *, resident: bool = True) -> str:
         """Put an in-memory delta on this base (no file): a :class:`~hf_deltazip.CompressedDelta`
@@ -168,18 +175,11 @@ class DeltaModel(nn.Module):
         if not resident:  # kept until needed: in host memory, where the cache's budget counts it
             modules, params = _to_host(modules, params)
         with self._lock:
-            if delta_name in self._info:
-                raise DeltaZipError(f"a delta named {delta_name!r} is already loaded: delete_delta({delta_name!r}) first or pick another name")
+            self._check_new_name(delta_name)
             self._validate(modules, params, header, f"delta {delta_name!r}")
-            self._info[delta_name] = {"path": None, "config": getattr(delta, "config", None), "header": header,
-                                      "host": (modules, params), "keep_host": True, "validated": True,
-                                      "used": next(self._clock), "threads": None}
-            if resident:
-                try:
-                    self._ensure_resident([delta_name])
-                except Exception:
-                    del self._info[delta_name]
-                    raise
+            self._register(delta_name, {"path": None, "config": getattr(delta, "config", None), "header": header,
+                                        "host": (modules, params), "keep_host": True, "validated": True,
+                                        "threads": None}, resident)
         return delta_name
 
     # ------------------------------------------------------------------ the delta cache
@@ -438,19 +438,15 @@ class DeltaModel(nn.Module):
         return modules, params
 
     def _trim_host(self, keep) -> None:
-        def host_bytes():
-            return sum(_nbytes(*i["host"]) for i in self._info.values()
-                       if i["host"] is not None and not i.get("prefetched") and not i.get("keep_host"))
-
-        while host_bytes() > self._max_host_bytes:
-            held = sorted((i["used"], n) for n, i in self._info.items()
-                          if i["host"] is not None and not i.get("prefetched") and not i.get("keep_host") and n not in keep)
-            if not held:
-                held = sorted((i["used"], n) for n, i in self._info.items()
-                              if i["host"] is not None and not i.get("prefetched") and not i.get("keep_host"))
-            if not held:
+        # the host tier's budget covers cached copies, not prefetches in flight or in-memory deltas' only copy
+        cached = [n for n, i in self._info.items() if i["host"] is not None and not i.get("prefetched") and not i.get("keep_host")]
+        total = sum(_nbytes(*self._info[n]["host"]) for n in cached)
+        order = sorted(cached, key=lambda n: (n in keep, self._info[n]["used"]))  # LRU, the batch's own last
+        for n in order:
+            if total <= self._max_host_bytes:
                 break
-            self._info[held[0][1]]["host"] = None
+            total -= _nbytes(*self._info[n]["host"])
+            self._info[n]["host"] = None
 
     def _check_base(self, header: dict, folder) -> None:
         cfg = getattr(self.base_model, "config", None)

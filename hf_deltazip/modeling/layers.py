@@ -16,6 +16,7 @@ No 16-bit copy of a delta is kept: deltas stay packed on the device.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Optional
 
@@ -360,6 +361,8 @@ class DeltaLinear(_DeltaModuleBase):
         as many as it holds, so most later loads are written into free room in place (no rebuild, no
         new tensors: captured decode graphs stay valid) and evictions only free their place.
         """
+        from ..kernels import DeltaStack
+
         classes: dict = {}
         for slot, p in sorted(self.packed.items()):
             p = p.to_dense_layout()
@@ -375,7 +378,7 @@ class DeltaLinear(_DeltaModuleBase):
             first = items[0][1]
             sdtype = torch.float32 if any(p.scales.dtype == torch.float32 for _, p in items) else torch.float16
             n = first.qweight.shape[0]
-            stack = DeltaStackType()(
+            stack = DeltaStack(
                 torch.empty((cap, n, first.qweight.shape[1]), dtype=torch.uint8, device=device),
                 torch.zeros((cap, n, first.scales.shape[1]), dtype=sdtype, device=device),
                 torch.zeros((cap, n, first.zeros.shape[1]), dtype=torch.uint8, device=device),
@@ -434,19 +437,10 @@ class DeltaLinear(_DeltaModuleBase):
         return self._wt
 
 
-def DeltaStackType():
-    from ..kernels import DeltaStack
-
-    return DeltaStack
-
-
 def _stack_view(p: PackedModule, stack, i: int) -> PackedModule:
     """The delta's packed tensors as views into place ``i`` of its stack (one device copy)."""
-    return PackedModule(
-        kind=p.kind, shape=p.shape, bits=p.bits, group_size=p.group_size, symmetric=p.symmetric,
-        sparsity=p.sparsity, transposed=p.transposed, qweight=stack.qweight[i], scales=stack.scales[i],
-        zeros=stack.zeros[i], positions=None if stack.positions is None else stack.positions[i],
-    )
+    return dataclasses.replace(p, qweight=stack.qweight[i], scales=stack.scales[i], zeros=stack.zeros[i],
+                               positions=None if stack.positions is None else stack.positions[i], mask=None, nnz=None)
 
 
 def _cast(t, dtype):
@@ -564,8 +558,8 @@ class DeltaOverride(_DeltaModuleBase):
         device and applied with ``vmap``): what a captured decode step runs."""
         if args or kwargs or x.shape[0] != rows.shape[0]:
             raise DeltaZipError("parameter overrides of this module cannot run in a captured decode step")
-        base = dict(self.base_layer.named_parameters())
         if getattr(self, "_tables", None) is None:
+            base = dict(self.base_layer.named_parameters())
             size = max(self.overrides) + 2
             tables = {}
             for name in {n for ov in self.overrides.values() for n in ov}:

@@ -10,31 +10,8 @@ Example:
 __version__ = "0.1.0.dev0"
 
 
-def _map_source_tree_packages() -> None:
-    # An installed wheel carries the top-level folders kernels/ and model_cards/ as
-    # hf_deltazip.kernels and hf_deltazip.model_cards. In a source checkout they sit beside this
-    # package: register them under the same names so both layouts import alike.
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    here = Path(__file__).resolve().parent
-    for sub in ("kernels", "model_cards"):
-        name = f"{__name__}.{sub}"
-        init = here.parent / sub / "__init__.py"
-        if name in sys.modules or (here / sub).is_dir() or not init.is_file():
-            continue
-        spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(init.parent)])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        globals()[sub] = module
-
-
-_map_source_tree_packages()
-
-from .config import DeltaZipConfig  # noqa: E402
-from .errors import (  # noqa: E402
+from .config import DeltaZipConfig
+from .errors import (
     BaseMismatchError,
     DeltaNotFoundError,
     DeltaZipConfigError,

@@ -6,9 +6,18 @@ Importing this package is cheap and needs no GPU: Triton is imported on the firs
   ``y = x W_base^T + bias + x dequant(delta[row])^T`` in one launch (``multi_delta.py``).
 * :class:`DeltaStack` / :func:`build_delta_stack` - the device-side stack of packed deltas that
   the kernel reads (``delta_stack.py``).
+* :class:`SlotStacks` - one layer's stacks per format class, with room to spare and the slot tables
+  a captured CUDA graph reads, so deltas come and go without new tensors (``slot_stacks.py``).
+
+This folder sits at the top of the source tree and installs as ``hf_deltazip.kernels``
+(``pyproject.toml``'s ``package-dir``); it imports nothing from the rest of the package but the
+packing primitives.
 """
 
+import importlib.util
+
 from .delta_stack import DeltaStack, build_delta_stack, dequantize_delta, random_delta_stack
+from .slot_stacks import PackedFields, SlotStacks, format_key
 from .multi_delta import (
     MultiDeltaConfig,
     auto_split_k,
@@ -18,7 +27,18 @@ from .multi_delta import (
     multi_delta_linear_reference,
 )
 
+
+
+def kernels_available() -> bool:
+    """Whether Triton is installed (the kernels run on CUDA, or on the CPU under ``TRITON_INTERPRET=1``)."""
+    return importlib.util.find_spec("triton") is not None
+
+
 __all__ = [
+    "kernels_available",
+    "PackedFields",
+    "SlotStacks",
+    "format_key",
     "DeltaStack",
     "build_delta_stack",
     "dequantize_delta",

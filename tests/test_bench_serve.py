@@ -296,7 +296,7 @@ def test_every_system_serves_the_whole_trace_on_cpu(tmp_path, capsys):
 
 def test_deltazip_answers_match_each_request_served_alone():
     """Continuous batching over many deltas gives every request what the engine gives it alone."""
-    from hf_deltazip.engine import DecodeEngine
+    from hf_deltazip.serving import DecodeEngine
     from hf_deltazip.modeling import DeltaModel
 
     torch.manual_seed(0)

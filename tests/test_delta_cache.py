@@ -138,7 +138,7 @@ def _kernel_model(folders, device, dtype, monkeypatch):
 def test_prefetch_uploads_into_free_room_ahead_of_use(folders, reference, device, monkeypatch):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     model = _kernel_model(folders, device, dtype, monkeypatch)
-    version = model._routing.version
+    version = model.layout_version.value
     assert model.prefetch(["d2"]).result(timeout=120) == ["d2"]
     assert sorted(model.resident_deltas) == ["d1", "d2"], "d2 was not uploaded ahead of use"
     assert "d2" not in model.memory_footprint()["host"]  # no host copy kept without a host budget
@@ -148,7 +148,7 @@ def test_prefetch_uploads_into_free_room_ahead_of_use(folders, reference, device
     tol = 1e-4 if device == "cpu" else 3e-2
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
     # the linear layers took it into free room; embeddings and norms changed, so the layout moved on
-    assert model._routing.version > version
+    assert model.layout_version.value > version
     full = _kernel_model(folders, device, dtype, monkeypatch)
     full.configure_cache(max_resident=1)
     assert full.prefetch(["d2"]).result(timeout=120) == ["d2"]

@@ -25,16 +25,16 @@ def two_deltas(tmp_path_factory):
 
 
 def spy_kernel(monkeypatch):
-    import hf_deltazip.kernels as K
+    from hf_deltazip.kernels import multi_delta
 
     calls = []
-    real = K.multi_delta_linear
+    real = multi_delta.multi_delta_linear
 
     def wrapped(*a, **k):
         calls.append((a[3].bits, a[3].sparse_2of4))
         return real(*a, **k)
 
-    monkeypatch.setattr(K, "multi_delta_linear", wrapped)
+    monkeypatch.setattr(multi_delta, "multi_delta_linear", wrapped)
     return calls
 
 

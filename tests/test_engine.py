@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hf_deltazip import DeltaModel, DeltaZipConfig, DeltaZipError, compress
-from hf_deltazip.engine import DecodeEngine
+from hf_deltazip.modeling import CacheFullError
+from hf_deltazip.serving import DecodeEngine
 
 from model_factory import base_model, calibration_ids, finetune
 
@@ -79,13 +80,12 @@ def test_kernel_route_with_device_side_rows_under_interpreter(delta_dirs, monkey
         for name in ("d1", "d2"):
             m.load_delta(delta_dirs[name], delta_name=name)
     seen = []
-    routing = ker._routing
-    from hf_deltazip.modeling.layers import DeltaLinear
+    from hf_deltazip.modeling import DeltaLinear
 
     real = DeltaLinear._forward_kernel
 
-    def spy(self, x, batch, per_row=None):
-        seen.append(per_row is not None and routing.static_rows is per_row)
+    def spy(self, x, batch, per_row):
+        seen.append(ker.router.current.is_static and ker.router.current.device_rows is per_row)
         return real(self, x, batch, per_row)
 
     monkeypatch.setattr(DeltaLinear, "_forward_kernel", spy)
@@ -121,14 +121,16 @@ def test_held_deltas_are_not_evicted_and_bad_requests_fail_clearly(delta_dirs):
     engine = DecodeEngine(model, max_batch_size=4, max_length=24)
     p = prompts(3, seed=1)
     engine.add(p[:2], ["d1", "d2"], max_new_tokens=4, eos_token_id=None)  # both rows run 4 steps
-    with pytest.raises(DeltaZipError, match="resident"):
+    assert model.cache.held == {"d1": 1, "d2": 1}
+    assert not engine.can_add(len(p[2]), ["d3"])
+    with pytest.raises(CacheFullError, match="resident budget"):
         engine.add([p[2]], ["d3"], max_new_tokens=4)  # d1 and d2 are in use: d3 must wait
     assert sorted(model.resident_deltas) == ["d1", "d2"]
     while engine.active:
         engine.step()
     engine.add([p[2]], ["d3"], max_new_tokens=4)  # now one of them can go
     assert "d3" in model.resident_deltas
-    assert [f.reason for f in engine.reset()] == ["aborted"] and engine.free == 4 and not model._held
+    assert [f.reason for f in engine.reset()] == ["aborted"] and engine.free == 4 and not model.cache.held
     with pytest.raises(DeltaZipError, match="max_length"):
         engine.add([list(range(1, 20))], [None], max_new_tokens=10)
     with pytest.raises(DeltaZipError, match="free rows"):

@@ -6,7 +6,7 @@ shapes with ``--shape 1b``) in bf16 on the GPU; each delta is random packed code
 
 * **Decode:** ``--rows`` rows spread evenly over U deltas (U = 1, 4, 16 by default), against the same
   batch through the plain base model (what one merged fine-tune costs), two ways: ``generate`` in eager
-  mode (``--new-tokens`` tokens), and :class:`~hf_deltazip.engine.DecodeEngine` decode steps (static KV
+  mode (``--new-tokens`` tokens), and :class:`~hf_deltazip.serving.DecodeEngine` decode steps (static KV
   cache, CUDA graphs). Tokens/s counts every row's new tokens.
 * **Cold start:** one delta saved as a real ``.dz`` folder and registered without loading it; with the
   file's pages evicted from the page cache, the time from a request naming it to that request's first
@@ -80,7 +80,7 @@ def random_delta(model, bits: int, group_size: int, seed: int) -> dict:
 
 def engine_tokens_per_s(model, names, rows: int, prompt_len: int, steps: int) -> float:
     """Decode tokens/s of ``rows`` rows through a DecodeEngine (CUDA graphs on a GPU), prefill excluded."""
-    from ..engine import DecodeEngine
+    from ..serving import DecodeEngine
 
     engine = DecodeEngine(model, max_batch_size=rows, max_length=prompt_len + steps + 8)
     gen = torch.Generator().manual_seed(0)
@@ -164,13 +164,13 @@ def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str) -> d
     """Save one delta as a .dz folder, register it, evict it from the page cache, then time a request."""
     from ..config import DeltaZipConfig
     from ..delta import CompressedDelta
-    from ..engine import DecodeEngine
+    from ..serving import DecodeEngine
     from ..fingerprint import base_fingerprint
     from ..format import DZ_FILENAME, DeltaZipFile
 
     cpu_modules = {n: p.__class__(**{**p.__dict__, "qweight": p.qweight.cpu(), "scales": p.scales.cpu(), "zeros": p.zeros.cpu()})
                    for n, p in modules.items()}
-    header = {"base_model": "random-base", "model_type": "llama", "base_fingerprint": base_fingerprint(dm._plain_params()),
+    header = {"base_model": "random-base", "model_type": "llama", "base_fingerprint": base_fingerprint(dm.base_model),
               "extra": {"finetune_num_params": sum(p.numel() for p in dm.base_model.parameters())}}
     delta = CompressedDelta(config=DeltaZipConfig(bits=4, group_size=128, zstd_level=1), modules=cpu_modules, header=header)
     folder = workdir / "cold-delta"

@@ -10,7 +10,7 @@ and replayed in real time by every system:
 * every prompt is ``--prompt-len`` random token ids and every answer exactly ``--new-tokens`` tokens
   (no end-of-sequence stop).
 
-**The systems.** All decode through :class:`hf_deltazip.engine.DecodeEngine` (static KV cache,
+**The systems.** All decode through :class:`hf_deltazip.serving.DecodeEngine` (static KV cache,
 continuous batching, CUDA-graph decode steps on CUDA) with at most ``--batch`` rows:
 
 1. ``deltazip``: one :class:`~hf_deltazip.DeltaModel` with all N packed deltas on the GPU; requests
@@ -162,7 +162,7 @@ def replay(engine, trace: Sequence[Request], names: Sequence, *, new_tokens: int
     """Serve ``trace`` in real time through ``engine``; return every request's timings and tokens.
 
     Args:
-        engine: a :class:`~hf_deltazip.engine.DecodeEngine` (or anything with ``add``, ``step``, ``free``).
+        engine: a :class:`~hf_deltazip.serving.DecodeEngine` (or anything with ``add``, ``step``, ``free``).
         trace: the requests, sorted by arrival.
         names: ``names[r.delta]`` is the delta name the engine gets for request ``r`` (``None``: the
             model as it is, for systems that switch weights instead).
@@ -566,7 +566,7 @@ def _cache_length(args) -> int:
 
 
 def _make_engine(model, args):
-    from ..engine import DecodeEngine
+    from ..serving import DecodeEngine
 
     return DecodeEngine(model, max_batch_size=args.batch, max_length=_cache_length(args),
                         cuda_graphs=False if args.eager else None, max_deltas=args.max_deltas)

@@ -1,8 +1,8 @@
 """Modules that carry deltas: each keeps the original as ``base_layer`` and adds per-row delta paths.
 
-Every loaded fine-tune occupies a *slot* (an integer). A forward pass reads, from the shared
-:class:`Routing`, which slot each batch row uses (-1 = the plain base) and computes each row as that
-row's merged fine-tune would:
+Every loaded fine-tune occupies a *slot* (an integer). A forward pass reads, from the model's
+:class:`~.routing.Router`, the current :class:`~.routing.BatchRouting` (which slot each batch row uses,
+-1 = the plain base) and computes each row as that row's merged fine-tune would:
 
 * :class:`DeltaLinear` (``nn.Linear`` / ``Conv1D``, LM head included): ``x W_u^T + b_u`` with
   ``W_u = W_base + dequant(delta_u)`` built on the fly for the rows of slot ``u`` (CPU, the reference),
@@ -17,7 +17,6 @@ No 16-bit copy of a delta is kept: deltas stay packed on the device.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from typing import Optional
 
 import torch
@@ -28,67 +27,7 @@ from ..delta import PackedModule
 from ..errors import DeltaZipError
 from ..packing import dequantize, unpack_codes
 from .arch import conv1d_class
-
-
-class Routing:
-    """Which slot each batch row uses, shared by every delta module of one model (thread-local)."""
-
-    def __init__(self):
-        self._local = threading.local()
-        self.kernels = "auto"  # "auto": Triton kernels on CUDA; "always": also on CPU (TRITON_INTERPRET); "never"
-        self.capacity: Optional[int] = None  # deltas a kernel stack is sized for (the cache's max_resident)
-        self.version = 0  # bumped whenever a delta module's device layout changes (captured graphs go stale)
-
-    def bump(self) -> None:
-        self.version += 1
-
-    def wants_kernels(self, device) -> bool:
-        return self.kernels == "always" or (self.kernels == "auto" and torch.device(device).type == "cuda")
-
-    @property
-    def static_rows(self) -> Optional[torch.Tensor]:
-        """A device tensor of per-row slots set while a decode step is captured (see ``engine``)."""
-        return getattr(self._local, "static_rows", None)
-
-    @static_rows.setter
-    def static_rows(self, value) -> None:
-        self._local.static_rows = value
-
-    def __deepcopy__(self, memo):  # a copied model routes on its own
-        return Routing()
-
-    @property
-    def slots(self) -> Optional[list]:
-        return getattr(self._local, "slots", None)
-
-    @slots.setter
-    def slots(self, value):
-        self._local.slots = value
-        self._local.device_cache = {}
-
-    def rows_for(self, batch: int) -> list:
-        """Slot of each of ``batch`` rows (rows are repeated when generate expands the batch)."""
-        slots = self.slots
-        if slots is None:
-            return [-1] * batch
-        if len(slots) == batch:
-            return slots
-        if batch % len(slots) == 0:
-            r = batch // len(slots)
-            return [s for s in slots for _ in range(r)]
-        raise DeltaZipError(
-            f"the batch has {batch} rows but {len(slots)} delta names were given: pass one name per row"
-        )
-
-    def device_rows(self, batch: int, device) -> torch.Tensor:
-        cache = getattr(self._local, "device_cache", None)
-        if cache is None:
-            cache = self._local.device_cache = {}
-        key = (batch, str(device))
-        t = cache.get(key)
-        if t is None:
-            t = cache[key] = torch.tensor(self.rows_for(batch), dtype=torch.int32, device=device)
-        return t
+from .routing import KernelPolicy, LayoutVersion, Router
 
 
 def _groups(slots: list) -> dict:
@@ -106,13 +45,26 @@ def base_plus_delta(w_nk: torch.Tensor, packed: PackedModule, dtype) -> torch.Te
     return (wf + packed.dequantize().to(wf.device)).to(dtype)
 
 
-class _DeltaModuleBase(nn.Module):
-    def __init__(self, base_layer: nn.Module, routing: Routing):
+class DeltaModule(nn.Module):
+    """Base class of the delta-carrying wrappers: the original module as ``base_layer``, plus per-slot
+    packed deltas (``packed``) and replaced parameters (``overrides``).
+
+    Args:
+        base_layer: the module wrapped.
+        router: where the current batch's routing is read.
+        layout: bumped when this module's device tensors are replaced.
+        policy: whether to run the Triton kernels, and the room kernel stacks keep.
+    """
+
+    def __init__(self, base_layer: nn.Module, router: Router, layout: LayoutVersion, policy: KernelPolicy):
         super().__init__()
         self.base_layer = base_layer
-        self._routing = routing
+        self.router = router
+        self.layout = layout
+        self.policy = policy
         self.packed: dict[int, PackedModule] = {}
         self.overrides: dict[int, dict] = {}  # slot -> {param rel name: tensor}
+        self.names: dict[int, str] = {}  # slot -> delta name, for display
 
     def slots(self) -> set:
         return set(self.packed) | set(self.overrides)
@@ -123,7 +75,19 @@ class _DeltaModuleBase(nn.Module):
         self._changed()
 
     def _changed(self) -> None:
-        self._routing.bump()
+        self.layout.bump()
+
+    def extra_repr(self) -> str:
+        parts = []
+        for slot in sorted(self.slots()):
+            name = self.names.get(slot, f"slot {slot}")
+            p = self.packed.get(slot)
+            if p is not None:
+                sp = "" if p.sparsity == "dense" else f", {p.sparsity}"
+                parts.append(f"{name}: {p.bits}-bit{sp}")
+            else:
+                parts.append(f"{name}: {', '.join(sorted(self.overrides.get(slot, {})))}")
+        return "deltas={" + "; ".join(parts) + "}"
 
     def add_packed(self, slot: int, packed: PackedModule) -> None:
         self.packed[slot] = packed
@@ -140,14 +104,14 @@ class _DeltaModuleBase(nn.Module):
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
         for slot, p in self.packed.items():
-            self.packed[slot] = _map_packed(p, fn)
+            self.packed[slot] = map_packed(p, fn)
         for slot, ov in self.overrides.items():
             self.overrides[slot] = {k: fn(v) for k, v in ov.items()}
         self._changed()
         return out
 
 
-def _map_packed(p: PackedModule, fn) -> PackedModule:
+def map_packed(p: PackedModule, fn) -> PackedModule:
     # .to(device) must move the packed tensors but never cast them (they are codes, not weights)
     def move(t):
         if t is None:
@@ -162,15 +126,16 @@ def _map_packed(p: PackedModule, fn) -> PackedModule:
     )
 
 
-class DeltaLinear(_DeltaModuleBase):
+class DeltaLinear(DeltaModule):
     """A linear layer (``nn.Linear`` or transformers' ``Conv1D``) plus the packed deltas of every slot."""
 
-    def __init__(self, base_layer: nn.Module, routing: Routing, *, is_output_embedding: bool = False):
-        super().__init__(base_layer, routing)
+    def __init__(self, base_layer: nn.Module, router: Router, layout: LayoutVersion, policy: KernelPolicy, *,
+                 is_output_embedding: bool = False):
+        super().__init__(base_layer, router, layout, policy)
         c = conv1d_class()
         self.transposed = c is not None and isinstance(base_layer, c)
         self.is_output_embedding = is_output_embedding
-        self._stacks = None  # kernel-side stacks, rebuilt when slots change
+        self.stacks = None  # kernels.SlotStacks: the kernel-side copy of the packed deltas
         self._bias_delta = None
         self._changed()
 
@@ -194,12 +159,12 @@ class DeltaLinear(_DeltaModuleBase):
 
     def _changed(self) -> None:
         """A change the kernel stacks cannot absorb in place: rebuild them (now on CUDA, else lazily)."""
-        self._stacks = None
+        self.stacks = None
         self._refresh()
-        self._routing.bump()
+        self.layout.bump()
         if self._kernel_route and self.packed:
             device = self.base_layer.weight.device
-            if device.type != "meta" and self._routing.wants_kernels(device):
+            if device.type != "meta" and self.policy.wants_kernels(device):
                 self._build_stacks(device)
 
     def _refresh(self) -> None:
@@ -209,7 +174,7 @@ class DeltaLinear(_DeltaModuleBase):
         self._kernel_route = bool(self.packed) and only_bias and self._kernel_ok()
 
     def add_packed(self, slot: int, packed: PackedModule) -> None:
-        if self._stacks is not None and slot not in self.packed and self._write_in_place(slot, packed):
+        if self.stacks is not None and slot not in self.packed and self._write_in_place(slot, packed):
             self._refresh()
             return
         self.packed[slot] = packed
@@ -218,53 +183,32 @@ class DeltaLinear(_DeltaModuleBase):
     def remove_slot(self, slot: int, keep_room: bool = True) -> None:
         """Drop a slot's delta. With ``keep_room`` (evictions) its place in the stack stays allocated
         for the next delta, and tensors a captured decode step reads stay alive."""
-        if self._stacks is not None and slot in self.packed and slot not in self.overrides:
-            # free the slot's place in its stack; the graph-visible tables change in place
-            for entry in self._stacks:
-                if slot in entry["index"]:
-                    entry["free"].append(entry["index"].pop(slot))
-                    entry["lookup"][slot + 1] = -1
-                    entry["member"][slot + 1] = False
+        self.names.pop(slot, None)
+        if self.stacks is not None and slot in self.packed and slot not in self.overrides:
+            self.stacks.remove(slot)  # the graph-visible tables change in place
             del self.packed[slot]
             self._refresh()
             if not self.packed and not keep_room:
-                self._stacks = None
-                self._routing.bump()
+                self.stacks = None
+                self.layout.bump()
             return
         super().remove_slot(slot)
 
     def can_write_in_place(self, slot: int, packed: PackedModule) -> bool:
         """Whether ``add_packed(slot, packed)`` would only write into free room of an existing stack."""
-        return self._stacks is not None and slot not in self.packed and self._place_for(slot, packed) is not None
-
-    def _place_for(self, slot: int, packed: PackedModule):
-        if packed.shape[0] != self.out_features or packed.shape[1] != self.in_features:
-            return None
-        key = (packed.bits, packed.group_size, packed.sparsity if packed.sparsity == "2:4" else "dense")
-        for entry in self._stacks:
-            if entry["key"] != key or not entry["free"] or slot + 1 >= entry["lookup"].shape[0]:
-                continue
-            if packed.scales.dtype == torch.float32 and entry["stack"].scales.dtype != torch.float32:
-                continue
-            return entry
-        return None
+        if self.stacks is None or slot in self.packed or packed.shape[1] != self.in_features:
+            return False
+        key = (packed.bits, packed.group_size, "2:4" if packed.sparsity == "2:4" else "dense")
+        return self.stacks.place_for(slot, key, packed.shape[0], packed.scales.dtype) is not None
 
     def _write_in_place(self, slot: int, packed: PackedModule) -> bool:
-        entry = self._place_for(slot, packed)
-        if entry is None:
+        if packed.shape[1] != self.in_features:
             return False
         p = packed.to_dense_layout()
-        i = entry["free"].pop()
-        st = entry["stack"]
-        st.qweight[i].copy_(p.qweight, non_blocking=True)
-        st.scales[i].copy_(p.scales, non_blocking=True)
-        st.zeros[i].copy_(p.zeros, non_blocking=True)
-        if st.positions is not None:
-            st.positions[i].copy_(p.positions, non_blocking=True)
-        entry["index"][slot] = i
-        entry["lookup"][slot + 1] = i
-        entry["member"][slot + 1] = True
-        self.packed[slot] = _stack_view(p, st, i)
+        where = self.stacks.write(slot, _fields(p))
+        if where is None:
+            return False
+        self.packed[slot] = _stack_view(p, *where)
         return True
 
     def out_width(self) -> int:
@@ -297,20 +241,18 @@ class DeltaLinear(_DeltaModuleBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.packed and not self.overrides:
             return self.base_layer(x)
-        static = self._routing.static_rows
-        if static is not None:  # a decode step being captured: no host-side decisions
+        routing = self.router.current
+        if routing.is_static:  # a decode step being captured: no host-side decisions
             if not self._kernel_route:
                 raise DeltaZipError(f"this layer's deltas cannot run in a captured decode step ({self._why_not()})")
-            return self._forward_kernel(x, static.shape[0], per_row=static)
+            return self._forward_kernel(x, routing.device_rows.shape[0], routing.device_rows)
         batch = x.shape[0] if x.dim() > 1 else 1
-        slots = self._routing.rows_for(batch)
+        slots = routing.rows_for(batch)
         if self._slot_set.isdisjoint(slots):
             y = self.base_layer(x)
             return self._pad_out(y) if self._width != self.out_features else y
-        mode = self._routing.kernels
-        use = mode == "always" or (mode == "auto" and x.is_cuda)
-        if use and self._kernel_route and x.dim() >= 2:
-            return self._forward_kernel(x, batch)
+        if self.policy.wants_kernels(x.device) and self._kernel_route and x.dim() >= 2:
+            return self._forward_kernel(x, batch, routing.device_rows_for(batch, x.device))
         return self._forward_reference(x, slots)
 
     def _pad_out(self, y):
@@ -348,82 +290,42 @@ class DeltaLinear(_DeltaModuleBase):
         return "the Triton kernels are not available"
 
     def _kernel_ok(self) -> bool:
-        try:
-            from ..kernels import multi_delta  # noqa: F401
-        except Exception:
-            return False
-        return all(p.shape[0] == self.out_features for p in self.packed.values())
+        from ..kernels import kernels_available
+
+        return kernels_available() and all(p.shape[0] == self.out_features for p in self.packed.values())
 
     def _build_stacks(self, device):
-        """One device stack per format class (bits, group size, 2:4 or dense) of the loaded deltas.
+        """The kernel stacks of this layer's deltas, with room for the policy's capacity (the cache's
+        ``max_resident``) so later loads and evictions change tables in place (see ``kernels.slot_stacks``)."""
+        from ..kernels import SlotStacks
 
-        A stack has room for ``Routing.capacity`` deltas (the cache's ``max_resident``) or half again
-        as many as it holds, so most later loads are written into free room in place (no rebuild, no
-        new tensors: captured decode graphs stay valid) and evictions only free their place.
-        """
-        from ..kernels import DeltaStack
-
-        classes: dict = {}
-        for slot, p in sorted(self.packed.items()):
-            p = p.to_dense_layout()
-            key = (p.bits, p.group_size, p.sparsity)
-            classes.setdefault(key, []).append((slot, p))
-        size = max(64, 2 * (max(self.packed) + 2))
-        hint = self._routing.capacity or 0
-        total = len(self.packed)
-        stacks = []
-        for (bits, group_size, sparsity), items in classes.items():
-            spare = max(hint - total, 0) if hint else (len(items) + 1) // 2
-            cap = len(items) + spare
-            first = items[0][1]
-            sdtype = torch.float32 if any(p.scales.dtype == torch.float32 for _, p in items) else torch.float16
-            n = first.qweight.shape[0]
-            stack = DeltaStack(
-                torch.empty((cap, n, first.qweight.shape[1]), dtype=torch.uint8, device=device),
-                torch.zeros((cap, n, first.scales.shape[1]), dtype=sdtype, device=device),
-                torch.zeros((cap, n, first.zeros.shape[1]), dtype=torch.uint8, device=device),
-                None if sparsity != "2:4" else torch.empty((cap, n, first.positions.shape[1]), dtype=torch.uint8, device=device),
-                bits, group_size, self.in_features,
-            )
-            entry = {"key": (bits, group_size, sparsity), "stack": stack, "index": {}, "free": list(range(cap - 1, -1, -1)),
-                     "lookup": torch.full((size,), -1, dtype=torch.int32, device=device),
-                     "member": torch.zeros((size,), dtype=torch.bool, device=device)}
-            stacks.append(entry)
-            self._stacks = stacks
-            for slot, p in items:
-                self.packed.pop(slot)
-                self._write_in_place(slot, p)  # room for every item was made above
+        dense = {slot: p.to_dense_layout() for slot, p in sorted(self.packed.items())}
+        stacks = SlotStacks([(slot, _fields(p)) for slot, p in dense.items()], self.in_features, self.out_features,
+                            device, capacity=self.policy.capacity)
+        for slot, p in dense.items():
+            self.packed[slot] = _stack_view(p, *_where(stacks, slot))
         self._bias_delta = None
         if self.overrides:  # fine-tunes that changed the bias: add (b_u - b_base) to their rows
             base_b = self.base_layer.bias
-            table = torch.zeros(size, self.out_features, dtype=torch.float32)
+            table = torch.zeros(stacks.table_size, self.out_features, dtype=torch.float32)
             for slot, ov in self.overrides.items():
                 if "bias" in ov:
                     b0 = base_b.detach().float().cpu() if base_b is not None else 0.0
                     table[slot + 1] = ov["bias"].detach().float().cpu() - b0
             self._bias_delta = table.to(device)
-        self._stacks = stacks
+        self.stacks = stacks
         return stacks
 
-    def _forward_kernel(self, x: torch.Tensor, batch: int, per_row: Optional[torch.Tensor] = None) -> torch.Tensor:
-        from ..kernels import multi_delta_linear
-
-        stacks = self._stacks if self._stacks is not None else self._build_stacks(x.device)
+    def _forward_kernel(self, x: torch.Tensor, batch: int, per_row: torch.Tensor) -> torch.Tensor:
+        stacks = self.stacks if self.stacks is not None else self._build_stacks(x.device)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        if per_row is None:
-            per_row = self._routing.device_rows(batch, x.device)
         tokens = x2.shape[0] // batch
         slot_tok = (per_row.repeat_interleave(tokens) if tokens > 1 else per_row).long() + 1
         w = self.base_weight_nk()
         if self.transposed:
             w = self._contiguous_weight(w)
-        bias = self.base_layer.bias
-        y = None
-        for entry in stacks:
-            yc = multi_delta_linear(x2, w, bias, entry["stack"], entry["lookup"][slot_tok])
-            # each row belongs to one format class: take it from that class's launch
-            y = yc if y is None else torch.where(entry["member"][slot_tok][:, None], yc, y)
+        y = stacks.apply(x2, w, self.base_layer.bias, slot_tok)
         if self._bias_delta is not None:
             y = (y.float() + self._bias_delta[slot_tok]).to(y.dtype)
         return y.reshape(*lead, y.shape[-1])
@@ -437,6 +339,20 @@ class DeltaLinear(_DeltaModuleBase):
         return self._wt
 
 
+def _fields(p: PackedModule):
+    from ..kernels import PackedFields
+
+    return PackedFields(qweight=p.qweight, scales=p.scales, zeros=p.zeros, positions=p.positions,
+                        bits=p.bits, group_size=p.group_size, sparsity=p.sparsity)
+
+
+def _where(stacks, slot: int) -> tuple:
+    for c in stacks.classes:
+        if slot in c.index:
+            return c.stack, c.index[slot]
+    raise KeyError(slot)
+
+
 def _stack_view(p: PackedModule, stack, i: int) -> PackedModule:
     """The delta's packed tensors as views into place ``i`` of its stack (one device copy)."""
     return dataclasses.replace(p, qweight=stack.qweight[i], scales=stack.scales[i], zeros=stack.zeros[i],
@@ -447,7 +363,7 @@ def _cast(t, dtype):
     return None if t is None else t.to(dtype)
 
 
-class DeltaEmbedding(_DeltaModuleBase):
+class DeltaEmbedding(DeltaModule):
     """Input embeddings plus per-slot delta rows (fine-tunes may add tokens)."""
 
     @property
@@ -474,11 +390,11 @@ class DeltaEmbedding(_DeltaModuleBase):
         return all(p.sparsity == "dense" for p in self.packed.values())
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        static = self._routing.static_rows
-        if static is not None and self.slots():
-            return self._forward_static(ids, static)
+        routing = self.router.current
+        if routing.is_static and self.slots():
+            return self._forward_static(ids, routing.device_rows)
         batch = ids.shape[0] if ids.dim() > 1 else 1
-        slots = self._routing.rows_for(batch)
+        slots = routing.rows_for(batch)
         if not (set(slots) & self.slots()):
             return self.base_layer(ids)
         out = None
@@ -546,7 +462,7 @@ def _dequantize_rows(p: PackedModule, rows: torch.Tensor) -> torch.Tensor:
     return p.dequantize().index_select(0, rows.to(p.qweight.device))
 
 
-class DeltaOverride(_DeltaModuleBase):
+class DeltaOverride(DeltaModule):
     """Any module whose parameters some fine-tunes replace (norms, biases, position embeddings)."""
 
     def _changed(self) -> None:
@@ -581,14 +497,14 @@ class DeltaOverride(_DeltaModuleBase):
     def forward(self, x, *args, **kwargs):
         if not torch.is_tensor(x) or x.dim() == 0:
             return self.base_layer(x, *args, **kwargs)
-        static = self._routing.static_rows
-        if static is not None and self.overrides:
-            return self._forward_static(x, static, args, kwargs)
-        routed = self._routing.slots
+        routing = self.router.current
+        if routing.is_static and self.overrides:
+            return self._forward_static(x, routing.device_rows, args, kwargs)
+        routed = routing.slots
         if routed is None:
             return self.base_layer(x, *args, **kwargs)
-        batch = len(routed) if x.shape[0] == 1 and len(routed) > 1 else x.shape[0]
-        slots = self._routing.rows_for(batch)
+        batch = len(routed) if x.shape[0] == 1 and len(routed) > 1 and not routing.uniform else x.shape[0]
+        slots = routing.rows_for(batch)
         if not (set(slots) & set(self.overrides)):
             return self.base_layer(x, *args, **kwargs)
         if x.shape[0] != batch:  # broadcast inputs (position ids of shape [1, T])

@@ -41,7 +41,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .errors import DeltaZipError
+from ..errors import DeltaZipError
+from ..modeling.routing import BatchRouting
 
 __all__ = ["DecodeEngine", "Finished"]
 
@@ -122,7 +123,7 @@ class DecodeEngine:
 
     def __init__(self, model, *, max_batch_size: int = 32, max_length: int = 1024,
                  cuda_graphs: Optional[bool] = None, pad_token_id: int = 0, max_deltas: Optional[int] = None):
-        from .modeling import DeltaModel
+        from ..modeling import DeltaModel
 
         if max_batch_size < 1 or max_length < 2:
             raise DeltaZipError(f"max_batch_size must be >= 1 and max_length >= 2, got {max_batch_size} and {max_length}")
@@ -198,7 +199,7 @@ class DecodeEngine:
         if len(rows) + max(len(delta_names), 1) > self.max_batch_size:
             return False
         if self.delta_model is not None and any(n is not None for n in delta_names):
-            if not self.delta_model._fits(delta_names):
+            if not self.delta_model.cache.fits(delta_names):
                 return False
             if self.max_deltas is not None:
                 running = {r.delta for r in rows} | set(delta_names)
@@ -296,7 +297,7 @@ class DecodeEngine:
         return torch.finfo(self.dtype).min
 
     def _model_lock(self):
-        return self.delta_model._lock if self.delta_model is not None else nullcontext()
+        return self.delta_model.cache.lock if self.delta_model is not None else nullcontext()
 
     def _admit(self, prompts, names, news, eos, sample, seed) -> list:
         n = len(prompts)
@@ -323,10 +324,9 @@ class DecodeEngine:
         allowed = causal[None] & real[:, None, :]
         mask = torch.full((n, 1, width, width), self._neg, dtype=self.dtype, device=self.device)
         mask.masked_fill_(allowed[:, None], 0.0)
-        if self.delta_model is not None:  # under the model's lock: nothing evicts between these two
-            slots = self.delta_model._slots_for(names)
-            self.delta_model._hold(names)
-        route = self.delta_model.route(names) if self.delta_model is not None else nullcontext()
+        if self.delta_model is not None:  # held deltas stay resident (and keep their slots) until released
+            slots = self.delta_model.cache.acquire(names)
+        route = self.delta_model.router.use(BatchRouting.per_row(slots)) if self.delta_model is not None else nullcontext()
         self._cache.prefill = [None] * self._cache.layers
         try:
             kwargs = {self._cache_kw: self._cache, "use_cache": True}
@@ -338,7 +338,7 @@ class DecodeEngine:
             prefill = self._cache.prefill
         except BaseException:
             if self.delta_model is not None:
-                self.delta_model._unhold(names)
+                self.delta_model.cache.release(names)
             raise
         finally:
             self._cache.prefill = None
@@ -402,7 +402,7 @@ class DecodeEngine:
         self._slots[row] = -1  # idle rows read no delta
         self._ids[row, 0] = self.pad_token_id
         if self.delta_model is not None:
-            self.delta_model._unhold([r.delta])
+            self.delta_model.cache.release([r.delta])
 
     def _compact(self) -> None:
         """Shift the cache left past the entries no active row needs, so the write index can go on."""
@@ -500,34 +500,21 @@ class DecodeEngine:
 
     # -- graphs
     def _wants_kernels(self) -> bool:
-        return self.delta_model._routing.wants_kernels(self.device)
+        return self.delta_model.uses_kernels(self.device)
 
     def _graph_safe(self) -> bool:
         if self.delta_model is None:
             return True
-        if self._static_failed:
-            return False
-        from .modeling.layers import DeltaEmbedding, DeltaLinear
-
-        for mod in self.lm.modules():
-            if isinstance(mod, (DeltaLinear, DeltaEmbedding)) and not mod.graph_safe():
-                return False
-        return True
+        return not self._static_failed and self.delta_model.graph_safe()
 
     def _layout_version(self):
-        return None if self.delta_model is None else self.delta_model._routing.version
+        return None if self.delta_model is None else self.delta_model.layout_version.value
 
     @contextmanager
     def _static_rows(self):
         """Route every delta module by the device tensor of row slots (what a captured step reads)."""
-        routing = self.delta_model._routing if self.delta_model is not None else None
-        if routing is not None:
-            routing.static_rows = self._slots
-        try:
+        with self.delta_model.route_static(self._slots) if self.delta_model is not None else nullcontext():
             yield
-        finally:
-            if routing is not None:
-                routing.static_rows = None
 
     def _capture(self, version) -> None:
         self._graph = None

@@ -27,7 +27,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .errors import DeltaZipError
+from ..errors import DeltaZipError
+from ..modeling.cache import CacheFullError, Residency
 
 
 @dataclass
@@ -76,7 +77,10 @@ class DeltaServer:
                  cuda_graphs: Optional[bool] = None, max_deltas: Optional[int] = None):
         if max_batch_size < 1:
             raise DeltaZipError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        from ..modeling import DeltaModel
+
         self.model = model
+        self._has_deltas = isinstance(model, DeltaModel)
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
@@ -195,7 +199,7 @@ class DeltaServer:
                     continue
                 return
             waiting = [r.delta for r in self._held if r.delta is not None]
-            if waiting and hasattr(self.model, "prefetch"):
+            if waiting and self._has_deltas:
                 try:
                     self.model.prefetch(list(dict.fromkeys(waiting)))
                 except Exception:
@@ -264,9 +268,14 @@ class DeltaServer:
             started = time.perf_counter()
             try:
                 handles = engine.add([r.ids for r in group], [r.delta for r in group], **kwargs)
-            except DeltaZipError as e:
-                if "resident" in str(e) and engine.active:
+            except CacheFullError as e:
+                if engine.active:
                     break  # the deltas in use fill the resident budget: wait for rows to finish
+                for r in group:
+                    r.future.set_exception(e)
+                    admitted.add(id(r))
+                continue
+            except DeltaZipError as e:
                 for r in group:
                     r.future.set_exception(e)
                     admitted.add(id(r))
@@ -279,10 +288,10 @@ class DeltaServer:
         self._held = [r for r in self._held if id(r) not in admitted]
 
     def _prefetch_waiting(self) -> None:
-        if not hasattr(self.model, "prefetch"):
+        if not self._has_deltas:  # a plain transformers model: nothing to prefetch
             return
-        info = getattr(self.model, "_info", {})
-        loaded = set(self.model.resident_deltas) | {n for n, i in info.items() if i.get("host") is not None}
+        cache = self.model.cache
+        loaded = {n for n in cache.names if cache.state(n) is not Residency.DISK}
         self._prefetched -= loaded  # asked for and arrived: may be asked for again once evicted
         names = [r.delta for r in self._held if r.delta is not None]
         names = [n for n in dict.fromkeys(names) if n not in loaded and n not in self._prefetched]

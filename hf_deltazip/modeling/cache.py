@@ -1,0 +1,451 @@
+"""The delta cache: which loaded deltas sit on the device, in host memory or only on disk.
+
+Every delta a :class:`~hf_deltazip.DeltaModel` knows has a :class:`CacheEntry` in its
+:class:`DeltaCache` (``model.cache``). An entry is in one of three residency states:
+
+=============  ==============================================================================
+``DISK``       registered (header and base checked); its tensors are read from its delta folder
+               (or the Hub cache) when a batch needs it. In-memory deltas never are in this state.
+``HOST``       a copy of its tensors sits in host memory (pinned when CUDA is available): from
+               a prefetch, an eviction under a host budget, or an in-memory delta not yet used.
+``DEVICE``     placed in the model's modules under a *slot*: batches can use it now.
+=============  ==============================================================================
+
+Moves: a batch naming a delta makes it ``DEVICE`` (:meth:`DeltaCache.acquire` /
+:meth:`DeltaCache.slots_for`), evicting the least recently used ``DEVICE`` deltas that the batch
+does not need and nobody holds when the resident budget (:meth:`DeltaCache.configure`) is full;
+an evicted delta drops to ``HOST`` if the host budget keeps a copy (or it has no file), else to
+``DISK``; :meth:`DeltaCache.prefetch` brings ``DISK`` deltas to ``HOST`` on a background thread and,
+where free kernel-stack room allows, on to ``DEVICE`` on a CUDA side stream.
+
+*Holds*: :meth:`acquire` marks deltas as used by running requests; a held delta is never evicted
+or removed until :meth:`release`. :meth:`fits` says whether some deltas could be ``DEVICE``
+together with the held ones, without loading anything.
+
+The cache's :attr:`~DeltaCache.lock` guards every change; hold it to keep residency fixed across
+several calls (e.g. a check and the forward pass that relies on it).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..delta import PackedModule
+from ..errors import DeltaNotFoundError, DeltaZipError
+from ..format import DZ_FILENAME, DeltaZipFile
+from .layers import map_packed
+from .placement import DeltaPlacer, delta_nbytes
+
+__all__ = ["DeltaCache", "CacheEntry", "Residency", "CacheFullError", "DeltaInUseError"]
+
+
+class CacheFullError(DeltaZipError):
+    """The deltas a batch needs do not fit the resident budget next to the deltas in use."""
+
+
+class DeltaInUseError(DeltaZipError):
+    """The delta is held by running requests (it cannot be removed now)."""
+
+
+class Residency(str, enum.Enum):
+    """Where a delta's tensors are (see the module docstring)."""
+
+    DISK = "disk"
+    HOST = "host"
+    DEVICE = "device"
+
+
+@dataclass
+class CacheEntry:
+    """One delta the cache knows.
+
+    Attributes:
+        name: the name batches use.
+        path: the delta folder its tensors are read from, or ``None`` for an in-memory delta.
+        config: its :class:`~hf_deltazip.DeltaZipConfig` (``None`` for bare packed modules).
+        header: the ``.dz`` header (base, fingerprint, extra facts such as tied embeddings).
+        host: ``(modules, params)`` in host memory, or ``None``.
+        slot: its slot while ``DEVICE``, else ``None``.
+        nbytes: bytes of its tensors as held (known once read).
+        holds: running requests using it.
+    """
+
+    name: str
+    path: Optional[Path]
+    config: Any
+    header: dict
+    host: Optional[tuple] = None
+    slot: Optional[int] = None
+    nbytes: Optional[int] = None
+    holds: int = 0
+    last_used: int = 0
+    validated: bool = False
+    num_threads: Optional[int] = None
+    host_is_only_copy: bool = False  # an in-memory delta's host copy: never trimmed
+    prefetched: bool = False  # host copy made by a prefetch and not used yet: outside the host budget
+    ready: Any = field(default=None, repr=False)  # CUDA event: side-stream copies done
+
+    @property
+    def state(self) -> Residency:
+        if self.slot is not None:
+            return Residency.DEVICE
+        return Residency.HOST if self.host is not None else Residency.DISK
+
+
+class DeltaCache:
+    """Residency of a model's deltas: budgets, LRU eviction, holds, a host tier and prefetching.
+
+    Made by :class:`~hf_deltazip.DeltaModel`; reach it as ``model.cache``.
+    """
+
+    def __init__(self, placer: DeltaPlacer):
+        self.placer = placer
+        self.lock = threading.RLock()
+        self._entries: dict[str, CacheEntry] = {}
+        self._clock = itertools.count(1)
+        self.max_resident: Optional[int] = None
+        self.max_resident_bytes: Optional[int] = None
+        self.max_host_bytes: int = 0
+        self._prefetcher: Optional[ThreadPoolExecutor] = None
+        self._side_stream = None
+
+    # ------------------------------------------------------------------ looking
+    def __contains__(self, name) -> bool:
+        return name in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def names(self) -> list:
+        """Every delta the cache knows, in the order they were added."""
+        return list(self._entries)
+
+    def entry(self, name: str) -> CacheEntry:
+        """The entry of delta ``name`` (read it, do not change it)."""
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise DeltaNotFoundError(
+                f"no delta named {name!r} is loaded; loaded: {self.names}. Use load_delta() first"
+            ) from None
+
+    def state(self, name: str) -> Residency:
+        return self.entry(name).state
+
+    @property
+    def resident(self) -> list:
+        """Names of the deltas on the device now."""
+        return [n for n, e in self._entries.items() if e.slot is not None]
+
+    @property
+    def held(self) -> dict:
+        """``{name: holds}`` of the deltas running requests use (never evicted while held)."""
+        return {n: e.holds for n, e in self._entries.items() if e.holds}
+
+    def slot_of(self, name: str) -> Optional[int]:
+        """Slot of a resident delta (``None`` if it is not on the device)."""
+        return self.entry(name).slot
+
+    def name_of_slot(self, slot: int) -> Optional[str]:
+        for n, e in self._entries.items():
+            if e.slot == slot:
+                return n
+        return None
+
+    def resident_bytes(self) -> int:
+        return sum(e.nbytes or 0 for e in self._entries.values() if e.slot is not None)
+
+    def host_bytes(self) -> dict:
+        return {n: delta_nbytes(*e.host) for n, e in self._entries.items() if e.host is not None}
+
+    # ------------------------------------------------------------------ budgets
+    def configure(self, *, max_resident: Optional[int] = None, max_resident_bytes: Optional[int] = None,
+                  max_host_bytes: int = 0) -> None:
+        """Set the budgets (see :meth:`hf_deltazip.DeltaModel.configure_cache`) and apply them now."""
+        for value, what in ((max_resident, "max_resident"), (max_resident_bytes, "max_resident_bytes")):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise DeltaZipError(f"{what} must be a positive integer or None, got {value!r}")
+        if not isinstance(max_host_bytes, int) or max_host_bytes < 0:
+            raise DeltaZipError(f"max_host_bytes must be a non-negative integer, got {max_host_bytes!r}")
+        with self.lock:
+            self.max_resident, self.max_resident_bytes, self.max_host_bytes = max_resident, max_resident_bytes, max_host_bytes
+            self.placer.policy.capacity = max_resident  # kernel stacks get room for this many deltas
+            self._trim_host(keep=())
+            self._make_room(needed=(), incoming=0)
+
+    def fits(self, names: Sequence) -> bool:
+        """Whether the deltas ``names`` could all be on the device next to the held ones (loads nothing)."""
+        with self.lock:
+            wanted = {n for n in names if n is not None}
+            keep = wanted | {n for n, e in self._entries.items() if e.holds}
+            if self.max_resident is not None and len(keep) > self.max_resident:
+                return False
+            if self.max_resident_bytes is not None:
+                def size(n):
+                    e = self._entries.get(n)
+                    if e is None:
+                        return 0
+                    if e.nbytes is not None:
+                        return e.nbytes
+                    return delta_nbytes(*e.host) if e.host is not None else 0
+
+                if sum(size(n) for n in keep) > self.max_resident_bytes:
+                    return False
+            return True
+
+    # ------------------------------------------------------------------ adding and removing
+    def add(self, entry: CacheEntry, *, resident: bool = True) -> None:
+        """Register a delta; with ``resident``, put it on the device now (forgotten again on failure)."""
+        with self.lock:
+            if entry.name in self._entries:
+                raise DeltaZipError(
+                    f"a delta named {entry.name!r} is already loaded: delete_delta({entry.name!r}) first or pick another name"
+                )
+            entry.last_used = next(self._clock)
+            self._entries[entry.name] = entry
+            if resident:
+                try:
+                    self.ensure_resident([entry.name])
+                except BaseException:
+                    del self._entries[entry.name]
+                    raise
+
+    def remove(self, name: str) -> None:
+        """Forget a delta (taken off the device for good). Raises :class:`DeltaInUseError` while held."""
+        with self.lock:
+            e = self.entry(name)
+            if e.holds:
+                raise DeltaInUseError(f"delta {name!r} is in use by running requests; delete it once they finish")
+            if e.slot is not None:
+                self.placer.detach(e.slot, keep_room=False)
+            del self._entries[name]
+
+    def clear(self) -> None:
+        """Forget every delta without touching the modules (after they were merged away)."""
+        with self.lock:
+            self._entries.clear()
+
+    # ------------------------------------------------------------------ using
+    def acquire(self, names: Sequence) -> list:
+        """Make ``names`` resident and hold them for running requests; returns one slot per name (-1 for ``None``).
+
+        Raises:
+            DeltaNotFoundError: a name is not loaded.
+            CacheFullError: they do not fit the resident budget next to the held deltas.
+        """
+        with self.lock:
+            slots = self.slots_for(names)
+            for n in names:
+                if n is not None:
+                    self._entries[n].holds += 1
+            return slots
+
+    def release(self, names: Sequence) -> None:
+        """Undo :meth:`acquire` for ``names`` (the deltas may be evicted again once nobody holds them)."""
+        with self.lock:
+            for n in names:
+                e = self._entries.get(n) if n is not None else None
+                if e is not None and e.holds:
+                    e.holds -= 1
+
+    def slots_for(self, names: Sequence) -> list:
+        """One slot per name (-1 for ``None``), loading the deltas onto the device as needed."""
+        needed = [n for n in names if n is not None]
+        with self.lock:
+            for n in needed:
+                self.entry(n)
+            self.ensure_resident(needed)
+            return [-1 if n is None else self._entries[n].slot for n in names]
+
+    def ensure_resident(self, names: Sequence) -> None:
+        """Put the deltas ``names`` on the device (evicting others as the budget requires)."""
+        with self.lock:
+            needed = list(dict.fromkeys(names))
+            if self.max_resident is not None and len(needed) > self.max_resident:
+                raise CacheFullError(
+                    f"this batch needs {len(needed)} deltas but at most {self.max_resident} may be resident: "
+                    "raise max_resident with configure_cache() or split the batch"
+                )
+            for n in needed:
+                e = self.entry(n)
+                e.last_used = next(self._clock)
+                if e.slot is not None:
+                    self._wait_ready(e)
+                    continue
+                modules, params = e.host if e.host is not None else self._read(e)
+                nbytes = delta_nbytes(modules, params)
+                self._make_room(needed=needed, incoming=nbytes)
+                slot = self._free_slot()
+                try:
+                    self.placer.attach(slot, modules, params, e.header, name=n)
+                except BaseException:
+                    self.placer.detach(slot)
+                    raise
+                e.slot, e.nbytes = slot, nbytes
+                if e.host_is_only_copy and _on_device(modules, params):
+                    e.host, e.host_is_only_copy = None, False  # given on the device: the stack holds it now
+                if e.host is None and self.max_host_bytes and e.path is not None:
+                    e.host = to_host(modules, params)
+                e.prefetched = False
+                self._trim_host(keep=needed)
+
+    # ------------------------------------------------------------------ prefetch
+    def prefetch(self, names: Sequence, *, to_device: bool = True) -> Future:
+        """Read and decompress deltas into host memory on a background thread; returns a Future.
+
+        With ``to_device`` (and kernels on a CUDA device), each is then copied into free kernel-stack
+        room on a side stream, overlapping the work on the main stream; the first batch naming it
+        waits for the copies. A prefetch never evicts: a delta that does not fit stays in host memory.
+        """
+        names = [n for n in names if n is not None]
+        for n in names:
+            self.entry(n)
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltazip-prefetch")
+
+        def work():
+            for n in names:
+                with self.lock:
+                    e = self._entries.get(n)
+                    if e is None or e.host is not None or e.slot is not None:
+                        continue
+                modules, params = self._read(e)  # disk and decompression: outside the lock
+                host = to_host(modules, params)
+                with self.lock:
+                    if self._entries.get(n) is e and e.host is None:
+                        e.host, e.prefetched = host, True
+                    if to_device:
+                        self._upload_ahead(e)
+            return names
+
+        return self._prefetcher.submit(work)
+
+    def _upload_ahead(self, e: CacheEntry) -> None:
+        """Put a host-tier delta on the device ahead of use, into free room only (caller holds the lock).
+
+        On CUDA the copies run on a side stream (device memory is taken on the main stream, so the
+        caching allocator never hands a block in use by a running step to the side stream).
+        """
+        if e.slot is not None or e.host is None or not self.placer.uses_kernels():
+            return
+        modules, params = e.host
+        slot = self._free_slot()
+        nbytes = delta_nbytes(modules, params)
+        if self.max_resident is not None and len(self.resident) + 1 > self.max_resident:
+            return
+        if self.max_resident_bytes is not None and self.resident_bytes() + nbytes > self.max_resident_bytes:
+            return
+        if not self.placer.can_attach_in_room(slot, modules, params, e.header):
+            return
+        device = self.placer.device
+        side = None
+        if device.type == "cuda":
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(device)
+            side = self._side_stream
+            side.wait_stream(torch.cuda.current_stream(device))
+        self.placer.attach(slot, modules, params, e.header, name=e.name, side=side)
+        if side is not None:
+            e.ready = torch.cuda.Event()
+            e.ready.record(side)
+        e.slot, e.nbytes, e.prefetched = slot, nbytes, False
+        e.host_is_only_copy = False
+        if not self.max_host_bytes or e.path is None:
+            e.host = None  # pinned blocks stay alive until the copy is done (caching host allocator)
+        self._trim_host(keep=())
+
+    def shutdown(self) -> None:
+        """Stop the prefetch thread (after the work queued so far)."""
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True)
+            self._prefetcher = None
+
+    # ------------------------------------------------------------------ internals
+    def _wait_ready(self, e: CacheEntry) -> None:
+        ready, e.ready = e.ready, None
+        if ready is not None:
+            torch.cuda.current_stream().wait_event(ready)
+
+    def _read(self, e: CacheEntry):
+        if e.path is None:
+            raise DeltaZipError(f"delta {e.name!r} has no file and no host copy: load it again")
+        folder = Path(e.path)
+        with DeltaZipFile(folder / DZ_FILENAME) as dz:
+            pin = self.placer.device.type == "cuda"  # page-locked: uploads go asynchronously
+            tensors = dz.read_tensors(num_threads=e.num_threads, pin_memory=pin)
+            modules = {
+                mname: PackedModule.from_record(rec, {role: tensors[t] for role, t in rec.tensors.items()})
+                for mname, rec in dz.modules.items()
+            }
+            params = {pname: tensors[t] for pname, t in dz.params.items()}
+        if not e.validated:
+            self.placer.validate(modules, params, e.header, folder)
+            e.validated = True
+        return modules, params
+
+    def _free_slot(self) -> int:
+        used = {e.slot for e in self._entries.values() if e.slot is not None}
+        slot = 0
+        while slot in used:
+            slot += 1
+        return slot
+
+    def _make_room(self, needed, incoming: int) -> None:
+        def over():
+            count = len(self.resident) + (1 if incoming else 0)
+            if self.max_resident is not None and count > self.max_resident:
+                return True
+            return self.max_resident_bytes is not None and self.resident_bytes() + incoming > self.max_resident_bytes
+
+        while over():
+            victims = sorted((e.last_used, n) for n, e in self._entries.items()
+                             if e.slot is not None and n not in needed and not e.holds)
+            if not victims:
+                raise CacheFullError(
+                    "the deltas this batch needs do not fit the resident budget next to the deltas in use: "
+                    "raise max_resident / max_resident_bytes with configure_cache() or split the batch"
+                )
+            self._evict(self._entries[victims[0][1]])
+
+    def _evict(self, e: CacheEntry) -> None:
+        if e.path is None and e.host is None:  # nothing to read it back from: keep it in host memory
+            e.host = to_host(*self.placer.gather(e.slot))
+            e.host_is_only_copy = True
+        self.placer.detach(e.slot)
+        e.slot, e.ready = None, None
+
+    def _trim_host(self, keep) -> None:
+        # the host budget covers cached copies, not prefetches in flight or in-memory deltas' only copy
+        cached = [n for n, e in self._entries.items() if e.host is not None and not e.prefetched and not e.host_is_only_copy]
+        total = sum(delta_nbytes(*self._entries[n].host) for n in cached)
+        order = sorted(cached, key=lambda n: (n in keep, self._entries[n].last_used))  # LRU, the batch's own last
+        for n in order:
+            if total <= self.max_host_bytes:
+                break
+            total -= delta_nbytes(*self._entries[n].host)
+            self._entries[n].host = None
+
+
+def _on_device(modules: dict, params: dict) -> bool:
+    tensors = [p.qweight for p in modules.values()] + list(params.values())
+    return any(t.device.type != "cpu" for t in tensors)
+
+
+def to_host(modules: dict, params: dict):
+    """CPU copies of a delta's tensors, pinned when CUDA is available (fast, asynchronous uploads)."""
+    pin = torch.cuda.is_available()
+
+    def host(t):
+        t = t.detach().to("cpu")
+        return t.pin_memory() if pin else t
+
+    return ({n: map_packed(p, host) for n, p in modules.items()}, {n: host(t) for n, t in params.items()})

@@ -1,0 +1,434 @@
+"""`DeltaModel`: one base model, any number of compressed fine-tunes, a different one per batch row."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from ..config import CONFIG_NAME, DeltaZipConfig
+from ..delta import CompressedDelta, PackedModule, resolve_delta_folder
+from ..errors import BaseMismatchError, DeltaZipError
+from ..format import DZ_FILENAME, DeltaZipFile
+from .cache import CacheEntry, DeltaCache, Residency, to_host
+from .placement import DeltaPlacer
+from .routing import BatchRouting, KernelPolicy, LayoutVersion, Router
+
+__all__ = ["DeltaModel"]
+
+_UNSET = object()  # set_delta() never called
+
+
+class DeltaModel(nn.Module):
+    """A transformers causal LM with compressed fine-tunes loaded on top of it.
+
+    The base stays as it is; each module a delta touches is wrapped (the original kept as
+    ``base_layer``). ``model(...)`` and ``model.generate(...)`` take ``delta_names``: one name per
+    batch row, ``None`` for the plain base.
+
+    **The active delta.** A call without ``delta_names`` uses the *active* delta on every row, as PEFT
+    uses its active adapter: the one chosen with :meth:`set_delta` (``set_delta(None)``: the plain
+    base); :meth:`from_pretrained` makes the delta it loads active; with no choice made and exactly
+    one delta loaded, that delta. With several deltas loaded and none chosen, a call without
+    ``delta_names`` raises instead of guessing.
+
+    Example:
+        >>> model = DeltaModel.from_pretrained("chat-delta", base="org/base", delta_name="chat")
+        >>> model.generate(ids)  # the "chat" fine-tune
+        >>> model.load_delta("code-delta", delta_name="code")
+        >>> out = model.generate(ids, attention_mask=mask, delta_names=["chat", "code", None])
+    """
+
+    def __init__(self, base_model: nn.Module, *, use_kernels: str = "auto"):
+        super().__init__()
+        self.base_model = base_model
+        self.router = Router()
+        self.layout_version = LayoutVersion()
+        self.kernel_policy = KernelPolicy(use_kernels)
+        self._placer = DeltaPlacer(base_model, self.router, self.layout_version, self.kernel_policy)
+        self._cache = DeltaCache(self._placer)
+        self._active = _UNSET
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(
+        cls,
+        delta_id_or_path: Union[str, os.PathLike],
+        base: Union[str, os.PathLike, nn.Module, None] = None,
+        delta_name: str = "default",
+        *,
+        revision: Optional[str] = None,
+        token: Optional[str] = None,
+        cache_dir: Optional[str] = None,
+        local_files_only: Optional[bool] = None,
+        use_kernels: str = "auto",
+        **base_kwargs,
+    ) -> "DeltaModel":
+        """Load a base model and one delta onto it; that delta is made active.
+
+        Args:
+            delta_id_or_path: a local delta folder or a Hub repo id.
+            base: the base model, its id or path; ``None`` loads the base recorded in the delta.
+            delta_name: the name this delta is known by.
+            revision, token, cache_dir, local_files_only: for downloading the delta from the Hub.
+            use_kernels: ``"auto"`` (Triton kernels on CUDA), ``"always"`` or ``"never"``.
+            base_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (dtype, device_map,
+                quantization_config, ...).
+
+        Raises:
+            BaseMismatchError: the base is not the one the delta was made from.
+            DeltaZipFormatError: the delta folder is corrupt.
+            HubError: the delta could not be downloaded.
+        """
+        hub = dict(revision=revision, token=token, cache_dir=cache_dir, local_files_only=local_files_only)
+        folder = resolve_delta_folder(delta_id_or_path, **{k: v for k, v in hub.items() if v is not None})
+        if not isinstance(base, nn.Module):
+            from transformers import AutoModelForCausalLM
+
+            with DeltaZipFile(folder / DZ_FILENAME) as dz:
+                header = dict(dz.header)
+            base_id = str(base) if base is not None else header.get("base_model")
+            if not base_id:
+                raise BaseMismatchError("the delta records no base model: pass base=")
+            kwargs = dict(base_kwargs)
+            if base is None and header.get("base_revision") and "revision" not in kwargs:
+                kwargs["revision"] = header["base_revision"]
+            if token is not None:
+                kwargs.setdefault("token", token)
+            base = AutoModelForCausalLM.from_pretrained(base_id, **kwargs)
+        model = cls(base, use_kernels=use_kernels)
+        model.load_delta(folder, delta_name=delta_name)
+        model.set_delta(delta_name)
+        return model
+
+    def load_delta(
+        self,
+        delta_id_or_path: Union[str, os.PathLike],
+        delta_name: Optional[str] = None,
+        *,
+        num_threads: Optional[int] = None,
+        resident: bool = True,
+        **hub_kwargs,
+    ) -> str:
+        """Load another delta onto this base. Returns its name. The active delta does not change.
+
+        Args:
+            delta_id_or_path: a local delta folder or a Hub repo id.
+            delta_name: the name to use (default: the folder or repo name).
+            num_threads: threads decompressing tensors in parallel.
+            resident: put it on the model's device now (default); ``False`` only registers it (its header
+                and base are checked) and it is loaded on demand when a batch names it.
+            hub_kwargs: revision, token, cache_dir, local_files_only.
+        """
+        folder = resolve_delta_folder(delta_id_or_path, **{k: v for k, v in hub_kwargs.items() if v is not None})
+        name = delta_name or Path(str(delta_id_or_path)).name
+        with self._cache.lock:
+            if name in self._cache:
+                raise DeltaZipError(f"a delta named {name!r} is already loaded: delete_delta({name!r}) first or pick another name")
+            config = DeltaZipConfig.from_pretrained(folder)
+            with DeltaZipFile(folder / DZ_FILENAME) as dz:
+                header = dict(dz.header)
+            self._placer.check_base(header, folder)
+            self._cache.add(CacheEntry(name=name, path=folder, config=config, header=header, num_threads=num_threads),
+                            resident=resident)
+        return name
+
+    def add_delta(self, delta, delta_name: str, *, resident: bool = True) -> str:
+        """Put an in-memory delta on this base (no file): a :class:`~hf_deltazip.CompressedDelta`
+        (e.g. straight from :func:`hf_deltazip.compress`) or a dict ``{module name: PackedModule}``.
+
+        The delta's tensors may be on the CPU or on the model's device. If the cache evicts it later
+        it is kept in host memory, since there is no file to read it back from.
+        """
+        if isinstance(delta, CompressedDelta):
+            modules, params, header, config = dict(delta.modules), dict(delta.params), dict(delta.header), delta.config
+            if header.get("base_fingerprint") or header.get("model_type"):
+                self._placer.check_base(header, f"delta {delta_name!r}")
+        elif isinstance(delta, dict) and all(isinstance(p, PackedModule) for p in delta.values()):
+            modules, params, header, config = dict(delta), {}, {"extra": {}}, None
+        else:
+            raise DeltaZipError(
+                f"add_delta takes a CompressedDelta or a dict of PackedModule, got {type(delta).__name__}; "
+                "for a folder or Hub repo use load_delta()"
+            )
+        header.setdefault("extra", {})
+        if not resident:  # kept until needed: in host memory, where the cache's budget counts it
+            modules, params = to_host(modules, params)
+        with self._cache.lock:
+            if delta_name in self._cache:
+                raise DeltaZipError(
+                    f"a delta named {delta_name!r} is already loaded: delete_delta({delta_name!r}) first or pick another name"
+                )
+            self._placer.validate(modules, params, header, f"delta {delta_name!r}")
+            self._cache.add(CacheEntry(name=delta_name, path=None, config=config, header=header, host=(modules, params),
+                                       host_is_only_copy=True, validated=True), resident=resident)
+        return delta_name
+
+    # ------------------------------------------------------------------ the delta cache
+    @property
+    def cache(self) -> DeltaCache:
+        """The :class:`~hf_deltazip.modeling.cache.DeltaCache` of this model's deltas."""
+        return self._cache
+
+    def configure_cache(
+        self,
+        *,
+        max_resident: Optional[int] = None,
+        max_resident_bytes: Optional[int] = None,
+        max_host_bytes: int = 0,
+    ) -> None:
+        """Limit the deltas kept on the model's device; keep evicted ones in (pinned) host memory.
+
+        A batch that names a delta that is not resident loads it on demand (from the host tier if it
+        is there, else from disk or the Hub cache), evicting the least recently used resident deltas
+        that the batch does not need.
+
+        Args:
+            max_resident: most deltas on the device at once (``None``: no limit).
+            max_resident_bytes: most bytes of deltas on the device at once (``None``: no limit).
+            max_host_bytes: bytes of host memory for copies of deltas (pinned when CUDA is available),
+                so an evicted delta comes back without reading and decompressing its file again.
+
+        Call it before loading many deltas: on CUDA the kernel stacks are sized for ``max_resident``
+        deltas when they are first built, so later loads and evictions only write into that room (no
+        reallocation, and captured decode graphs stay valid). Without a ``max_resident`` a stack
+        keeps half again the room it needs and is rebuilt (old and new briefly both in memory) when full.
+        """
+        self._cache.configure(max_resident=max_resident, max_resident_bytes=max_resident_bytes,
+                              max_host_bytes=max_host_bytes)
+
+    @property
+    def resident_deltas(self) -> list:
+        """Names of the deltas on the model's device now."""
+        return self._cache.resident
+
+    def prefetch(self, names: Sequence[str], *, to_device: bool = True) -> Future:
+        """Load deltas ahead of the requests that will name them (see :meth:`DeltaCache.prefetch`)."""
+        return self._cache.prefetch(names, to_device=to_device)
+
+    # ------------------------------------------------------------------ managing deltas
+    @property
+    def deltas(self) -> list:
+        """Names of the loaded deltas (resident on the device or not)."""
+        return self._cache.names
+
+    @property
+    def active_delta(self) -> Optional[str]:
+        """The delta calls without ``delta_names`` use (``None``: the plain base); see the class docstring."""
+        if self._active is not _UNSET:
+            return self._active
+        names = self._cache.names
+        return names[0] if len(names) == 1 else None
+
+    def set_delta(self, name: Optional[str]) -> None:
+        """Make ``name`` the active delta, used by calls without ``delta_names`` (``None``: the plain base)."""
+        if name is not None:
+            self._cache.entry(name)
+        self._active = name
+
+    def delete_delta(self, name: str) -> None:
+        """Unload a delta; the others stay usable. If it was active, no delta is chosen any more."""
+        self._cache.remove(name)
+        if self._active == name:
+            self._active = _UNSET
+
+    # ------------------------------------------------------------------ routing
+    def _routing_for(self, delta_names: Optional[Sequence]) -> BatchRouting:
+        if delta_names is None:
+            if self._active is _UNSET and len(self._cache) > 1:
+                raise DeltaZipError(
+                    f"{len(self._cache)} deltas are loaded ({self.deltas}) and none is active: pass delta_names=[...] "
+                    "(one name per row, None for the base) or choose one with set_delta(name)"
+                )
+            name = self.active_delta
+            return BatchRouting.base() if name is None else BatchRouting.every_row(self._cache.slots_for([name])[0])
+        if isinstance(delta_names, str):
+            raise DeltaZipError("delta_names takes one name per batch row (a list), e.g. ['chat', None]")
+        return BatchRouting.per_row(self._cache.slots_for(list(delta_names)))
+
+    @contextmanager
+    def route(self, delta_names: Optional[Sequence]):
+        """Within this block every call through ``base_model`` uses ``delta_names`` (one per row, or the
+        active delta for ``None``). Holds the cache's lock, so the deltas stay where they are."""
+        with self._cache.lock:
+            with self.router.use(self._routing_for(delta_names)):
+                yield
+
+    @contextmanager
+    def route_static(self, device_rows: torch.Tensor):
+        """Within this block every module reads each row's slot from ``device_rows`` (an int32 device
+        tensor, -1 for the base) and takes no host-side decision: what a captured decode step runs."""
+        with self.router.use(BatchRouting.static(device_rows)):
+            yield
+
+    def uses_kernels(self, device=None) -> bool:
+        """Whether the delta modules run the Triton kernels on ``device`` (default: the model's)."""
+        return self.kernel_policy.wants_kernels(self._placer.device if device is None else device)
+
+    def graph_safe(self) -> bool:
+        """Whether every delta module can run inside a captured decode step (kernel route, no host decisions)."""
+        return self._placer.graph_safe()
+
+    # ------------------------------------------------------------------ running
+    def forward(self, *args, delta_names: Optional[Sequence] = None, **kwargs):
+        _check_rows(delta_names, args, kwargs)
+        with self.route(delta_names):
+            return self.base_model(*args, **kwargs)
+
+    def generate(self, *args, delta_names: Optional[Sequence] = None, **kwargs):
+        """``generate`` with one delta per row (``None`` = base; omitted: the active delta); every generate option works."""
+        _check_rows(delta_names, args, kwargs)
+        with self.route(delta_names):
+            return self.base_model.generate(*args, **kwargs)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "base_model":
+                raise
+            return getattr(self.base_model, name)
+
+    # ------------------------------------------------------------------ saving and merging
+    def save_pretrained(self, save_directory: Union[str, os.PathLike], selected_deltas: Optional[Sequence[str]] = None,
+                        **kwargs) -> Path:
+        """Save loaded deltas as delta folders (never the base), as PEFT saves adapters.
+
+        The delta named ``"default"`` goes into ``save_directory`` itself, every other one into
+        ``save_directory/<name>``; :meth:`from_pretrained` and :meth:`load_delta` read them back. For a
+        plain transformers model with a delta merged in, use ``merge_and_unload(name).save_pretrained(...)``.
+
+        Args:
+            save_directory: the folder to write.
+            selected_deltas: names to save (default: every loaded delta).
+            kwargs: ``num_threads`` for compressing in-memory deltas.
+
+        Each file is written atomically: an interrupted save leaves earlier files whole.
+        """
+        names = list(self.deltas if selected_deltas is None else selected_deltas)
+        if not names:
+            raise DeltaZipError("no delta is loaded: there is nothing to save (the base is never saved by DeltaModel)")
+        for n in names:
+            self._cache.entry(n)
+        root = Path(save_directory)
+        if root.exists() and not root.is_dir():
+            raise DeltaZipError(f"{root} is a file: pass a folder to save deltas into")
+        for n in names:
+            self._save_one(n, root if n == "default" else root / n, **kwargs)
+        return root
+
+    def _save_one(self, name: str, folder: Path, num_threads: Optional[int] = None) -> None:
+        with self._cache.lock:
+            e = self._cache.entry(name)
+            if e.path is not None:
+                folder.mkdir(parents=True, exist_ok=True)
+                src = Path(e.path)
+                if src.resolve() != folder.resolve():
+                    for f in sorted(src.iterdir()):
+                        if f.is_file():
+                            _copy_atomic(f, folder / f.name)
+                return
+            if e.config is None:
+                raise DeltaZipError(
+                    f"delta {name!r} was added as bare packed modules and has no DeltaZipConfig: add it with "
+                    "add_delta(CompressedDelta(...)) to be able to save it"
+                )
+            modules, params = e.host if e.host is not None else self._placer.gather(e.slot)
+            modules, params = to_host(modules, params)
+        CompressedDelta(config=e.config, modules=modules, params=params, header=dict(e.header)).save_pretrained(
+            folder, num_threads=num_threads)
+
+    def merge_and_unload(self, name: Optional[str] = None, *, inplace: bool = False) -> nn.Module:
+        """A plain transformers model with delta ``name`` (default: the active one) merged in.
+
+        With ``inplace=False`` (default) the base and the other deltas stay usable and a merged copy is
+        returned; with ``inplace=True`` the base itself becomes the merged model and every delta is unloaded.
+        """
+        name = name or self.active_delta
+        if name is None:
+            raise DeltaZipError("merge_and_unload needs the name of a loaded delta (or an active one)")
+        with self._cache.lock:
+            slot = self._cache.slots_for([name])[0]
+            merged = self._placer.merged_model(slot, self._cache.entry(name).header, inplace)
+            if inplace:
+                self._cache.clear()
+                self._active = _UNSET
+            return merged
+
+    def memory_footprint(self) -> dict:
+        """Bytes of the base and of each loaded delta, as they sit on their devices."""
+        seen = set()
+        base = 0
+        for p in list(self.base_model.parameters()) + list(self.base_model.buffers()):
+            if p.data_ptr() in seen:
+                continue
+            seen.add(p.data_ptr())
+            base += p.numel() * p.element_size()
+        per = {n: self._placer.nbytes_on_device(self._cache.slot_of(n)) for n in self._cache.resident}
+        return {"base": base, "deltas": per, "total": base + sum(per.values()), "host": self._cache.host_bytes()}
+
+    # ------------------------------------------------------------------ showing
+    def _delta_rows(self) -> list:
+        rows = []
+        for n in self.deltas:
+            e = self._cache.entry(n)
+            cfg = e.config
+            setting = "packed modules" if cfg is None else f"{cfg.bits}-bit" + ("" if not cfg.sparsity else f", {cfg.sparsity} sparse")
+            rows.append({"name": n, "active": n == self.active_delta, "setting": setting,
+                         "where": {Residency.DEVICE: "GPU" if self._placer.device.type == "cuda" else str(self._placer.device),
+                                   Residency.HOST: "host", Residency.DISK: "disk"}[e.state],
+                         "source": str(e.path) if e.path is not None else "in memory"})
+        return rows
+
+    def extra_repr(self) -> str:
+        # print(model) then shows this line, then the patched base, whose delta layers list their deltas
+        base = getattr(getattr(self.base_model, "config", None), "_name_or_path", None) or type(self.base_model).__name__
+        deltas = ", ".join(f"{r['name']}{' (active)' if r['active'] else ''}: {r['setting']}, on {r['where']}"
+                           for r in self._delta_rows())
+        return f"base={base!r}, deltas=[{deltas}]"
+
+    def _repr_html_(self) -> str:
+        import html
+
+        rows = self._delta_rows()
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(str(r[k]))}</td>" for k in ("name", "setting", "where", "source"))
+            + f"<td>{'yes' if r['active'] else ''}</td></tr>" for r in rows
+        )
+        fp = self.memory_footprint()
+        return (f"<p><b>DeltaModel</b> over {html.escape(type(self.base_model).__name__)} "
+                f"({fp['base'] / 2**20:.1f} MiB base, {sum(fp['deltas'].values()) / 2**20:.1f} MiB deltas on the device)</p>"
+                "<table><thead><tr><th>delta</th><th>setting</th><th>where</th><th>source</th><th>active</th></tr></thead>"
+                f"<tbody>{body}</tbody></table>")
+
+
+def _copy_atomic(src: Path, dst: Path) -> None:
+    """Copy ``src`` to ``dst`` through a temporary file in ``dst``'s folder (never a half-written ``dst``)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", dir=dst.parent)
+    os.close(fd)
+    try:
+        shutil.copyfile(src, tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, dst)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _check_rows(delta_names, args, kwargs):
+    if delta_names is None:
+        return
+    ids = kwargs.get("input_ids", args[0] if args and torch.is_tensor(args[0]) else None)
+    if ids is None:
+        ids = kwargs.get("inputs_embeds")
+    if ids is not None and ids.dim() >= 2 and ids.shape[0] != len(delta_names):
+        raise DeltaZipError(f"{len(delta_names)} delta names for a batch of {ids.shape[0]} rows: pass one name per row")

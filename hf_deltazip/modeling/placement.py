@@ -1,0 +1,278 @@
+"""Putting a delta's tensors into a base model's modules, and taking them out again.
+
+:class:`DeltaPlacer` knows the base model: which modules a delta touches, how to wrap them
+(:mod:`.layers`), whether a delta's shapes fit the base, and how to write a delta under a *slot*
+(in place into free kernel-stack room when it can). It decides nothing about which deltas should
+be on the device: that is the :class:`~.cache.DeltaCache`'s job, which calls it.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import nullcontext
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..errors import BaseMismatchError
+from ..fingerprint import check_fingerprint
+from .arch import is_linear
+from .layers import DeltaEmbedding, DeltaLinear, DeltaModule, DeltaOverride, map_packed
+from .routing import KernelPolicy, LayoutVersion, Router
+
+__all__ = ["DeltaPlacer", "delta_nbytes"]
+
+
+def delta_nbytes(modules: dict, params: dict) -> int:
+    """Bytes of a delta's packed modules and parameters as they are held (not the file's bytes)."""
+    return sum(p.nbytes for p in modules.values()) + sum(t.numel() * t.element_size() for t in params.values())
+
+
+class DeltaPlacer:
+    """Wraps the modules of ``base_model`` that deltas touch and places deltas into them by slot.
+
+    Args:
+        base_model: the transformers model (patched in place).
+        router, layout, policy: shared with every wrapper (see :mod:`.routing`).
+    """
+
+    def __init__(self, base_model: nn.Module, router: Router, layout: LayoutVersion, policy: KernelPolicy):
+        self.base_model = base_model
+        self.router = router
+        self.layout = layout
+        self.policy = policy
+
+    # ------------------------------------------------------------------ the base
+    @property
+    def device(self) -> torch.device:
+        for p in self.base_model.parameters():
+            return p.device
+        return torch.device("cpu")
+
+    def uses_kernels(self) -> bool:
+        return self.policy.wants_kernels(self.device)
+
+    def plain_params(self) -> dict:
+        """The base's parameters under their original names (wrappers' ``base_layer`` removed)."""
+        return {n.replace(".base_layer.", "."): p for n, p in self.base_model.named_parameters()}
+
+    def special_names(self) -> dict:
+        """``{"input": name, "output": name}`` of the input and output embedding modules."""
+        out = {}
+        ie, oe = self.base_model.get_input_embeddings(), self.base_model.get_output_embeddings()
+        for n, m in self.base_model.named_modules():
+            if m is ie:
+                out["input"] = _plain(n)
+            if m is oe:
+                out["output"] = _plain(n)
+        return out
+
+    def find(self, name: str) -> Optional[nn.Module]:
+        try:
+            return self.base_model.get_submodule(name)
+        except AttributeError:
+            return None
+
+    def wrappers(self):
+        """``(name, wrapper)`` of every delta-carrying module, names without ``base_layer``."""
+        for n, m in self.base_model.named_modules():
+            if isinstance(m, DeltaModule):
+                yield _plain(n), m
+
+    # ------------------------------------------------------------------ checks
+    def check_base(self, header: dict, where) -> None:
+        """Raise :class:`BaseMismatchError` unless this base is the one the delta was made from."""
+        cfg = getattr(self.base_model, "config", None)
+        expected = header.get("base_model") or "?"
+        mt = header.get("model_type")
+        if mt is not None and getattr(cfg, "model_type", None) != mt:
+            raise BaseMismatchError(
+                f"{where}: the delta is for a {mt!r} model ({expected}) but the base is {getattr(cfg, 'model_type', None)!r}; "
+                f"load it onto {expected!r}"
+            )
+        check_fingerprint(header.get("base_fingerprint") or {}, self.plain_params(), expected_base=expected)
+
+    def validate(self, modules: dict, params: dict, header: dict, where) -> None:
+        """Raise :class:`BaseMismatchError` unless every module and parameter of the delta fits the base."""
+        base_params = self.plain_params()
+        vocab_rows = set()
+        for name, p in modules.items():
+            mod = self.find(name)
+            if mod is None:
+                raise BaseMismatchError(f"{where}: the base has no module {name!r}; load the delta onto {header.get('base_model')!r}")
+            base_mod = mod.base_layer if isinstance(mod, DeltaModule) else mod
+            w = base_mod.weight
+            n, k = (w.shape[1], w.shape[0]) if p.transposed else tuple(w.shape)
+            if p.kind == "embedding":
+                vocab_rows.add(name)
+                if k != p.shape[1] or p.shape[0] < n:
+                    raise BaseMismatchError(f"{where}: {name} is {list(p.shape)} in the delta but {[n, k]} in the base")
+            elif (n, k) != tuple(p.shape):
+                raise BaseMismatchError(f"{where}: {name} is {list(p.shape)} in the delta but {[n, k]} in the base")
+        vocab_modules = set(self.special_names().values())
+        for pname, t in params.items():
+            b = base_params.get(pname)
+            if b is None:
+                raise BaseMismatchError(f"{where}: the base has no parameter {pname!r}; load the delta onto {header.get('base_model')!r}")
+            owner = pname.rsplit(".", 1)[0]
+            if tuple(b.shape) != tuple(t.shape) and owner not in vocab_rows and owner not in vocab_modules:
+                raise BaseMismatchError(f"{where}: {pname} is {list(t.shape)} in the delta but {list(b.shape)} in the base")
+
+    # ------------------------------------------------------------------ placing
+    def wrap(self, name: str, kind: str) -> DeltaModule:
+        """The wrapper of module ``name`` (made and swapped in on first use)."""
+        mod = self.base_model.get_submodule(name)
+        if isinstance(mod, DeltaModule):
+            return mod
+        parent_name, _, child = name.rpartition(".")
+        parent = self.base_model.get_submodule(parent_name) if parent_name else self.base_model
+        shared = (self.router, self.layout, self.policy)
+        output = self.special_names().get("output") == name
+        if kind == "linear" and is_linear(mod):
+            wrapper = DeltaLinear(mod, *shared, is_output_embedding=output)
+        elif kind == "embedding" and isinstance(mod, nn.Embedding):
+            wrapper = DeltaEmbedding(mod, *shared)
+        elif kind == "embedding" and is_linear(mod):
+            wrapper = DeltaLinear(mod, *shared, is_output_embedding=True)
+        else:
+            wrapper = DeltaOverride(mod, *shared)
+        setattr(parent, child, wrapper)
+        return wrapper
+
+    def can_attach_in_room(self, slot: int, modules: dict, params: dict, header: dict) -> bool:
+        """Whether :meth:`attach` needs no new wrapper and no kernel-stack rebuild: what an upload ahead
+        of use (while a decode step may run) is allowed to do."""
+        if header.get("extra", {}).get("tied_embeddings"):
+            return False  # the LM head would share the embedding's delta: attach on demand instead
+        for mname, p in modules.items():
+            mod = self.find(mname)
+            if isinstance(mod, DeltaLinear):
+                if not mod.can_write_in_place(slot, p):
+                    return False
+            elif not isinstance(mod, DeltaModule):
+                return False
+        for pname in params:
+            owner = self.find(pname.rpartition(".")[0])
+            if not isinstance(owner, DeltaModule) or isinstance(owner, DeltaLinear):
+                return False
+        return True
+
+    def attach(self, slot: int, modules: dict, params: dict, header: dict, name: Optional[str] = None,
+               side: Optional[torch.cuda.Stream] = None) -> None:
+        """Put a delta's tensors on the device under ``slot``; with a CUDA ``side`` stream the copies
+        run on it (device memory is taken on the current stream)."""
+        device = self.device
+        special = self.special_names()
+        on_side = torch.cuda.stream(side) if side is not None else nullcontext()
+
+        def move(t):
+            if side is None or t.device == device:
+                return t.to(device)
+            dst = torch.empty_like(t, device=device)
+            with torch.cuda.stream(side):
+                dst.copy_(t, non_blocking=True)
+            dst.record_stream(side)
+            return dst
+
+        touched = []
+        for mname, p in modules.items():
+            wrapper = self.wrap(mname, p.kind)
+            touched.append(wrapper)
+            if not (isinstance(wrapper, DeltaLinear) and wrapper.can_write_in_place(slot, p)):
+                p = p.to_dense_layout() if device.type == "cuda" else p
+                wrapper.add_packed(slot, map_packed(p, move))
+            else:
+                with on_side:
+                    wrapper.add_packed(slot, p)  # in place: one copy from (pinned) host memory into the stack
+            # tied embeddings: the LM head shares the input embedding's delta
+            if p.kind == "embedding" and header.get("extra", {}).get("tied_embeddings") and mname == special.get("input"):
+                out_name = special.get("output")
+                if out_name and out_name not in modules:
+                    head = self.wrap(out_name, "linear")
+                    head.add_packed(slot, p)
+                    touched.append(head)
+        for pname, t in params.items():
+            owner, _, attr = pname.rpartition(".")
+            wrapper = self.wrap(owner, "override" if owner not in modules else modules[owner].kind)
+            wrapper.add_override(slot, attr, move(t))
+            touched.append(wrapper)
+        if name is not None:
+            for w in touched:
+                w.names[slot] = name
+
+    def detach(self, slot: int, keep_room: bool = True) -> None:
+        """Take slot ``slot``'s delta out of every wrapper (with ``keep_room``, its stack room stays)."""
+        for _, mod in list(self.wrappers()):
+            if slot in mod.slots():
+                mod.remove_slot(slot, keep_room=keep_room)
+
+    def gather(self, slot: int):
+        """A placed delta's packed modules and parameters, as the wrappers hold them."""
+        modules, params = {}, {}
+        output = self.special_names().get("output")
+        for name, mod in self.wrappers():
+            if slot in mod.packed and not (name == output and isinstance(mod, DeltaLinear)
+                                           and mod.packed[slot].kind == "embedding"):
+                modules[name] = mod.packed[slot]
+            for attr, t in mod.overrides.get(slot, {}).items():
+                params[f"{name}.{attr}"] = t
+        return modules, params
+
+    def nbytes_on_device(self, slot: int) -> int:
+        return sum(mod.delta_nbytes(slot) for _, mod in self.wrappers() if slot in mod.slots())
+
+    def graph_safe(self) -> bool:
+        """Whether every wrapper can run inside a captured decode step."""
+        return all(mod.graph_safe() for _, mod in self.wrappers() if hasattr(mod, "graph_safe"))
+
+    # ------------------------------------------------------------------ merging
+    def merged_model(self, slot: int, header: dict, inplace: bool) -> nn.Module:
+        """The base with slot ``slot``'s delta merged in, every wrapper replaced by a plain module."""
+        target = self.base_model if inplace else copy.deepcopy(self.base_model)
+        for mod_name, mod in list(target.named_modules()):
+            if not isinstance(mod, DeltaModule):
+                continue
+            merged = _merged_module(mod, slot)
+            parent_name, _, child = mod_name.rpartition(".")
+            parent = target.get_submodule(parent_name) if parent_name else target
+            setattr(parent, child, merged)
+        vocab = header.get("extra", {}).get("vocab_size_finetune")
+        if vocab and getattr(target.config, "vocab_size", None) != vocab:
+            target.config.vocab_size = vocab
+        if header.get("extra", {}).get("tied_embeddings"):
+            target.tie_weights()
+        return target
+
+
+def _plain(name: str) -> str:
+    return name.replace(".base_layer", "")
+
+
+def _merged_module(mod: DeltaModule, slot: int) -> nn.Module:
+    base = mod.base_layer
+    new = copy.deepcopy(base)
+    if isinstance(mod, DeltaLinear):
+        w = mod.merged_weight(slot) if (slot in mod.packed or "weight" in mod.overrides.get(slot, {})) else None
+        if w is not None:
+            w = w.t() if mod.transposed else w
+            new.weight = nn.Parameter(w.contiguous().to(base.weight.dtype), requires_grad=base.weight.requires_grad)
+            if isinstance(new, nn.Linear):
+                new.out_features, new.in_features = new.weight.shape
+            elif hasattr(new, "nf"):
+                new.nf = new.weight.shape[1]
+        b = mod.merged_bias(slot) if slot in mod.slots() else None
+        if b is not None:
+            new.bias = nn.Parameter(b.to(base.weight.dtype).clone(), requires_grad=False)
+    elif isinstance(mod, DeltaEmbedding):
+        if slot in mod.packed or "weight" in mod.overrides.get(slot, {}):
+            new.weight = nn.Parameter(mod.merged_weight(slot).clone(), requires_grad=base.weight.requires_grad)
+            new.num_embeddings = new.weight.shape[0]
+    for attr, value in mod.overrides.get(slot, {}).items():
+        if isinstance(mod, DeltaLinear) and attr in ("weight", "bias"):
+            continue
+        if isinstance(mod, DeltaEmbedding) and attr == "weight":
+            continue
+        old = getattr(new, attr)
+        setattr(new, attr, nn.Parameter(value.to(old.dtype).clone(), requires_grad=getattr(old, "requires_grad", False)))
+    return new

@@ -1,0 +1,156 @@
+"""Which delta each batch row uses, and when the device layout of the deltas changed.
+
+Three small objects, each with one job, shared by every delta-carrying module of one model:
+
+* :class:`BatchRouting` - the rows of *one* batch: a slot per row (host list, ``-1`` = the plain
+  base) or, for a captured decode step, a device tensor of slots. Immutable; made per call.
+* :class:`Router` - the channel through which a batch's routing reaches the modules during a
+  forward pass that transformers drives (the modules cannot take extra arguments). Thread-local,
+  so two threads may run batches on one model.
+* :class:`LayoutVersion` - a counter bumped whenever a module's device tensors are replaced (not
+  merely written in place). A captured CUDA graph is valid while the version it was captured at holds.
+
+And :class:`KernelPolicy`: whether modules run the Triton kernels, and how much room their kernel
+stacks keep for more deltas.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from ..errors import DeltaZipError
+
+__all__ = ["BatchRouting", "Router", "LayoutVersion", "KernelPolicy", "BASE_SLOT"]
+
+BASE_SLOT = -1
+
+
+@dataclass(frozen=True)
+class BatchRouting:
+    """The slot each row of one batch uses.
+
+    Attributes:
+        slots: one slot per row (``-1``: the plain base), or ``None`` for an all-base batch.
+        uniform: every row uses ``slots[0]``, whatever the batch size (a model's active delta).
+        device_rows: a device int32 tensor of per-row slots read inside a captured decode step
+            (``slots`` is then ``None``): modules must take no host-side decisions.
+    """
+
+    slots: Optional[tuple] = None
+    uniform: bool = False
+    device_rows: Optional[torch.Tensor] = None
+    _device_cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def base(cls) -> "BatchRouting":
+        return cls()
+
+    @classmethod
+    def per_row(cls, slots: Sequence[int]) -> "BatchRouting":
+        return cls(slots=tuple(int(s) for s in slots))
+
+    @classmethod
+    def every_row(cls, slot: int) -> "BatchRouting":
+        return cls(slots=(int(slot),), uniform=True)
+
+    @classmethod
+    def static(cls, device_rows: torch.Tensor) -> "BatchRouting":
+        return cls(device_rows=device_rows)
+
+    @property
+    def is_static(self) -> bool:
+        return self.device_rows is not None
+
+    def rows_for(self, batch: int) -> list:
+        """Slot of each of ``batch`` rows (generate() may repeat rows: beams, several sequences each)."""
+        if self.slots is None:
+            return [BASE_SLOT] * batch
+        if self.uniform:
+            return [self.slots[0]] * batch
+        n = len(self.slots)
+        if n == batch:
+            return list(self.slots)
+        if batch % n == 0:
+            return [s for s in self.slots for _ in range(batch // n)]
+        raise DeltaZipError(f"the batch has {batch} rows but {n} delta names were given: pass one name per row")
+
+    def device_rows_for(self, batch: int, device) -> torch.Tensor:
+        """``rows_for(batch)`` as a device int32 tensor, made once per batch size and device."""
+        if self.device_rows is not None:
+            return self.device_rows
+        key = (batch, str(device))
+        t = self._device_cache.get(key)
+        if t is None:
+            t = self._device_cache[key] = torch.tensor(self.rows_for(batch), dtype=torch.int32, device=device)
+        return t
+
+
+_BASE = BatchRouting.base()
+
+
+class Router:
+    """The current :class:`BatchRouting` of this thread, for the modules of one model."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    @property
+    def current(self) -> BatchRouting:
+        return getattr(self._local, "routing", _BASE)
+
+    @contextmanager
+    def use(self, routing: BatchRouting):
+        """Within this block, the modules of this thread route by ``routing``."""
+        previous = self.current
+        self._local.routing = routing
+        try:
+            yield routing
+        finally:
+            self._local.routing = previous
+
+    def __deepcopy__(self, memo):  # a copied model routes on its own
+        return Router()
+
+
+class LayoutVersion:
+    """Bumped when a module's device tensors are replaced; captured graphs are valid while it holds."""
+
+    def __init__(self):
+        self.value = 0
+        self._lock = threading.Lock()
+
+    def bump(self) -> None:
+        with self._lock:
+            self.value += 1
+
+    def __deepcopy__(self, memo):
+        return LayoutVersion()
+
+
+class KernelPolicy:
+    """Whether delta modules run the Triton kernels, and the room their kernel stacks keep.
+
+    Args:
+        mode: ``"auto"`` (kernels on CUDA), ``"always"`` (also on the CPU, through the Triton
+            interpreter) or ``"never"`` (the PyTorch reference path).
+        capacity: deltas a kernel stack is sized for (the cache's resident budget), or ``None``.
+    """
+
+    MODES = ("auto", "always", "never")
+
+    def __init__(self, mode: str = "auto", capacity: Optional[int] = None):
+        if mode not in self.MODES:
+            raise DeltaZipError(f'use_kernels must be "auto", "always" or "never", got {mode!r}')
+        self.mode = mode
+        self.capacity = capacity
+
+    def wants_kernels(self, device) -> bool:
+        return self.mode == "always" or (self.mode == "auto" and torch.device(device).type == "cuda")
+
+    def __deepcopy__(self, memo):
+        return KernelPolicy(self.mode, self.capacity)

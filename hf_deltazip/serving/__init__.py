@@ -1,0 +1,11 @@
+"""Serving many deltas: the static-cache :class:`DecodeEngine` and the thread-safe :class:`DeltaServer`.
+
+Both drive a :class:`~hf_deltazip.DeltaModel` through its public API only: ``model.cache``
+(:meth:`~hf_deltazip.modeling.DeltaCache.acquire` / ``release`` / ``fits`` / ``lock``), ``model.route``,
+``model.route_static``, ``model.layout_version`` and ``model.graph_safe()``.
+"""
+
+from .engine import DecodeEngine, Finished
+from .server import DeltaServer, RequestStats
+
+__all__ = ["DecodeEngine", "Finished", "DeltaServer", "RequestStats"]

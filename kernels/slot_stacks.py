@@ -1,0 +1,174 @@
+"""Slots to stacks: the device-side bookkeeping one linear layer needs to run many deltas in one launch.
+
+A model numbers its loaded deltas by *slot* (0, 1, 2, ...; -1 is the plain base). The kernel reads
+deltas from :class:`~.delta_stack.DeltaStack` tensors, one per *format class* (bits, group size,
+2:4 or dense). :class:`SlotStacks` maps one to the other for one layer:
+
+* each format class has a stack with room for more deltas than it holds (``capacity``), a free list,
+  and two device tables indexed by ``slot + 1``: ``lookup`` (the delta's index in the stack, -1 for
+  none) and ``member`` (whether the row's delta is of this class);
+* writing a delta into free room or freeing its place changes table entries in place, never tensors,
+  so a CUDA graph captured over :meth:`SlotStacks.apply` stays valid while deltas come and go;
+* anything that needs new tensors (a new format class, a full stack) is a rebuild, which the caller
+  must report as a layout change (see ``hf_deltazip.modeling.routing.LayoutVersion``).
+
+Plain PyTorch plus the kernel launcher; nothing here knows about models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import torch
+
+from .delta_stack import DeltaStack
+
+__all__ = ["PackedFields", "SlotStacks", "format_key"]
+
+
+@dataclass(frozen=True)
+class PackedFields:
+    """One delta's packed tensors in the stack layout (dense codes, or kept codes + 2:4 positions)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    positions: Optional[torch.Tensor]
+    bits: int
+    group_size: int
+    sparsity: str  # "dense" or "2:4" (unstructured deltas are stored densely)
+
+
+def format_key(fields: PackedFields) -> tuple:
+    """The format class a delta belongs to: deltas of one class share a stack."""
+    return (fields.bits, fields.group_size, "2:4" if fields.sparsity == "2:4" else "dense")
+
+
+@dataclass
+class _ClassStack:
+    key: tuple
+    stack: DeltaStack
+    lookup: torch.Tensor  # int32 [table]: slot + 1 -> index in the stack, -1 if not in this class
+    member: torch.Tensor  # bool [table]: slot + 1 -> the slot's delta is in this class
+    index: dict = field(default_factory=dict)  # slot -> index
+    free: list = field(default_factory=list)  # free indices, popped from the end
+
+
+class SlotStacks:
+    """The kernel stacks of one linear layer of ``out_features x in_features`` (see the module docstring).
+
+    Args:
+        items: ``(slot, PackedFields)`` of the deltas to hold now (at least one).
+        in_features, out_features: the layer's shape.
+        device: where the stacks live.
+        capacity: deltas the stacks should have room for in all (the cache's resident budget), or
+            ``None``: each class gets half again the room it needs.
+    """
+
+    def __init__(self, items: Iterable, in_features: int, out_features: int, device, capacity: Optional[int] = None):
+        items = sorted(items, key=lambda it: it[0])
+        if not items:
+            raise ValueError("SlotStacks needs at least one delta")
+        self.in_features, self.out_features = in_features, out_features
+        self.device = torch.device(device)
+        self.table_size = max(64, 2 * (max(s for s, _ in items) + 2))
+        classes: dict = {}
+        for slot, f in items:
+            classes.setdefault(format_key(f), []).append((slot, f))
+        total = len(items)
+        self.classes: list[_ClassStack] = []
+        for key, members in classes.items():
+            spare = max(capacity - total, 0) if capacity else (len(members) + 1) // 2
+            self.classes.append(self._new_class(key, members, len(members) + spare))
+        for slot, f in items:
+            if self.write(slot, f) is None:  # room for every item was made above
+                raise RuntimeError("SlotStacks: no room for a delta just sized for")
+
+    def _new_class(self, key, members, cap: int) -> _ClassStack:
+        first = members[0][1]
+        sdtype = torch.float32 if any(f.scales.dtype == torch.float32 for _, f in members) else torch.float16
+        n, dev = first.qweight.shape[0], self.device
+        bits, group_size, sparsity = key
+        stack = DeltaStack(
+            torch.empty((cap, n, first.qweight.shape[1]), dtype=torch.uint8, device=dev),
+            torch.zeros((cap, n, first.scales.shape[1]), dtype=sdtype, device=dev),
+            torch.zeros((cap, n, first.zeros.shape[1]), dtype=torch.uint8, device=dev),
+            None if sparsity != "2:4" else torch.empty((cap, n, first.positions.shape[1]), dtype=torch.uint8, device=dev),
+            bits, group_size, self.in_features,
+        )
+        return _ClassStack(key=key, stack=stack,
+                           lookup=torch.full((self.table_size,), -1, dtype=torch.int32, device=dev),
+                           member=torch.zeros((self.table_size,), dtype=torch.bool, device=dev),
+                           free=list(range(cap - 1, -1, -1)))
+
+    # ------------------------------------------------------------------ in-place changes
+    def place_for(self, slot: int, key: tuple, out_rows: int, scales_dtype: torch.dtype) -> Optional[_ClassStack]:
+        """The class stack with free room for a delta of format class ``key`` under ``slot``, or ``None``."""
+        if out_rows != self.out_features or slot + 1 >= self.table_size or any(slot in c.index for c in self.classes):
+            return None
+        for c in self.classes:
+            if c.key != key or not c.free:
+                continue
+            if scales_dtype == torch.float32 and c.stack.scales.dtype != torch.float32:
+                continue
+            return c
+        return None
+
+    def write(self, slot: int, fields: PackedFields) -> Optional[tuple]:
+        """Copy a delta into free room of its class's stack (asynchronously from pinned memory).
+
+        Returns ``(stack, index)``, where the delta now lives, or ``None`` when there is no room
+        (the caller rebuilds). Only table entries change: captured graphs stay valid.
+        """
+        c = self.place_for(slot, format_key(fields), fields.qweight.shape[0], fields.scales.dtype)
+        if c is None or tuple(fields.qweight.shape) != tuple(c.stack.qweight.shape[1:]):
+            return None
+        i = c.free.pop()
+        st = c.stack
+        st.qweight[i].copy_(fields.qweight, non_blocking=True)
+        st.scales[i].copy_(fields.scales, non_blocking=True)
+        st.zeros[i].copy_(fields.zeros, non_blocking=True)
+        if st.positions is not None:
+            st.positions[i].copy_(fields.positions, non_blocking=True)
+        c.index[slot] = i
+        c.lookup[slot + 1] = i
+        c.member[slot + 1] = True
+        return st, i
+
+    def remove(self, slot: int) -> bool:
+        """Free a slot's place (its room stays allocated for the next delta). Returns whether it was here."""
+        for c in self.classes:
+            if slot in c.index:
+                c.free.append(c.index.pop(slot))
+                c.lookup[slot + 1] = -1
+                c.member[slot + 1] = False
+                return True
+        return False
+
+    @property
+    def slots(self) -> set:
+        return {s for c in self.classes for s in c.index}
+
+    def nbytes(self) -> int:
+        """Device bytes of every stack and table (room included)."""
+        return sum(c.stack.nbytes() + c.lookup.numel() * 4 + c.member.numel() for c in self.classes)
+
+    # ------------------------------------------------------------------ the launch
+    def apply(self, x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+              slot_plus_one: torch.Tensor) -> torch.Tensor:
+        """``x W^T + bias`` plus, for each row, its slot's delta: one kernel launch per format class.
+
+        Args:
+            x2: ``[M, K]`` activations.
+            weight: ``[N, K]`` base weight; bias: ``[N]`` or ``None``.
+            slot_plus_one: long ``[M]``: each row's slot + 1 (0 for the plain base), on the device.
+        """
+        from .multi_delta import multi_delta_linear
+
+        y = None
+        for c in self.classes:
+            yc = multi_delta_linear(x2, weight, bias, c.stack, c.lookup[slot_plus_one])
+            # each row belongs to one format class: take it from that class's launch
+            y = yc if y is None else torch.where(c.member[slot_plus_one][:, None], yc, y)
+        return y

@@ -1,0 +1,154 @@
+"""What a PEFT user expects of DeltaModel: saving deltas (never the base), the active delta, the
+public delta cache (residency states, holds, budgets), and objects that show themselves."""
+
+import copy
+import os
+import stat
+
+import pytest
+import torch
+
+from hf_deltazip import DeltaModel, DeltaNotFoundError, DeltaZipConfig, DeltaZipError, compress
+from hf_deltazip.delta import CompressedDelta
+from hf_deltazip.modeling import CacheFullError, DeltaInUseError, Residency
+
+from model_factory import base_model, calibration_ids, finetune
+
+IDS = calibration_ids(n=2, length=8, seed=5)
+
+
+@pytest.fixture(scope="module")
+def deltas(tmp_path_factory):
+    root = tmp_path_factory.mktemp("api-deltas")
+    out = {}
+    for i, name in enumerate(("a", "b"), start=1):
+        cfg = DeltaZipConfig(bits=4, group_size=32, n_samples=4, seq_len=16)
+        delta = compress(base_model("llama"), finetune("llama", i), cfg, calibration=calibration_ids(n=4, length=16),
+                         progress=False)
+        delta.save_pretrained(root / name)
+        out[name] = (root / name, delta)
+    return out
+
+
+def fresh_base():
+    return copy.deepcopy(base_model("llama"))
+
+
+def greedy(model, **kwargs):
+    with torch.no_grad():
+        return model.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=4, do_sample=False,
+                              pad_token_id=0, **kwargs)
+
+
+def test_the_loaded_delta_is_active(deltas):
+    model = DeltaModel.from_pretrained(deltas["a"][0], base=fresh_base(), delta_name="a")
+    assert model.active_delta == "a"
+    merged_a = model.merge_and_unload("a")
+    assert torch.equal(greedy(model), greedy(merged_a))
+    assert torch.equal(greedy(model), greedy(model, delta_names=["a", "a"]))
+    assert not torch.equal(greedy(model), greedy(base_model("llama")))
+    # loading another delta keeps the active one (as PEFT's load_adapter does)
+    model.load_delta(deltas["b"][0], delta_name="b")
+    assert model.active_delta == "a"
+    assert torch.equal(greedy(model), greedy(merged_a))
+    # None per row still selects the base
+    mixed = greedy(model, delta_names=[None, "b"])
+    assert torch.equal(mixed[0], greedy(base_model("llama"))[0])
+    assert torch.equal(mixed[1], greedy(model.merge_and_unload("b"))[1])
+    model.set_delta(None)
+    assert model.active_delta is None
+    assert torch.equal(greedy(model), greedy(base_model("llama")))
+    model.set_delta("b")
+    assert torch.equal(greedy(model), greedy(model.merge_and_unload("b")))
+    with pytest.raises(DeltaNotFoundError, match="no delta named 'zzz'"):
+        model.set_delta("zzz")
+
+
+def test_one_delta_loaded_is_used_and_several_unchosen_refuse_to_guess(deltas):
+    model = DeltaModel(fresh_base())
+    assert torch.equal(greedy(model), greedy(base_model("llama")))  # no delta: the base
+    model.load_delta(deltas["a"][0], delta_name="a")
+    assert model.active_delta == "a"
+    assert torch.equal(greedy(model), greedy(model, delta_names=["a", "a"]))
+    model.load_delta(deltas["b"][0], delta_name="b")
+    assert model.active_delta is None
+    with pytest.raises(DeltaZipError, match="none is active"):
+        greedy(model)
+    model.delete_delta("b")
+    assert model.active_delta == "a"
+
+
+def test_save_pretrained_writes_deltas_never_the_base(deltas, tmp_path):
+    model = DeltaModel.from_pretrained(deltas["a"][0], base=fresh_base(), delta_name="a")
+    model.add_delta(deltas["b"][1], "b")  # in memory: no folder behind it
+    want = {n: model(input_ids=IDS, delta_names=[n, None]).logits for n in ("a", "b")}
+    out = model.save_pretrained(tmp_path / "saved")
+    assert sorted(p.name for p in out.iterdir()) == ["a", "b"]
+    for n in ("a", "b"):
+        files = sorted(p.name for p in (out / n).iterdir())
+        assert "delta.dz" in files and "deltazip_config.json" in files
+        assert not any(f.endswith((".safetensors", ".bin")) and f != "delta.dz" for f in files), files
+        assert "config.json" not in files  # no base model folder
+        again = DeltaModel.from_pretrained(out / n, base=fresh_base(), delta_name=n)
+        torch.testing.assert_close(again(input_ids=IDS, delta_names=[n, None]).logits, want[n], rtol=0, atol=0)
+    # a file-backed delta is saved byte for byte
+    assert (out / "a" / "delta.dz").read_bytes() == (deltas["a"][0] / "delta.dz").read_bytes()
+    # files get the user's umask, like any other file they save
+    umask = os.umask(0)
+    os.umask(umask)
+    mode = stat.S_IMODE((out / "a" / "delta.dz").stat().st_mode)
+    assert mode == 0o666 & ~umask
+
+
+def test_save_pretrained_default_goes_to_the_root_and_selected_only(deltas, tmp_path):
+    model = DeltaModel.from_pretrained(deltas["a"][0], base=fresh_base())  # delta_name="default"
+    model.load_delta(deltas["b"][0], delta_name="b")
+    model.save_pretrained(tmp_path / "only", selected_deltas=["default"])
+    # exactly the delta's own folder (with its generation config), no subfolder for "b", no base
+    assert sorted(p.name for p in (tmp_path / "only").iterdir()) == sorted(p.name for p in deltas["a"][0].iterdir())
+    again = DeltaModel.from_pretrained(tmp_path / "only", base=fresh_base())
+    assert torch.equal(greedy(again), greedy(model, delta_names=["default", "default"]))
+    with pytest.raises(DeltaNotFoundError):
+        model.save_pretrained(tmp_path / "x", selected_deltas=["nope"])
+    with pytest.raises(DeltaZipError, match="nothing to save"):
+        DeltaModel(fresh_base()).save_pretrained(tmp_path / "empty")
+
+
+def test_cache_states_holds_and_budget(deltas):
+    model = DeltaModel(fresh_base())
+    model.configure_cache(max_resident=1)
+    model.load_delta(deltas["a"][0], delta_name="a")
+    model.load_delta(deltas["b"][0], delta_name="b", resident=False)
+    cache = model.cache
+    assert cache.state("a") is Residency.DEVICE and cache.state("b") is Residency.DISK
+    assert cache.fits(["a"]) and cache.fits(["b"])
+    slots = cache.acquire(["a", None])
+    assert slots == [cache.slot_of("a"), -1]
+    assert not cache.fits(["b"]), "a is held: b cannot be resident beside it with max_resident=1"
+    with pytest.raises(CacheFullError):
+        cache.acquire(["b"])
+    with pytest.raises(DeltaInUseError):
+        model.delete_delta("a")
+    cache.release(["a", None])
+    assert cache.fits(["b"])
+    assert cache.acquire(["b"]) == [cache.slot_of("b")]
+    assert cache.state("a") is Residency.DISK and cache.state("b") is Residency.DEVICE  # a was evicted
+    cache.release(["b"])
+    model.configure_cache(max_resident=2, max_host_bytes=10**9)
+    model(input_ids=IDS, delta_names=["a", "b"])
+    model.configure_cache(max_resident=1, max_host_bytes=10**9)
+    assert sorted(cache.state(n).value for n in ("a", "b")) == ["device", "host"]  # the evicted one kept a copy
+    with pytest.raises(DeltaNotFoundError):
+        cache.acquire(["nope"])
+
+
+def test_objects_show_themselves(deltas):
+    model = DeltaModel.from_pretrained(deltas["a"][0], base=fresh_base(), delta_name="a")
+    model.add_delta(deltas["b"][1], "b", resident=False)
+    text = repr(model)
+    assert text.splitlines()[1].strip().startswith("base=")
+    assert "a (active): 4-bit, on cpu" in text and "b: 4-bit, on host" in text
+    assert "deltas={a: 4-bit}" in text  # patched layers list their deltas, as PEFT lists adapters
+    html = model._repr_html_()
+    assert "<table>" in html and "<td>a</td>" in html and "<td>host</td>" in html and "in memory" in html
+    assert isinstance(deltas["b"][1], CompressedDelta)

@@ -22,6 +22,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from hf_deltazip.packing import dequantize, unpack_codes
+
 from .delta_stack import DeltaStack
 
 __all__ = ["PackedFields", "SlotStacks", "format_key"]
@@ -153,6 +155,32 @@ class SlotStacks:
     def nbytes(self) -> int:
         """Device bytes of every stack and table (room included)."""
         return sum(c.stack.nbytes() + c.lookup.numel() * 4 + c.member.numel() for c in self.classes)
+
+    def gather_rows(self, slot_plus_one: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """For an embedding-shaped stack (``out_features`` = vocabulary): each batch row's delta rows.
+
+        Args:
+            slot_plus_one: long ``[B]``: each batch row's slot + 1 (0 for the plain base).
+            ids: long ``[B, T]`` token ids (``< out_features``).
+
+        Returns:
+            float32 ``[B, T, in_features]``: the dequantized delta rows of each row's slot, zeros for
+            rows whose slot holds no delta here. Device gathers only (no host sync): a captured decode
+            step can run it, and later writes into free room change what it reads.
+        """
+        b, t = ids.shape
+        k = self.in_features
+        out = torch.zeros((b, t, k), dtype=torch.float32, device=ids.device)
+        for c in self.classes:
+            if c.stack.sparse_2of4:
+                raise ValueError("gather_rows reads dense-layout stacks only")
+            where = c.lookup[slot_plus_one].long().clamp(min=0)[:, None].expand(b, t)
+            q = c.stack.qweight[where, ids].reshape(b * t, -1)
+            scales = c.stack.scales[where, ids].reshape(b * t, -1)
+            zeros = c.stack.zeros[where, ids].reshape(b * t, -1)
+            rows = dequantize(unpack_codes(q, c.stack.bits, k), scales, zeros, c.stack.group_size).view(b, t, k)
+            out = out + rows * c.member[slot_plus_one][:, None, None]
+        return out
 
     # ------------------------------------------------------------------ the launch
     def apply(self, x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

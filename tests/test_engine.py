@@ -181,9 +181,36 @@ def test_cuda_graph_steps_match_eager_steps_as_deltas_come_and_go(delta_dirs):
     engine = DecodeEngine(model, max_batch_size=4, max_length=32, cuda_graphs=True)
     assert engine.run(ps, names, max_new_tokens=6) == eager
     assert engine._graph is not None, "no graph was captured"
-    model.delete_delta("d3")  # frees its place in the stacks; the step is captured again (embeddings changed)
-    model.load_delta(delta_dirs["d3"], delta_name="d3")
+    model.delete_delta("d3")  # frees its place in the stacks
+    model.load_delta(delta_dirs["d3"], delta_name="d3")  # written back into room kept for it
     assert engine.run(ps, names, max_new_tokens=6) == eager
+    assert engine.captures == 1, "loading and evicting deltas (embeddings and norms too) must not re-capture"
+
+
+@cuda
+def test_deltas_cycling_through_a_small_budget_never_recapture(delta_dirs):
+    """Three real deltas (linear, embedding and norm deltas) through a 2-delta budget: every admission
+    evicts one and writes another into its room; the captured step stays valid."""
+    def make(budget):
+        m = DeltaModel(copy.deepcopy(base_model("llama")).to("cuda"))  # float32: tokens comparable
+        m.configure_cache(max_resident=budget)
+        for name, path in delta_dirs.items():
+            m.load_delta(path, delta_name=name, resident=False)
+        return m
+
+    ps = prompts(9, seed=4)
+    names = ["d1", "d2", "d3", "d1", "d3", "d2", "d3", "d1", "d2"]
+    want = DecodeEngine(make(3), max_batch_size=2, max_length=32, cuda_graphs=False).run(ps, names, max_new_tokens=5)
+    model = make(2)
+    engine = DecodeEngine(model, max_batch_size=2, max_length=32, cuda_graphs=True)
+    version = None
+    got = []
+    for p, n in zip(ps, names):  # one request at a time: each needs its delta resident, evicting another
+        got += engine.run([p], [n], max_new_tokens=5)
+        version = model.layout_version.value if version is None else version
+        assert model.layout_version.value == version
+    assert got == want
+    assert engine.captures == 1
 
 
 @cuda

@@ -70,9 +70,18 @@ class DeltaModule(nn.Module):
         return set(self.packed) | set(self.overrides)
 
     def remove_slot(self, slot: int, keep_room: bool = True) -> None:
+        self.names.pop(slot, None)
         self.packed.pop(slot, None)
         self.overrides.pop(slot, None)
         self._changed()
+
+    def can_write_in_place(self, slot: int, packed: PackedModule) -> bool:
+        """Whether ``add_packed(slot, packed)`` would only write into room kept for it (no new tensors)."""
+        return False
+
+    def can_override_in_place(self, slot: int, name: str, value: torch.Tensor) -> bool:
+        """Whether ``add_override(slot, name, value)`` would only write into a per-slot table row."""
+        return False
 
     def _changed(self) -> None:
         self.layout.bump()
@@ -171,7 +180,7 @@ class DeltaLinear(DeltaModule):
         self._slot_set = self.slots()
         self._width = max([self.out_features] + [p.shape[0] for p in self.packed.values()])
         only_bias = all(set(ov) <= {"bias"} for ov in self.overrides.values())
-        self._kernel_route = bool(self.packed) and only_bias and self._kernel_ok()
+        self._kernel_route = (bool(self.packed) or self.stacks is not None) and only_bias and self._kernel_ok()
 
     def add_packed(self, slot: int, packed: PackedModule) -> None:
         if self.stacks is not None and slot not in self.packed and self._write_in_place(slot, packed):
@@ -183,16 +192,37 @@ class DeltaLinear(DeltaModule):
     def remove_slot(self, slot: int, keep_room: bool = True) -> None:
         """Drop a slot's delta. With ``keep_room`` (evictions) its place in the stack stays allocated
         for the next delta, and tensors a captured decode step reads stay alive."""
-        self.names.pop(slot, None)
-        if self.stacks is not None and slot in self.packed and slot not in self.overrides:
+        ov = self.overrides.get(slot, {})
+        in_place = self.stacks is not None and set(ov) <= {"bias"} and (not ov or self._bias_delta is not None)
+        if in_place and (slot in self.packed or ov):
+            self.names.pop(slot, None)
             self.stacks.remove(slot)  # the graph-visible tables change in place
-            del self.packed[slot]
+            self.packed.pop(slot, None)
+            if self.overrides.pop(slot, None):
+                self._bias_delta[slot + 1].zero_()
             self._refresh()
             if not self.packed and not keep_room:
                 self.stacks = None
                 self.layout.bump()
             return
         super().remove_slot(slot)
+
+    def can_override_in_place(self, slot: int, name: str, value: torch.Tensor) -> bool:
+        return (name == "bias" and self.stacks is not None and self._bias_delta is not None
+                and slot + 1 < self._bias_delta.shape[0] and tuple(value.shape) == (self.out_features,))
+
+    def add_override(self, slot: int, name: str, value: torch.Tensor) -> None:
+        if self.can_override_in_place(slot, name, value):
+            self.overrides.setdefault(slot, {})[name] = value
+            self._bias_delta[slot + 1].copy_(self._bias_row(value))
+            self._refresh()
+            return
+        super().add_override(slot, name, value)
+
+    def _bias_row(self, value: torch.Tensor) -> torch.Tensor:
+        base_b = self.base_layer.bias
+        b0 = base_b.detach().float().to(value.device) if base_b is not None else 0.0
+        return value.detach().float() - b0
 
     def can_write_in_place(self, slot: int, packed: PackedModule) -> bool:
         """Whether ``add_packed(slot, packed)`` would only write into free room of an existing stack."""
@@ -239,10 +269,12 @@ class DeltaLinear(DeltaModule):
         return b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.packed and not self.overrides:
+        if not self.packed and not self.overrides and self.stacks is None:
             return self.base_layer(x)
         routing = self.router.current
-        if routing.is_static:  # a decode step being captured: no host-side decisions
+        # a decode step being captured: no host-side decisions. Stacks kept with room but (for now) no
+        # delta still take the kernel route: a delta written into them later must reach a captured step.
+        if routing.is_static:
             if not self._kernel_route:
                 raise DeltaZipError(f"this layer's deltas cannot run in a captured decode step ({self._why_not()})")
             return self._forward_kernel(x, routing.device_rows.shape[0], routing.device_rows)
@@ -306,13 +338,11 @@ class DeltaLinear(DeltaModule):
             self.packed[slot] = _stack_view(p, *_where(stacks, slot))
         self._bias_delta = None
         if self.overrides:  # fine-tunes that changed the bias: add (b_u - b_base) to their rows
-            base_b = self.base_layer.bias
-            table = torch.zeros(stacks.table_size, self.out_features, dtype=torch.float32)
+            table = torch.zeros(stacks.table_size, self.out_features, dtype=torch.float32, device=device)
             for slot, ov in self.overrides.items():
                 if "bias" in ov:
-                    b0 = base_b.detach().float().cpu() if base_b is not None else 0.0
-                    table[slot + 1] = ov["bias"].detach().float().cpu() - b0
-            self._bias_delta = table.to(device)
+                    table[slot + 1] = self._bias_row(ov["bias"].to(device))
+            self._bias_delta = table
         self.stacks = stacks
         return stacks
 
@@ -364,7 +394,65 @@ def _cast(t, dtype):
 
 
 class DeltaEmbedding(DeltaModule):
-    """Input embeddings plus per-slot delta rows (fine-tunes may add tokens)."""
+    """Input embeddings plus per-slot delta rows (fine-tunes may add tokens).
+
+    With kernels on (CUDA), deltas of the base's vocabulary size sit in :class:`~hf_deltazip.kernels.SlotStacks`
+    with room to spare, so a captured decode step gathers each row's delta rows on the device and
+    deltas come and go without new tensors (no re-capture).
+    """
+
+    def __init__(self, base_layer: nn.Module, router: Router, layout: LayoutVersion, policy: KernelPolicy):
+        super().__init__(base_layer, router, layout, policy)
+        self.stacks = None
+
+    def _changed(self) -> None:
+        self.stacks = None
+        super()._changed()
+        device = self.base_layer.weight.device
+        if self.packed and device.type != "meta" and self.policy.wants_kernels(device) and self._stackable():
+            self._build_stacks(device)
+
+    def _fits_stack(self, packed: PackedModule) -> bool:
+        return packed.sparsity != "2:4" and tuple(packed.shape) == tuple(self.base_layer.weight.shape)
+
+    def _stackable(self) -> bool:
+        return all(self._fits_stack(p) for p in self.packed.values()) and not any("weight" in ov for ov in self.overrides.values())
+
+    def _build_stacks(self, device) -> None:
+        from ..kernels import SlotStacks
+
+        dense = {slot: p.to_dense_layout() for slot, p in sorted(self.packed.items())}
+        w = self.base_layer.weight
+        self.stacks = SlotStacks([(slot, _fields(p)) for slot, p in dense.items()], w.shape[1], w.shape[0], device,
+                                 capacity=self.policy.capacity)
+        for slot, p in dense.items():
+            self.packed[slot] = _stack_view(p, *_where(self.stacks, slot))
+
+    def can_write_in_place(self, slot: int, packed: PackedModule) -> bool:
+        if self.stacks is None or slot in self.packed or not self._fits_stack(packed):
+            return False
+        return self.stacks.place_for(slot, (packed.bits, packed.group_size, "dense"), packed.shape[0],
+                                     packed.scales.dtype) is not None
+
+    def add_packed(self, slot: int, packed: PackedModule) -> None:
+        if self.can_write_in_place(slot, packed):
+            p = packed.to_dense_layout()
+            where = self.stacks.write(slot, _fields(p))
+            if where is not None:
+                self.packed[slot] = _stack_view(p, *where)
+                return
+        super().add_packed(slot, packed)
+
+    def remove_slot(self, slot: int, keep_room: bool = True) -> None:
+        if self.stacks is not None and slot in self.packed and slot not in self.overrides:
+            self.names.pop(slot, None)
+            self.stacks.remove(slot)
+            del self.packed[slot]
+            if not self.packed and not keep_room:
+                self.stacks = None
+                self.layout.bump()
+            return
+        super().remove_slot(slot, keep_room)
 
     @property
     def weight(self):
@@ -391,7 +479,7 @@ class DeltaEmbedding(DeltaModule):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         routing = self.router.current
-        if routing.is_static and self.slots():
+        if routing.is_static and (self.slots() or self.stacks is not None):
             return self._forward_static(ids, routing.device_rows)
         batch = ids.shape[0] if ids.dim() > 1 else 1
         slots = routing.rows_for(batch)
@@ -419,6 +507,9 @@ class DeltaEmbedding(DeltaModule):
         if not self.graph_safe():
             raise DeltaZipError("sparse embedding deltas cannot run in a captured decode step")
         w = self.base_layer.weight
+        if self.stacks is not None and ids.dim() == 2:  # device gathers from stacks with room: no per-slot code
+            out = F.embedding(ids, w).float() + self.stacks.gather_rows(rows.long() + 1, ids)
+            return out.to(w.dtype)
         row_slot = rows.long().view(-1, *([1] * (ids.dim() - 1))).expand_as(ids)
         out = F.embedding(ids.clamp(max=w.shape[0] - 1), w).float()
         if any(p.shape[0] > w.shape[0] for p in self.packed.values()):
@@ -463,29 +554,68 @@ def _dequantize_rows(p: PackedModule, rows: torch.Tensor) -> torch.Tensor:
 
 
 class DeltaOverride(DeltaModule):
-    """Any module whose parameters some fine-tunes replace (norms, biases, position embeddings)."""
+    """Any module whose parameters some fine-tunes replace (norms, biases, position embeddings).
+
+    With kernels on (CUDA), each replaced parameter also has a per-slot table with room to spare, read
+    by a captured decode step; loads and evictions write its rows in place (no re-capture).
+    """
+
+    def __init__(self, base_layer: nn.Module, router: Router, layout: LayoutVersion, policy: KernelPolicy):
+        super().__init__(base_layer, router, layout, policy)
+        self._tables = None
 
     def _changed(self) -> None:
         self._tables = None
         super()._changed()
+        device = next(iter(self.base_layer.parameters()), torch.empty(0)).device
+        if self.overrides and device.type != "meta" and self.policy.wants_kernels(device):
+            self._build_tables()
+
+    def _build_tables(self) -> None:
+        """Per parameter, a ``[table, *shape]`` tensor: row ``slot + 1`` holds that slot's value (row 0 and
+        rows of other slots the base's), with room for more slots, so loads write rows in place."""
+        base = dict(self.base_layer.named_parameters())
+        size = max(64, 2 * (max(self.overrides) + 2))
+        tables = {}
+        for name in {n for ov in self.overrides.values() for n in ov}:
+            p0 = base[name].detach()
+            t = p0.unsqueeze(0).repeat(size, *([1] * p0.dim())).clone()
+            for slot, ov in self.overrides.items():
+                if name in ov:
+                    t[slot + 1] = ov[name].to(p0.dtype)
+            tables[name] = t
+        self._tables = tables
+
+    def can_override_in_place(self, slot: int, name: str, value: torch.Tensor) -> bool:
+        t = (self._tables or {}).get(name)
+        return t is not None and slot + 1 < t.shape[0] and tuple(value.shape) == tuple(t.shape[1:])
+
+    def add_override(self, slot: int, name: str, value: torch.Tensor) -> None:
+        if self.can_override_in_place(slot, name, value):
+            self.overrides.setdefault(slot, {})[name] = value
+            self._tables[name][slot + 1].copy_(value.to(self._tables[name].dtype))
+            return
+        super().add_override(slot, name, value)
+
+    def remove_slot(self, slot: int, keep_room: bool = True) -> None:
+        ov = self.overrides.get(slot)
+        if self._tables is not None and ov and all(n in self._tables for n in ov) and slot not in self.packed:
+            base = dict(self.base_layer.named_parameters())
+            for n in self.overrides.pop(slot):
+                self._tables[n][slot + 1].copy_(base[n].detach())  # back to the base's value
+            self.names.pop(slot, None)
+            if not self.overrides and not keep_room:
+                self._changed()
+            return
+        super().remove_slot(slot, keep_room)
 
     def _forward_static(self, x, rows: torch.Tensor, args, kwargs):
         """All rows at once, each with its slot's parameters (gathered from per-slot tables on the
         device and applied with ``vmap``): what a captured decode step runs."""
         if args or kwargs or x.shape[0] != rows.shape[0]:
             raise DeltaZipError("parameter overrides of this module cannot run in a captured decode step")
-        if getattr(self, "_tables", None) is None:
-            base = dict(self.base_layer.named_parameters())
-            size = max(self.overrides) + 2
-            tables = {}
-            for name in {n for ov in self.overrides.values() for n in ov}:
-                p0 = base[name].detach()
-                t = p0.unsqueeze(0).repeat(size, *([1] * p0.dim())).clone()
-                for slot, ov in self.overrides.items():
-                    if name in ov:
-                        t[slot + 1] = ov[name].to(p0.dtype)
-                tables[name] = t
-            self._tables = tables
+        if self._tables is None:
+            self._build_tables()
         idx = rows.long() + 1
         params = {name: t[idx] for name, t in self._tables.items()}
 
@@ -498,7 +628,7 @@ class DeltaOverride(DeltaModule):
         if not torch.is_tensor(x) or x.dim() == 0:
             return self.base_layer(x, *args, **kwargs)
         routing = self.router.current
-        if routing.is_static and self.overrides:
+        if routing.is_static and (self.overrides or self._tables is not None):
             return self._forward_static(x, routing.device_rows, args, kwargs)
         routed = routing.slots
         if routed is None:

@@ -147,10 +147,7 @@ class DeltaPlacer:
             return False  # the LM head would share the embedding's delta: attach on demand instead
         for mname, p in modules.items():
             mod = self.find(mname)
-            if isinstance(mod, DeltaLinear):
-                if not mod.can_write_in_place(slot, p):
-                    return False
-            elif not isinstance(mod, DeltaModule):
+            if not isinstance(mod, DeltaModule) or (isinstance(mod, DeltaLinear) and not mod.can_write_in_place(slot, p)):
                 return False
         for pname in params:
             owner = self.find(pname.rpartition(".")[0])
@@ -179,9 +176,10 @@ class DeltaPlacer:
         for mname, p in modules.items():
             wrapper = self.wrap(mname, p.kind)
             touched.append(wrapper)
-            if not (isinstance(wrapper, DeltaLinear) and wrapper.can_write_in_place(slot, p)):
+            if not wrapper.can_write_in_place(slot, p):
+                # new device tensors, which the wrapper may read at once (stack builds): main stream
                 p = p.to_dense_layout() if device.type == "cuda" else p
-                wrapper.add_packed(slot, map_packed(p, move))
+                wrapper.add_packed(slot, map_packed(p, lambda t: t.to(device)))
             else:
                 with on_side:
                     wrapper.add_packed(slot, p)  # in place: one copy from (pinned) host memory into the stack
@@ -195,7 +193,12 @@ class DeltaPlacer:
         for pname, t in params.items():
             owner, _, attr = pname.rpartition(".")
             wrapper = self.wrap(owner, "override" if owner not in modules else modules[owner].kind)
-            wrapper.add_override(slot, attr, move(t))
+            if wrapper.can_override_in_place(slot, attr, t):
+                value = move(t)
+                with on_side:
+                    wrapper.add_override(slot, attr, value)  # in place: a row of the per-slot table
+            else:
+                wrapper.add_override(slot, attr, t.to(device))
             touched.append(wrapper)
         if name is not None:
             for w in touched:

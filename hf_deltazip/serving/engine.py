@@ -162,6 +162,7 @@ class DecodeEngine:
         self._graph = None
         self._graph_version = None
         self._graph_failed = False
+        self.captures = 0  # decode steps captured as CUDA graphs so far (each layout change costs one)
         self._static_failed = False
         b, d = max_batch_size, self.device
         self._ids = torch.full((b, 1), pad_token_id, dtype=torch.long, device=d)
@@ -534,3 +535,4 @@ class DecodeEngine:
             torch.cuda.synchronize(self.device)
             return
         self._graph, self._graph_version = graph, version
+        self.captures += 1

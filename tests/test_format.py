@@ -1,6 +1,7 @@
 import json
 import os
 import random
+import stat
 import struct
 import tracemalloc
 import zlib
@@ -78,6 +79,27 @@ def test_atomic_write_keeps_the_old_file_when_interrupted(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         atomic_write_bytes(path, chunks())
     assert path.read_bytes() == b"good"
+    assert os.listdir(tmp_path) == ["x.dz"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_saved_files_follow_the_umask(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        small_delta().save_pretrained(tmp_path / "delta")
+        atomic_write_bytes(tmp_path / "plain.bin", b"x")
+    finally:
+        os.umask(old)
+    for path in (tmp_path / "delta" / DZ_FILENAME, tmp_path / "delta" / "deltazip_config.json", tmp_path / "plain.bin"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path
+
+
+def test_replacing_a_file_keeps_its_permissions(tmp_path):
+    path = tmp_path / "x.dz"
+    path.write_bytes(b"old")
+    os.chmod(path, 0o640)
+    atomic_write_bytes(path, b"new")
+    assert path.read_bytes() == b"new" and stat.S_IMODE(path.stat().st_mode) == 0o640
     assert os.listdir(tmp_path) == ["x.dz"]
 
 

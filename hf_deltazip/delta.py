@@ -6,13 +6,13 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Mapping, Optional, Union
 
 import torch
 
 from . import __version__
-from .config import CONFIG_NAME, DeltaZipConfig
-from .errors import DeltaZipFormatError
+from .config import CONFIG_NAME, DeltaZipConfig, read_config_json
+from .errors import DeltaZipError, DeltaZipFormatError
 from .format import DZ_FILENAME, DeltaZipFile, ModuleRecord, write_dz
 from .packing import (
     choose_scale_dtype,
@@ -211,11 +211,11 @@ class CompressedDelta:
     def from_pretrained(cls, path: Union[str, os.PathLike], **hub_kwargs) -> "CompressedDelta":
         """Read a delta folder (or Hub id) fully into memory."""
         folder = resolve_delta_folder(path, **hub_kwargs)
-        config = DeltaZipConfig.from_pretrained(folder)
         with DeltaZipFile(folder / DZ_FILENAME) as dz:
+            header = dict(dz.header)
+            config = load_folder_config(folder, header)
             modules = {name: PackedModule.from_record(rec, dz.module_tensors(name)) for name, rec in dz.modules.items()}
             params = {name: dz.get_tensor(t) for name, t in dz.params.items()}
-            header = dict(dz.header)
         return cls(config=config, modules=modules, params=params, header=header)
 
     def push_to_hub(self, repo_id: str, *, private: Optional[bool] = None, revision: Optional[str] = None,
@@ -251,6 +251,46 @@ def resolve_delta_folder(path_or_id: Union[str, os.PathLike], **hub_kwargs) -> P
     from .hub import download_delta
 
     return Path(download_delta(str(path_or_id), **hub_kwargs))
+
+
+def load_folder_config(folder: Union[str, os.PathLike], header: Mapping) -> DeltaZipConfig:
+    """The config of a delta folder, after checking ``deltazip_config.json`` against the ``.dz`` header.
+
+    ``header`` is the ``DeltaZipFile.header`` of the folder's ``delta.dz``. Its ``config`` entry is the
+    config the delta was compressed with and is the truth; ``deltazip_config.json`` is a copy for tools
+    that do not read ``.dz`` files. A setting in the JSON that contradicts the header is refused, so
+    nothing ever reports settings the delta does not have.
+
+    Returns:
+        The header's config (the JSON's only when the header records none).
+
+    Raises:
+        DeltaZipFormatError: the JSON contradicts the header (the message names both values), or the
+            header's config is invalid.
+        DeltaZipConfigError: ``deltazip_config.json`` is missing, not JSON, or holds invalid values.
+    """
+    folder = Path(folder)
+    config_path = folder / CONFIG_NAME
+    data = read_config_json(config_path)
+    in_json = DeltaZipConfig.from_dict(data)
+    recorded = header.get("config")
+    if recorded is None:
+        return in_json
+    try:
+        truth = DeltaZipConfig.from_dict(recorded)
+    except DeltaZipError as e:
+        raise DeltaZipFormatError(folder / DZ_FILENAME, f"the header's config is invalid ({e}); re-save the delta") from None
+    said, holds = in_json.to_dict(), truth.to_dict()
+    wrong = [key for key in data if key in holds and said[key] != holds[key]]
+    if wrong:
+        pairs = "; ".join(f"{key} is {said[key]!r} but {DZ_FILENAME} was compressed with {holds[key]!r}" for key in wrong)
+        fix = ", ".join(f"{key}={holds[key]!r}" for key in wrong)
+        raise DeltaZipFormatError(
+            config_path,
+            f"contradicts {DZ_FILENAME}: {pairs}. The .dz header is what the delta holds: set {fix} in "
+            f"{CONFIG_NAME} (or download / save the delta again)",
+        )
+    return truth
 
 
 def delta_bytes_report(folder: Union[str, os.PathLike]) -> dict:

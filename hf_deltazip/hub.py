@@ -569,12 +569,11 @@ def _hub_error(
 # --- push with a generated card -----------------------------------------------------------------
 def delta_card_data(folder: str | os.PathLike, repo_id: str, quality: Mapping[str, Any] | None = None) -> dict:
     """The facts :func:`render_model_card` shows, read from a saved delta folder."""
-    from .config import DeltaZipConfig
-    from .delta import delta_bytes_report
+    from .delta import delta_bytes_report, load_folder_config
 
     report = delta_bytes_report(folder)
     header = report["header"]
-    config = DeltaZipConfig.from_pretrained(folder)
+    config = load_folder_config(folder, header)  # the card shows what the .dz holds, never a contradicting JSON
     return {
         "repo_id": repo_id,
         "base_model": header.get("base_model") or "unknown",

@@ -12,7 +12,7 @@ import torch
 
 from . import __version__
 from .config import CONFIG_NAME, DeltaZipConfig, read_config_json
-from .errors import DeltaZipError, DeltaZipFormatError
+from .errors import BaseMismatchError, DeltaZipError, DeltaZipFormatError
 from .format import DZ_FILENAME, DeltaZipFile, ModuleRecord, write_dz
 from .packing import (
     choose_scale_dtype,
@@ -291,6 +291,58 @@ def load_folder_config(folder: Union[str, os.PathLike], header: Mapping) -> Delt
             f"{CONFIG_NAME} (or download / save the delta again)",
         )
     return truth
+
+
+def resolve_recorded_base(header: Mapping) -> str:
+    """What to pass to ``from_pretrained`` to load the base a delta was compressed against.
+
+    ``header`` is a ``.dz`` header. :func:`hf_deltazip.compress` records a Hub base as its repo id (with
+    ``base_revision``, the commit to load) and a local base as an absolute folder, marked by
+    ``base_source`` (``"hub"`` or ``"local"``). Returns the Hub id, or the folder when it exists.
+
+    A local base that is no longer there is reported at once, not taken for a Hub id and retried over
+    the network. In deltas written before ``base_source`` existed, a name that is no local folder is
+    taken for a Hub id when it can be one (``org/name``); an absolute or ``./`` path is reported missing.
+
+    Raises:
+        BaseMismatchError: the delta records no base, or its local base is missing; the message says
+            to pass ``base=``.
+    """
+    name = header.get("base_model")
+    if not name or not isinstance(name, str):
+        raise BaseMismatchError("the delta records no base model: pass base= (the base model, its folder or its Hub id)")
+    source = header.get("base_source")
+    if source == "hub":
+        return str(name)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return str(path.resolve())
+    if source == "local" or path.is_absolute() or name.startswith((".", "~")) or not _REPO_ID.match(name):
+        raise BaseMismatchError(
+            f"the delta was compressed against the local base model {name!r}, which is not there (moved or "
+            "deleted?): pass base= with that model (loaded, its folder or its Hub id)"
+        )
+    return str(name)
+
+
+def recorded_location(given, model) -> tuple:
+    """``(name, source)`` that :func:`resolve_recorded_base` can find again for a model passed as ``given``.
+
+    ``given`` is what the caller passed (a Hub id, a path, or the model itself, whose config's
+    ``_name_or_path`` is then used). A name that is an existing local folder is recorded as its absolute
+    path with source ``"local"``; any other name as a Hub id, source ``"hub"``. ``(None, None)`` when
+    nothing names the model.
+    """
+    if isinstance(given, (str, os.PathLike)):
+        name = os.fspath(given)
+    else:
+        name = getattr(getattr(model, "config", None), "_name_or_path", None) or None
+    if not name:
+        return None, None
+    path = Path(name).expanduser()
+    if path.exists():
+        return str(path.resolve()), "local"
+    return str(name), "hub"
 
 
 def delta_bytes_report(folder: Union[str, os.PathLike]) -> dict:

@@ -361,4 +361,4 @@ def test_info_reports_bytes_and_ratio(saved, capsys):
     out = capsys.readouterr().out
     assert "tests/base" in out and "model.layers.0.mlp.up_proj" in out and "ratio" in out
     assert main(["info", str(folder / "missing")]) == 2
-    assert "no such" in capsys.readouterr().err or True
+    assert capsys.readouterr().err == f"deltazip: error: {folder / 'missing'}: no such delta folder or .dz file\n"

@@ -210,11 +210,20 @@ def test_build_pair_is_reproducible_and_reused(tmp_path, monkeypatch):
     assert set(first.info["scores"]) == {"base", "finetuned"}
     # the recorded exact match is the share of held-out answers each model gives greedily
     tok = first.load_tokenizer()
-    max_new = max(len(tok(ex.answer, add_special_tokens=False)["input_ids"]) for ex in first.eval_examples) + 2
+    examples = first.eval_examples
+    max_new = max(len(tok(ex.answer, add_special_tokens=False)["input_ids"]) for ex in examples) + 2
+    greedy = {}
     for who, model in (("base", first.load_base()), ("finetuned", first.load_finetuned())):
-        answers = [_greedy_answer(model, tok, ex.prompt, max_new) for ex in first.eval_examples]
-        expected = sum(a.strip() == ex.answer.strip() for a, ex in zip(answers, first.eval_examples)) / len(answers)
-        assert first.info["scores"][who]["exact_match"] == expected, (who, answers)
+        greedy[who] = [_greedy_answer(model, tok, ex.prompt, max_new) for ex in examples]
+        expected = sum(a.strip() == ex.answer.strip() for a, ex in zip(greedy[who], examples)) / len(examples)
+        assert first.info["scores"][who]["exact_match"] == expected, (who, greedy[who])
+    # 3 training steps answer nothing right, so also score a known mix on this pair's own prompts:
+    # every other answer replaced by the fine-tune's greedy one
+    ft_answers = greedy["finetuned"]
+    mixed = [pairs.TaskExample(ex.prompt, ft_answers[i] if i % 2 == 0 else ex.answer) for i, ex in enumerate(examples)]
+    known = sum(i % 2 == 0 or ft_answers[i].strip() == ex.answer.strip() for i, ex in enumerate(examples)) / len(examples)
+    assert known >= 0.5
+    assert exact_match(first.load_finetuned(), tok, mixed, max_new_tokens=max_new) == known
     assert first.load_finetuned().config.model_type == "llama"
     calib = first.calibration_texts(5)
     assert len(calib) == 5 and calib == second.calibration_texts(5) and calib != first.calibration_texts(5, seed=1)

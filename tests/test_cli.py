@@ -163,7 +163,8 @@ def test_info_into_a_closed_pipe_exits_quietly(folder):
     proc.stdout.close()  # the reader went away before deltazip wrote a byte, as `| head` does
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141
-    assert err == "", err
+    assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
+    assert "deltazip:" not in err, err  # quietly: the reader left, nothing went wrong
 
 
 def test_console_script_reports_bad_input_in_one_line(tmp_path):
@@ -174,5 +175,7 @@ def test_console_script_reports_bad_input_in_one_line(tmp_path):
         pytest.skip("the deltazip console script is not installed beside this python")
     done = subprocess.run([exe, "compress", "--base", "b", "--finetuned", "f", "--out", str(out)],
                           capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    assert "is a file, not a folder" in one_line_error(done.stderr)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    # other libraries may warn on stderr while importing; deltazip's own report is one line
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("deltazip:")]
+    assert line.startswith("deltazip: error: ") and "is a file, not a folder" in line

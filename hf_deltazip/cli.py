@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
+from . import __version__
 from .errors import DeltaZipError
 
 
@@ -19,9 +22,22 @@ def _fmt_bytes(n: float) -> str:
 
 # --------------------------------------------------------------------------- info
 def cmd_info(args) -> int:
-    from .delta import delta_bytes_report
+    from .config import CONFIG_NAME
+    from .delta import delta_bytes_report, load_folder_config
+    from .errors import DeltaZipFormatError
+    from .format import DeltaZipFile
 
-    report = delta_bytes_report(args.path)
+    path = Path(args.path)
+    if not path.exists():
+        raise DeltaZipFormatError(path, "no such delta folder or .dz file")
+    report = delta_bytes_report(path)
+    folder = path if path.is_dir() else path.parent
+    if path.is_dir() or (folder / CONFIG_NAME).exists():
+        # cheap, so always: a config that contradicts the header is refused (a folder must have one)
+        load_folder_config(folder, report["header"])
+    if args.verify:
+        with DeltaZipFile(report["path"]) as dz:
+            report["verified_tensors"] = dz.verify()
     if args.json:
         report = dict(report)
         report["header"] = {k: v for k, v in report["header"].items() if k not in ("base_fingerprint", "model_config")}
@@ -53,18 +69,23 @@ def cmd_info(args) -> int:
                 f"{m['module']:<52} {m['kind']:<9} {shape:<14} {m['bits']:>4} {m['group_size']:>5} "
                 f"{m['sparsity']:<8} {m['bytes']:>10} {m['bits_per_weight']:>7.3f}"
             )
+    if args.verify:
+        print(f"verified: {report['verified_tensors']} tensors match their checksums; the config agrees with the header")
     return 0
 
 
 # --------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltazip", description="Compressed deltas of fine-tuned LLMs.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("info", help="show what a .dz file or a delta folder holds")
     p.add_argument("path", help="a delta folder or a .dz file")
     p.add_argument("--verbose", "-v", action="store_true", help="add a per-module table")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--verify", action="store_true",
+                   help="also decode every tensor and check its checksum (reads the whole file); exits 2 on any fault")
     p.set_defaults(func=cmd_info)
 
     _add_more_commands(sub)
@@ -84,16 +105,49 @@ def _add_more_commands(sub) -> None:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Run ``deltazip``. Every failure is one line on stderr and a non-zero status, never a traceback.
+
+    Exit status: 0 done, 2 an error (bad input, a corrupt delta, a failed download, ...), 130
+    interrupted, 141 the reader of stdout went away (``deltazip info ... | head``). Set
+    ``DELTAZIP_DEBUG=1`` to get the traceback of an unexpected error.
+    """
     try:
-        return int(args.func(args) or 0)
-    except DeltaZipError as e:
-        print(f"deltazip: error: {e}", file=sys.stderr)
-        return 2
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, not at exit: a closed pipe must end in the handler below
+        return status
+    except BrokenPipeError:
+        _silence_stdout()
+        return 141
     except KeyboardInterrupt:
         print("deltazip: interrupted", file=sys.stderr)
         return 130
+    except (DeltaZipError, OSError, ValueError) as e:  # bad input: a file, a folder, a value
+        if os.environ.get("DELTAZIP_DEBUG"):
+            raise
+        print(f"deltazip: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        if os.environ.get("DELTAZIP_DEBUG"):
+            raise
+        print(f"deltazip: error: {type(e).__name__}: {_one_line(e)} (set DELTAZIP_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 2
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text or type(e).__name__
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe, point stdout at /dev/null so that flushing it at exit raises nothing."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import argparse
 from pathlib import Path
 
 from .errors import DeltaZipError
@@ -19,15 +19,32 @@ def _sparsity(value: str):
         raise DeltaZipError(f'--sparsity must be "none", "2:4" or a fraction such as 0.5, got {value!r}') from None
 
 
+def device_type(value: str) -> str:
+    """argparse ``type=`` for ``--device``: a device torch knows, and a GPU only where there is one."""
+    import torch
+
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a device: use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{value!r}: no CUDA GPU is available here; use cpu")
+    return value
+
+
 def cmd_compress(args) -> int:
     from .compression import compress
-    from .config import DeltaZipConfig
+    from .config import DeltaZipConfig, read_config_json
     from .delta import delta_bytes_report
 
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise DeltaZipError(f"--out {out} is a file, not a folder: pass a new or empty folder for the delta")
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise DeltaZipError(f"{out} exists and is not empty: choose another --out, or pass --overwrite to replace its delta")
-    settings = json.loads(Path(args.config).read_text()) if args.config else {}
+    settings = read_config_json(args.config) if args.config else {}
+    if not isinstance(settings, dict):
+        raise DeltaZipError(f"--config {args.config} must hold a JSON object of settings, such as {{\"bits\": 4}}")
     for key in ("bits", "group_size", "n_samples", "seq_len", "zstd_level"):
         value = getattr(args, key)
         if value is not None:
@@ -75,7 +92,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seq-len", dest="seq_len", type=int)
     p.add_argument("--zstd-level", dest="zstd_level", type=int)
     p.add_argument("--config", help="a deltazip_config.json to start from")
-    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    p.add_argument("--device", type=device_type, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="dtype to load the models in")
     p.add_argument("--batch-size", dest="batch_size", type=int, default=8)
     p.add_argument("--overwrite", action="store_true", help="replace the delta already in --out")

@@ -244,16 +244,20 @@ class DeltaZipConfig:
     @classmethod
     def from_pretrained(cls, path: Union[str, os.PathLike]) -> "DeltaZipConfig":
         """Read a config from a folder holding ``deltazip_config.json`` or from the JSON file itself."""
-        p = Path(path)
-        if p.is_dir():
-            p = p / CONFIG_NAME
-        try:
-            data = json.loads(p.read_text())
-        except FileNotFoundError:
-            raise DeltaZipConfigError(f"{p} not found: is this an hf-deltazip delta folder?") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise DeltaZipConfigError(f"{p} is not valid JSON ({e}); re-save the config") from None
-        return cls.from_dict(data)
+        return cls.from_dict(read_config_json(path))
+
+
+def read_config_json(path: Union[str, os.PathLike]) -> dict:
+    """The JSON object in ``deltazip_config.json`` (``path`` is that file or the folder holding it), unvalidated."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / CONFIG_NAME
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError:
+        raise DeltaZipConfigError(f"{p} not found: is this an hf-deltazip delta folder?") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DeltaZipConfigError(f"{p} is not valid JSON ({e}); re-save the config") from None
 
 
 def _raise_overrides(overrides):

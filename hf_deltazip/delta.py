@@ -6,13 +6,13 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Mapping, Optional, Union
 
 import torch
 
 from . import __version__
-from .config import CONFIG_NAME, DeltaZipConfig
-from .errors import DeltaZipFormatError
+from .config import CONFIG_NAME, DeltaZipConfig, read_config_json
+from .errors import BaseMismatchError, DeltaZipError, DeltaZipFormatError
 from .format import DZ_FILENAME, DeltaZipFile, ModuleRecord, write_dz
 from .packing import (
     choose_scale_dtype,
@@ -211,11 +211,11 @@ class CompressedDelta:
     def from_pretrained(cls, path: Union[str, os.PathLike], **hub_kwargs) -> "CompressedDelta":
         """Read a delta folder (or Hub id) fully into memory."""
         folder = resolve_delta_folder(path, **hub_kwargs)
-        config = DeltaZipConfig.from_pretrained(folder)
         with DeltaZipFile(folder / DZ_FILENAME) as dz:
+            header = dict(dz.header)
+            config = load_folder_config(folder, header)
             modules = {name: PackedModule.from_record(rec, dz.module_tensors(name)) for name, rec in dz.modules.items()}
             params = {name: dz.get_tensor(t) for name, t in dz.params.items()}
-            header = dict(dz.header)
         return cls(config=config, modules=modules, params=params, header=header)
 
     def push_to_hub(self, repo_id: str, *, private: Optional[bool] = None, revision: Optional[str] = None,
@@ -251,6 +251,98 @@ def resolve_delta_folder(path_or_id: Union[str, os.PathLike], **hub_kwargs) -> P
     from .hub import download_delta
 
     return Path(download_delta(str(path_or_id), **hub_kwargs))
+
+
+def load_folder_config(folder: Union[str, os.PathLike], header: Mapping) -> DeltaZipConfig:
+    """The config of a delta folder, after checking ``deltazip_config.json`` against the ``.dz`` header.
+
+    ``header`` is the ``DeltaZipFile.header`` of the folder's ``delta.dz``. Its ``config`` entry is the
+    config the delta was compressed with and is the truth; ``deltazip_config.json`` is a copy for tools
+    that do not read ``.dz`` files. A setting in the JSON that contradicts the header is refused, so
+    nothing ever reports settings the delta does not have.
+
+    Returns:
+        The header's config (the JSON's only when the header records none).
+
+    Raises:
+        DeltaZipFormatError: the JSON contradicts the header (the message names both values), or the
+            header's config is invalid.
+        DeltaZipConfigError: ``deltazip_config.json`` is missing, not JSON, or holds invalid values.
+    """
+    folder = Path(folder)
+    config_path = folder / CONFIG_NAME
+    data = read_config_json(config_path)
+    in_json = DeltaZipConfig.from_dict(data)
+    recorded = header.get("config")
+    if recorded is None:
+        return in_json
+    try:
+        truth = DeltaZipConfig.from_dict(recorded)
+    except DeltaZipError as e:
+        raise DeltaZipFormatError(folder / DZ_FILENAME, f"the header's config is invalid ({e}); re-save the delta") from None
+    said, holds = in_json.to_dict(), truth.to_dict()
+    wrong = [key for key in data if key in holds and said[key] != holds[key]]
+    if wrong:
+        pairs = "; ".join(f"{key} is {said[key]!r} but {DZ_FILENAME} was compressed with {holds[key]!r}" for key in wrong)
+        fix = ", ".join(f"{key}={holds[key]!r}" for key in wrong)
+        raise DeltaZipFormatError(
+            config_path,
+            f"contradicts {DZ_FILENAME}: {pairs}. The .dz header is what the delta holds: set {fix} in "
+            f"{CONFIG_NAME} (or download / save the delta again)",
+        )
+    return truth
+
+
+def resolve_recorded_base(header: Mapping) -> str:
+    """What to pass to ``from_pretrained`` to load the base a delta was compressed against.
+
+    ``header`` is a ``.dz`` header. :func:`hf_deltazip.compress` records a Hub base as its repo id (with
+    ``base_revision``, the commit to load) and a local base as an absolute folder, marked by
+    ``base_source`` (``"hub"`` or ``"local"``). Returns the Hub id, or the folder when it exists.
+
+    A local base that is no longer there is reported at once, not taken for a Hub id and retried over
+    the network. In deltas written before ``base_source`` existed, a name that is no local folder is
+    taken for a Hub id when it can be one (``org/name``); an absolute or ``./`` path is reported missing.
+
+    Raises:
+        BaseMismatchError: the delta records no base, or its local base is missing; the message says
+            to pass ``base=``.
+    """
+    name = header.get("base_model")
+    if not name or not isinstance(name, str):
+        raise BaseMismatchError("the delta records no base model: pass base= (the base model, its folder or its Hub id)")
+    source = header.get("base_source")
+    if source == "hub":
+        return str(name)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return str(path.resolve())
+    if source == "local" or path.is_absolute() or name.startswith((".", "~")) or not _REPO_ID.match(name):
+        raise BaseMismatchError(
+            f"the delta was compressed against the local base model {name!r}, which is not there (moved or "
+            "deleted?): pass base= with that model (loaded, its folder or its Hub id)"
+        )
+    return str(name)
+
+
+def recorded_location(given, model) -> tuple:
+    """``(name, source)`` that :func:`resolve_recorded_base` can find again for a model passed as ``given``.
+
+    ``given`` is what the caller passed (a Hub id, a path, or the model itself, whose config's
+    ``_name_or_path`` is then used). A name that is an existing local folder is recorded as its absolute
+    path with source ``"local"``; any other name as a Hub id, source ``"hub"``. ``(None, None)`` when
+    nothing names the model.
+    """
+    if isinstance(given, (str, os.PathLike)):
+        name = os.fspath(given)
+    else:
+        name = getattr(getattr(model, "config", None), "_name_or_path", None) or None
+    if not name:
+        return None, None
+    path = Path(name).expanduser()
+    if path.exists():
+        return str(path.resolve()), "local"
+    return str(name), "hub"
 
 
 def delta_bytes_report(folder: Union[str, os.PathLike]) -> dict:

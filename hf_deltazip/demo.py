@@ -129,8 +129,10 @@ def cmd_demo(args) -> int:
 
 
 def add_parser(sub) -> None:
+    from .compress_cli import device_type
+
     p = sub.add_parser("demo", help="the offline demo: two fine-tunes, compressed, served in one batch")
     p.add_argument("--workdir", help="keep the models and deltas here (default: a temporary folder)")
     p.add_argument("--size", default="tiny", help="model size preset: tiny (CPU, ~1 min), small (CPU minutes)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", type=device_type, help="cpu (default), cuda, cuda:1, ...")
     p.set_defaults(func=cmd_demo)

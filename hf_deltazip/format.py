@@ -11,8 +11,9 @@ import json
 import math
 import mmap
 import os
+import secrets
+import stat
 import struct
-import tempfile
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -61,10 +62,12 @@ def atomic_write_bytes(path: Union[str, os.PathLike], chunks: Union[bytes, Itera
     """Write ``chunks`` to ``path`` through a temporary file in the same folder and a rename.
 
     An interruption leaves the previous file (if any) untouched and no partial file under ``path``.
+    The new file gets the permissions of any file the user saves (``0o666`` less the umask), or keeps
+    those of the file it replaces.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _create_temporary(path)
     try:
         with os.fdopen(fd, "wb") as f:
             for chunk in [chunks] if isinstance(chunks, (bytes, bytearray, memoryview)) else chunks:
@@ -86,6 +89,35 @@ def atomic_write_bytes(path: Union[str, os.PathLike], chunks: Union[bytes, Itera
             os.close(dfd)
     except OSError:
         pass
+
+
+def _create_temporary(path: Path) -> tuple[int, str]:
+    """Open a new temporary file beside ``path``; return its descriptor and name.
+
+    Unlike ``tempfile.mkstemp`` (always mode 0600), the file is created with mode 0666 so that the
+    kernel applies the umask, as for any file the user saves; when ``path`` exists its permission
+    bits are kept.
+    """
+    try:
+        keep_mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        keep_mode = None
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            fd = os.open(tmp, flags, 0o666)
+        except FileExistsError:
+            continue
+        if keep_mode is not None:
+            try:
+                os.chmod(tmp, keep_mode)
+            except BaseException:
+                os.close(fd)
+                os.unlink(tmp)
+                raise
+        return fd, tmp
+    raise FileExistsError(f"could not create a temporary file beside {path}: remove stale .{path.name}.*.tmp files")
 
 
 # --------------------------------------------------------------------------- records
@@ -486,6 +518,22 @@ class DeltaZipFile:
         with ThreadPoolExecutor(max_workers=workers) as pool:
             got = pool.map(lambda n: self.get_tensor(n, pin_memory=pin_memory), names)
             return dict(zip(names, got))
+
+    def verify(self, num_threads: Optional[int] = None) -> int:
+        """Decode every stored tensor and check its size and CRC-32. Returns how many were checked.
+
+        Raises :class:`DeltaZipFormatError` naming a corrupt tensor. Nothing is kept: each thread holds
+        one decoded tensor at a time.
+        """
+        names = sorted(self.tensors, key=lambda n: self._spans[n][0])
+
+        def check(name):
+            self.get_tensor(name)
+
+        with ThreadPoolExecutor(max_workers=num_threads or min(8, os.cpu_count() or 1)) as pool:
+            for _ in pool.map(check, names):
+                pass
+        return len(names)
 
     def module_tensors(self, module: str) -> dict:
         """role -> tensor of one compressed module."""

@@ -21,7 +21,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, ModelCard, ModelCardData, snapshot_download
+from huggingface_hub import (
+    CommitInfo,
+    CommitOperationAdd,
+    HfApi,
+    ModelCard,
+    ModelCardData,
+    snapshot_download,
+    try_to_load_from_cache,
+)
 from huggingface_hub import constants as hf_constants
 from huggingface_hub import errors as hf_errors
 
@@ -297,6 +305,26 @@ def download_delta(
     return folder
 
 
+def cached_commit(
+    repo_id: str, revision: str | None = None, *, cache_dir: str | os.PathLike | None = None
+) -> str | None:
+    """The commit sha that a model just loaded from the Hub as ``repo_id`` at ``revision`` came from.
+
+    Read from ``huggingface_hub``'s cache (which maps branches and tags to the commit last fetched),
+    without a network call. ``None`` when the cache does not know it.
+    """
+    if revision is not None and _COMMIT_SHA.fullmatch(revision):
+        return revision
+    try:
+        path = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache_dir, revision=revision)
+    except (hf_errors.HFValidationError, OSError, ValueError):
+        return None
+    if not isinstance(path, str):
+        return None
+    commit = Path(path).parent.name
+    return commit if _COMMIT_SHA.fullmatch(commit) else None
+
+
 # --- model card ---------------------------------------------------------------------------------
 _QUALITY_LABELS = {
     "gain_kept": "Gain kept",
@@ -569,12 +597,11 @@ def _hub_error(
 # --- push with a generated card -----------------------------------------------------------------
 def delta_card_data(folder: str | os.PathLike, repo_id: str, quality: Mapping[str, Any] | None = None) -> dict:
     """The facts :func:`render_model_card` shows, read from a saved delta folder."""
-    from .config import DeltaZipConfig
-    from .delta import delta_bytes_report
+    from .delta import delta_bytes_report, load_folder_config
 
     report = delta_bytes_report(folder)
     header = report["header"]
-    config = DeltaZipConfig.from_pretrained(folder)
+    config = load_folder_config(folder, header)  # the card shows what the .dz holds, never a contradicting JSON
     return {
         "repo_id": repo_id,
         "base_model": header.get("base_model") or "unknown",

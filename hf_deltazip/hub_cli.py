@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import json
 
+from .errors import DeltaZipError
+
+
+def _quality(text: str) -> dict:
+    try:
+        quality = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DeltaZipError(f"--quality is not JSON ({e}): pass an object such as '{{\"gain_kept\": 0.97}}'") from None
+    if not isinstance(quality, dict):
+        raise DeltaZipError(f"--quality must be a JSON object of figures such as '{{\"gain_kept\": 0.97}}', got {text!r}")
+    return quality
+
 
 def cmd_push(args) -> int:
     from .hub import push_delta_folder
 
-    quality = json.loads(args.quality) if args.quality else None
+    quality = _quality(args.quality) if args.quality else None
     info = push_delta_folder(args.folder, args.repo_id, private=args.private or None, revision=args.revision,
                              commit_message=args.message, token=args.token, quality=quality)
     print(f"pushed {args.folder} to {args.repo_id}: commit {info.oid}")

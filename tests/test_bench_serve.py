@@ -283,8 +283,14 @@ def test_every_system_serves_the_whole_trace_on_cpu(tmp_path, capsys):
                     "switches", "switch_s", "peak_gpu_gib"):
             assert key in r, (name, key)
         assert all(q["tokens"] == 4 for q in report["requests"][name])
+        # throughput from the per-request times: tokens / (last finish - first arrival)
+        reqs = report["requests"][name]
+        span = max(q["finish"] for q in reqs) - min(q["arrival"] for q in reqs)
+        assert r["tokens_per_s"] == pytest.approx(sum(q["tokens"] for q in reqs) / span)
+    ours = report["systems"]["deltazip"]["tokens_per_s"]
+    for name, r in report["systems"].items():
         if name != "deltazip":
-            assert r["deltazip_speedup"] > 0
+            assert r["deltazip_speedup"] == pytest.approx(ours / r["tokens_per_s"]), name
     assert report["systems"]["deltazip"]["switches"] == 0
     for name in ("one-delta-loop", "swap-cpu", "swap-disk", "all-resident"):
         assert report["systems"][name]["switches"] >= 1

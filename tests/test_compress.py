@@ -1,11 +1,13 @@
 import json
+import time
 
 import pytest
 import torch
 
 from hf_deltazip import DeltaZipConfig, DeltaZipError, UnsupportedModelError, compress
-from hf_deltazip.delta import CompressedDelta
-from hf_deltazip.format import DZ_FILENAME
+from hf_deltazip.delta import CompressedDelta, resolve_recorded_base
+from hf_deltazip.errors import BaseMismatchError
+from hf_deltazip.format import DZ_FILENAME, DeltaZipFile
 from hf_deltazip.packing import check_2of4_mask
 
 from model_factory import ARCHS, VOCAB, base_model, calibration_ids, finetune
@@ -172,6 +174,55 @@ def test_unsupported_models_are_rejected():
 
     with pytest.raises(UnsupportedModelError, match="found no decoder layers"):
         find_decoder_layers(NoLayers())
+
+
+def test_a_local_base_is_recorded_where_it_will_still_be_found(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    models = tmp_path / "work" / "models"
+    base_model("llama").save_pretrained(models / "base")
+    finetune("llama", 1).save_pretrained(models / "ft")
+    monkeypatch.chdir(tmp_path / "work")
+    by_path = compress("models/base", "models/ft", DeltaZipConfig(bits=4, group_size=32), calibration=None, progress=False)
+    loaded = AutoModelForCausalLM.from_pretrained("models/base")  # a model loaded from a relative path
+    by_model = compress(loaded, "models/ft", DeltaZipConfig(bits=4, group_size=32), calibration=None, progress=False)
+    for delta in (by_path, by_model):
+        assert delta.header["base_model"] == str((models / "base").resolve())
+        assert delta.header["base_source"] == "local"
+        assert delta.header["finetuned_model"] == str((models / "ft").resolve())
+    by_path.save_pretrained(tmp_path / "delta")
+
+    monkeypatch.chdir(tmp_path)  # loaded from elsewhere, the recorded base is still found
+    with DeltaZipFile(tmp_path / "delta" / DZ_FILENAME) as dz:
+        header = dz.header
+    assert resolve_recorded_base(header) == str((models / "base").resolve())
+
+    (models / "base").rename(models / "moved")
+    start = time.perf_counter()
+    with pytest.raises(BaseMismatchError) as err:
+        resolve_recorded_base(header)
+    assert time.perf_counter() - start < 1  # at once: no Hub lookup of a missing folder
+    assert str((models / "base").resolve()) in str(err.value) and "pass base=" in str(err.value)
+
+
+@pytest.mark.parametrize("header, expected", [
+    ({"base_model": "org/base", "base_source": "hub", "base_revision": None}, "org/base"),
+    ({"base_model": "org/base", "base_revision": None}, "org/base"),  # written before base_source
+    ({"base_model": "./models/base", "base_revision": None}, "is not there"),
+    ({"base_model": "models/base/v1", "base_revision": None}, "is not there"),
+    ({"base_model": "/no/such/base", "base_revision": None}, "is not there"),
+    ({"base_model": "org/base", "base_source": "local", "base_revision": None}, "is not there"),
+    ({"base_model": None}, "records no base model"),
+])
+def test_resolve_recorded_base(header, expected, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    if "/" in expected:
+        assert resolve_recorded_base(header) == expected
+    else:
+        with pytest.raises(BaseMismatchError, match=expected):
+            resolve_recorded_base(header)
+    (tmp_path / "models" / "base").mkdir(parents=True)  # an old relative record that resolves here
+    assert resolve_recorded_base({"base_model": "models/base"}) == str(tmp_path / "models" / "base")
 
 
 def test_cli_compress_never_overwrites(tmp_path, capsys):

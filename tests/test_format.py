@@ -1,6 +1,7 @@
 import json
 import os
 import random
+import stat
 import struct
 import tracemalloc
 import zlib
@@ -9,9 +10,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from hf_deltazip.delta import CompressedDelta, delta_bytes_report
+from hf_deltazip.config import DeltaZipConfig
+from hf_deltazip.delta import CompressedDelta, delta_bytes_report, load_folder_config
 from hf_deltazip.errors import DeltaZipFormatError
 from hf_deltazip.format import DZ_FILENAME, DeltaZipFile, atomic_write_bytes
+from hf_deltazip.hub import delta_card_data
 
 from dz_factory import small_delta
 
@@ -43,6 +46,37 @@ def test_round_trip_is_exact(saved):
         assert again.params[name].dtype == t.dtype and torch.equal(again.params[name], t)
     assert again.config == delta.config
     assert again.header["base_model"] == "tests/base"
+
+
+def test_a_config_that_contradicts_the_header_is_refused(tmp_path):
+    small_delta().save_pretrained(tmp_path)
+    path = tmp_path / "deltazip_config.json"
+    data = json.loads(path.read_text())
+    assert (data["bits"], data["group_size"]) == (4, 128)
+    path.write_text(json.dumps({**data, "bits": 2, "group_size": 64}))
+    with pytest.raises(DeltaZipFormatError) as err:
+        CompressedDelta.from_pretrained(tmp_path)
+    message = str(err.value)
+    assert message.startswith(f"{path}: contradicts delta.dz")
+    assert "bits is 2 but delta.dz was compressed with 4" in message
+    assert "group_size is 64 but delta.dz was compressed with 128" in message
+    assert "set bits=4, group_size=128 in deltazip_config.json" in message
+    with DeltaZipFile(tmp_path / DZ_FILENAME) as dz:
+        header = dz.header
+    with pytest.raises(DeltaZipFormatError, match="bits is 2"):
+        load_folder_config(tmp_path, header)
+    with pytest.raises(DeltaZipFormatError, match="bits is 2"):  # the model card would show 2-bit
+        delta_card_data(tmp_path, "me/delta")
+
+
+def test_settings_the_config_leaves_out_come_from_the_header(tmp_path):
+    delta = small_delta()
+    delta.config = DeltaZipConfig(bits=3, group_size=64, sparsity=0.5, zstd_level=3)
+    delta.save_pretrained(tmp_path)
+    (tmp_path / "deltazip_config.json").write_text(json.dumps({"bits": 3, "sparsity": 0.5}))
+    again = CompressedDelta.from_pretrained(tmp_path)
+    assert again.config == delta.config and again.config.group_size == 64  # not the default 128
+    assert delta_card_data(tmp_path, "me/delta")["group_size"] == 64
 
 
 def test_standard_safetensors_reader_lists_the_tensors(saved):
@@ -78,6 +112,27 @@ def test_atomic_write_keeps_the_old_file_when_interrupted(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         atomic_write_bytes(path, chunks())
     assert path.read_bytes() == b"good"
+    assert os.listdir(tmp_path) == ["x.dz"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_saved_files_follow_the_umask(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        small_delta().save_pretrained(tmp_path / "delta")
+        atomic_write_bytes(tmp_path / "plain.bin", b"x")
+    finally:
+        os.umask(old)
+    for path in (tmp_path / "delta" / DZ_FILENAME, tmp_path / "delta" / "deltazip_config.json", tmp_path / "plain.bin"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path
+
+
+def test_replacing_a_file_keeps_its_permissions(tmp_path):
+    path = tmp_path / "x.dz"
+    path.write_bytes(b"old")
+    os.chmod(path, 0o640)
+    atomic_write_bytes(path, b"new")
+    assert path.read_bytes() == b"new" and stat.S_IMODE(path.stat().st_mode) == 0o640
     assert os.listdir(tmp_path) == ["x.dz"]
 
 
@@ -306,4 +361,4 @@ def test_info_reports_bytes_and_ratio(saved, capsys):
     out = capsys.readouterr().out
     assert "tests/base" in out and "model.layers.0.mlp.up_proj" in out and "ratio" in out
     assert main(["info", str(folder / "missing")]) == 2
-    assert "no such" in capsys.readouterr().err or True
+    assert capsys.readouterr().err == f"deltazip: error: {folder / 'missing'}: no such delta folder or .dz file\n"

@@ -8,6 +8,7 @@ from huggingface_hub import HfApi, ModelCard
 
 from hf_deltazip import DeltaModel, DeltaZipConfig, compress
 from hf_deltazip.cli import main
+from hf_deltazip.delta import resolve_recorded_base
 
 from model_factory import base_model, calibration_ids, finetune
 
@@ -46,6 +47,20 @@ def test_push_to_hub_then_load_by_repo_id(hub_server, tmp_path):
         v2 = pinned(input_ids=ids, delta_names=["v2", "v2"]).logits
         assert torch.equal(v1, by_path(input_ids=ids, delta_names=["default", "default"]).logits)
         assert not torch.equal(v1, v2)
+
+
+def test_a_hub_base_is_recorded_by_repo_id_and_commit(hub_server, tmp_path):
+    repo = f"tester/tiny-base-{uuid.uuid4().hex[:8]}"
+    base_model("llama").save_pretrained(tmp_path / "base")
+    api = HfApi()
+    api.create_repo(repo, token=hub_server.token)
+    commit = api.upload_folder(folder_path=tmp_path / "base", repo_id=repo, token=hub_server.token).oid
+    cfg = DeltaZipConfig(bits=4, group_size=32)
+    delta = compress(repo, finetune("llama", 1), cfg, calibration=None, progress=False, token=hub_server.token,
+                     cache_dir=tmp_path / "cache")
+    assert (delta.header["base_model"], delta.header["base_source"]) == (repo, "hub")
+    assert delta.header["base_revision"] == commit
+    assert resolve_recorded_base(delta.header) == repo
 
 
 def test_cli_push_leaves_the_folder_as_it_was(hub_server, tmp_path, capsys):

@@ -178,6 +178,20 @@ def _weights(model_dir):
     return load_file(str(model_dir / "model.safetensors"))
 
 
+@torch.no_grad()
+def _greedy_answer(model, tokenizer, prompt, max_new):
+    """A plain greedy loop, one prompt at a time, up to EOS."""
+    ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+    new = []
+    for _ in range(max_new):
+        nxt = int(model(input_ids=ids).logits[0, -1].argmax())
+        if nxt == tokenizer.eos_token_id:
+            break
+        new.append(nxt)
+        ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    return tokenizer.decode(new, skip_special_tokens=True)
+
+
 def test_build_pair_is_reproducible_and_reused(tmp_path, monkeypatch):
     kw = dict(arch="llama", size="tiny", task="reverse", seed=0, base_steps=3, ft_steps=3, n_eval=6)
     first = pairs.build_pair(tmp_path / "a", **kw)
@@ -194,7 +208,22 @@ def test_build_pair_is_reproducible_and_reused(tmp_path, monkeypatch):
     assert first.eval_texts[0] == first.eval_examples[0].text + "<|eos|>"
     assert first.general_texts and first.general_texts == second.general_texts
     assert set(first.info["scores"]) == {"base", "finetuned"}
-    assert 0.0 <= first.info["scores"]["finetuned"]["exact_match"] <= 1.0
+    # the recorded exact match is the share of held-out answers each model gives greedily
+    tok = first.load_tokenizer()
+    examples = first.eval_examples
+    max_new = max(len(tok(ex.answer, add_special_tokens=False)["input_ids"]) for ex in examples) + 2
+    greedy = {}
+    for who, model in (("base", first.load_base()), ("finetuned", first.load_finetuned())):
+        greedy[who] = [_greedy_answer(model, tok, ex.prompt, max_new) for ex in examples]
+        expected = sum(a.strip() == ex.answer.strip() for a, ex in zip(greedy[who], examples)) / len(examples)
+        assert first.info["scores"][who]["exact_match"] == expected, (who, greedy[who])
+    # 3 training steps answer nothing right, so also score a known mix on this pair's own prompts:
+    # every other answer replaced by the fine-tune's greedy one
+    ft_answers = greedy["finetuned"]
+    mixed = [pairs.TaskExample(ex.prompt, ft_answers[i] if i % 2 == 0 else ex.answer) for i, ex in enumerate(examples)]
+    known = sum(i % 2 == 0 or ft_answers[i].strip() == ex.answer.strip() for i, ex in enumerate(examples)) / len(examples)
+    assert known >= 0.5
+    assert exact_match(first.load_finetuned(), tok, mixed, max_new_tokens=max_new) == known
     assert first.load_finetuned().config.model_type == "llama"
     calib = first.calibration_texts(5)
     assert len(calib) == 5 and calib == second.calibration_texts(5) and calib != first.calibration_texts(5, seed=1)
@@ -337,15 +366,7 @@ def test_exact_match_with_generate_batches_prompts_of_any_length(tokenizer):
     prompts = ["reverse: a b", "sort: c a b", "x", "shift: a b c d e"]
     examples = []
     for prompt in prompts:  # reference: a plain greedy loop, one prompt at a time
-        ids = torch.tensor([tokenizer(prompt)["input_ids"]])
-        new = []
-        for _ in range(5):
-            nxt = int(model(input_ids=ids).logits[0, -1].argmax())
-            if nxt == tokenizer.eos_token_id:
-                break
-            new.append(nxt)
-            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-        examples.append(pairs.TaskExample(prompt, tokenizer.decode(new, skip_special_tokens=True)))
+        examples.append(pairs.TaskExample(prompt, _greedy_answer(model, tokenizer, prompt, 5)))
     assert exact_match(model, tokenizer, examples, max_new_tokens=5, batch_size=2) == 1.0
     examples[1] = pairs.TaskExample(examples[1].prompt, examples[1].answer + " wrong")
     assert exact_match(model, tokenizer, examples, max_new_tokens=5) == 0.75

@@ -59,8 +59,11 @@ def test_settings_split_batches_and_errors_reach_the_caller(model):
         with pytest.raises(DeltaZipError, match="need a tokenizer"):
             server.submit("text", "d1")
         bad = server.submit([1, 2, 3], "d1", max_new_tokens=2, num_beams=0)
-        with pytest.raises(Exception):
-            bad.result(timeout=60)
+        served = bad.exception(timeout=60)  # the very error generate() raises for these settings
+        assert isinstance(served, Exception)
+        with pytest.raises(type(served)) as direct:
+            model.generate(torch.tensor([[1, 2, 3]]), delta_names=["d1"], max_new_tokens=2, num_beams=0, pad_token_id=0)
+        assert str(direct.value) == str(served)
         assert server.generate([[1, 2, 3]], ["d2"], max_new_tokens=3) == [alone(model, [1, 2, 3], "d2", 3)]
     with pytest.raises(DeltaZipError, match="closed"):
         server.submit([1], None)

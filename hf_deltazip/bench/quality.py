@@ -275,8 +275,9 @@ def main(argv=None) -> int:
     p.add_argument("--size", default="tiny", help="tiny | small | 50m | 100m")
     p.add_argument("--task", default="sort")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK_SETTINGS)}")
-    p.add_argument("--settings", nargs="*", help=f"a subset of: {', '.join(OUR_SETTINGS)}")
+    # argparse formats help strings with %: the settings' names ("75% sparse") need theirs doubled
+    p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK_SETTINGS)}".replace("%", "%%"))
+    p.add_argument("--settings", nargs="*", help=f"a subset of: {', '.join(OUR_SETTINGS)}".replace("%", "%%"))
     p.add_argument("--no-baselines", action="store_true")
     p.add_argument("--n-calibration", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=256)

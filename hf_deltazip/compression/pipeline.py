@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from .. import __version__
 from ..config import DeltaZipConfig
-from ..delta import CompressedDelta, PackedModule
+from ..delta import CompressedDelta, PackedModule, recorded_location
 from ..errors import DeltaZipError, UnsupportedModelError
 from ..fingerprint import base_fingerprint
 from ..modeling.arch import (
@@ -56,10 +56,14 @@ def _load(model: ModelLike, what: str, **kwargs) -> nn.Module:
         raise DeltaZipError(f"could not load the {what} model {str(model)!r}: {e}") from e
 
 
-def _name_or_path(model: nn.Module, given) -> Optional[str]:
-    if isinstance(given, (str, os.PathLike)):
-        return str(given)
-    return getattr(getattr(model, "config", None), "_name_or_path", None) or None
+def _base_commit(given, model: nn.Module, revision: Optional[str], load_kwargs: dict) -> Optional[str]:
+    """The Hub commit of the base: as given, as transformers 4 records it, or from the Hub cache for a Hub id."""
+    recorded = revision or getattr(getattr(model, "config", None), "_commit_hash", None)
+    if recorded or not isinstance(given, (str, os.PathLike)) or recorded_location(given, model)[1] != "hub":
+        return recorded
+    from ..hub import cached_commit
+
+    return cached_commit(os.fspath(given), load_kwargs.get("revision"), cache_dir=load_kwargs.get("cache_dir"))
 
 
 def check_compatible(base: nn.Module, ft: nn.Module, vocab_params: set) -> None:
@@ -325,12 +329,14 @@ def compress(
     bar.close()
 
     n_params = sum(p.numel() for p in ft_m.parameters())
+    base_name, base_source = recorded_location(base, base_m)  # what resolve_recorded_base finds again
     header = {
         "library_version": __version__,
-        "base_model": _name_or_path(base_m, base),
-        "base_revision": base_revision or getattr(base_m.config, "_commit_hash", None),
+        "base_model": base_name,
+        "base_source": base_source,
+        "base_revision": _base_commit(base, base_m, base_revision, load_kwargs),
         "base_fingerprint": base_fingerprint(base_m),
-        "finetuned_model": _name_or_path(ft_m, finetuned),
+        "finetuned_model": recorded_location(finetuned, ft_m)[0],
         "model_type": getattr(ft_m.config, "model_type", None),
         "architectures": [type(ft_m).__name__],
         "model_config": ft_m.config.to_dict(),

@@ -1,0 +1,181 @@
+"""The `deltazip` command: help and version, one-line errors for bad input, `info --verify`."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hf_deltazip import __version__
+from hf_deltazip.cli import build_parser, main
+from hf_deltazip.format import DZ_FILENAME, DeltaZipFile
+
+from dz_factory import small_delta
+
+
+@pytest.fixture
+def folder(tmp_path):
+    folder = tmp_path / "delta"
+    small_delta().save_pretrained(folder)
+    return folder
+
+
+def one_line_error(err: str) -> str:
+    """The error output, after checking it is one line and no traceback."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("deltazip: error: "), err
+    return lines[0]
+
+
+def subcommands():
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if a.dest == "command"]
+    return sorted(sub.choices)
+
+
+def test_every_subcommand_has_help(capsys):
+    names = subcommands()
+    assert {"info", "compress", "push", "demo", "bench"} <= set(names)
+    for argv in [[]] + [[name] for name in names] + [["bench", w] for w in ("quality", "kernels", "serve")]:
+        with pytest.raises(SystemExit) as stop:
+            main(argv + ["--help"])
+        assert stop.value.code == 0, argv
+        out = capsys.readouterr().out
+        assert out.startswith("usage: deltazip"), (argv, out[:200])
+
+
+def test_bench_quality_help_lists_the_settings_with_percent_signs(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", "quality", "--help"])
+    assert stop.value.code == 0
+    assert "2-bit + 75% sparse" in capsys.readouterr().out
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.strip() == f"deltazip {__version__}"
+
+
+def test_compress_out_pointing_at_a_file_is_a_one_line_error(tmp_path, capsys):
+    out = tmp_path / "taken.txt"
+    out.write_text("mine")
+    rc = main(["compress", "--base", str(tmp_path / "b"), "--finetuned", str(tmp_path / "f"), "--out", str(out)])
+    assert rc == 2
+    line = one_line_error(capsys.readouterr().err)
+    assert "is a file, not a folder" in line and str(out) in line
+    assert out.read_text() == "mine"
+
+
+def test_compress_bad_config_file_is_a_one_line_error(tmp_path, capsys):
+    args = ["compress", "--base", "b", "--finetuned", "f", "--out", str(tmp_path / "out")]
+    assert main(args + ["--config", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json not found" in one_line_error(capsys.readouterr().err)
+    (tmp_path / "bad.json").write_text("{bits: 4")
+    assert main(args + ["--config", str(tmp_path / "bad.json")]) == 2
+    assert "is not valid JSON" in one_line_error(capsys.readouterr().err)
+    (tmp_path / "list.json").write_text("[4]")
+    assert main(args + ["--config", str(tmp_path / "list.json")]) == 2
+    assert "JSON object" in one_line_error(capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_device_and_quality_are_refused_before_any_work(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["demo", "--device", "gpu0"])
+    assert stop.value.code == 2 and "is not a device" in capsys.readouterr().err
+    assert main(["push", str(tmp_path), "me/x", "--quality", "{gain: 1}"]) == 2
+    assert "--quality is not JSON" in one_line_error(capsys.readouterr().err)
+
+
+def test_unexpected_errors_are_one_line_unless_debugging(folder, monkeypatch, capsys):
+    import hf_deltazip.delta as delta
+
+    def broken(path):
+        raise RuntimeError("something\nunexpected")
+
+    monkeypatch.setattr(delta, "delta_bytes_report", broken)
+    monkeypatch.delenv("DELTAZIP_DEBUG", raising=False)
+    assert main(["info", str(folder)]) == 2
+    line = one_line_error(capsys.readouterr().err)
+    assert "RuntimeError: something unexpected" in line and "DELTAZIP_DEBUG=1" in line
+    monkeypatch.setenv("DELTAZIP_DEBUG", "1")
+    with pytest.raises(RuntimeError, match="unexpected"):
+        main(["info", str(folder)])
+
+
+# --------------------------------------------------------------------------- info
+def test_info_on_a_missing_path(tmp_path, capsys):
+    assert main(["info", str(tmp_path / "missing")]) == 2
+    assert "no such delta folder or .dz file" in one_line_error(capsys.readouterr().err)
+
+
+def flip_payload_byte(path):
+    """Flip one byte in the middle of the first stored tensor's payload; the header stays valid."""
+    with DeltaZipFile(path) as dz:
+        start, end = min(dz._spans.values())
+    data = bytearray(path.read_bytes())
+    data[(start + end) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_info_verify_finds_flipped_payload_bytes(folder, capsys):
+    assert main(["info", str(folder), "--verify"]) == 0
+    out = capsys.readouterr().out
+    with DeltaZipFile(folder / DZ_FILENAME) as dz:
+        n = len(dz.tensors)
+    assert f"verified: {n} tensors match their checksums" in out
+    assert main(["info", str(folder), "--verify", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["verified_tensors"] == n
+
+    flip_payload_byte(folder / DZ_FILENAME)
+    assert main(["info", str(folder)]) == 0  # without --verify only the header is read
+    capsys.readouterr()
+    for target in (folder, folder / DZ_FILENAME):
+        assert main(["info", str(target), "--verify"]) == 2
+        captured = capsys.readouterr()
+        line = one_line_error(captured.err)
+        assert "corrupt" in line and str(folder / DZ_FILENAME) in line
+        assert "verified" not in captured.out
+
+
+def test_info_refuses_a_config_that_contradicts_the_header(folder, capsys):
+    path = folder / "deltazip_config.json"
+    config = json.loads(path.read_text())
+    assert config["bits"] == 4
+    path.write_text(json.dumps({**config, "bits": 2}))
+    for argv in (["info", str(folder)], ["info", str(folder / DZ_FILENAME), "--verify"]):
+        assert main(argv) == 2
+        line = one_line_error(capsys.readouterr().err)
+        assert "bits is 2 but delta.dz was compressed with 4" in line and "set bits=4" in line
+    path.unlink()
+    assert main(["info", str(folder)]) == 2  # a folder without its config is no delta folder
+    assert "deltazip_config.json not found" in one_line_error(capsys.readouterr().err)
+    assert main(["info", str(folder / DZ_FILENAME), "--verify"]) == 0  # a bare .dz file: only its checksums
+
+
+def test_info_into_a_closed_pipe_exits_quietly(folder):
+    proc = subprocess.Popen([sys.executable, "-m", "hf_deltazip.cli", "info", str(folder), "--verbose"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "DELTAZIP_DEBUG": ""})
+    proc.stdout.close()  # the reader went away before deltazip wrote a byte, as `| head` does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141
+    assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
+    assert "deltazip:" not in err, err  # quietly: the reader left, nothing went wrong
+
+
+def test_console_script_reports_bad_input_in_one_line(tmp_path):
+    out = tmp_path / "file"
+    out.write_text("x")
+    exe = os.path.join(os.path.dirname(sys.executable), "deltazip")
+    if not os.path.exists(exe):
+        pytest.skip("the deltazip console script is not installed beside this python")
+    done = subprocess.run([exe, "compress", "--base", "b", "--finetuned", "f", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    # other libraries may warn on stderr while importing; deltazip's own report is one line
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("deltazip:")]
+    assert line.startswith("deltazip: error: ") and "is a file, not a folder" in line

@@ -152,3 +152,41 @@ def test_objects_show_themselves(deltas):
     html = model._repr_html_()
     assert "<table>" in html and "<td>a</td>" in html and "<td>host</td>" in html and "in memory" in html
     assert isinstance(deltas["b"][1], CompressedDelta)
+
+
+def test_loading_refuses_a_config_that_contradicts_the_header(deltas, tmp_path):
+    import json
+    import shutil
+
+    from hf_deltazip import DeltaZipFormatError
+
+    folder = tmp_path / "lying"
+    shutil.copytree(deltas["a"][0], folder)
+    cfg = json.loads((folder / "deltazip_config.json").read_text())
+    cfg["bits"] = 2  # the file holds 4-bit codes
+    (folder / "deltazip_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DeltaZipFormatError, match="bits is 2 but delta.dz was compressed with 4"):
+        DeltaModel.from_pretrained(folder, base=fresh_base())
+    model = DeltaModel(fresh_base())
+    with pytest.raises(DeltaZipFormatError, match="bits is 2"):
+        model.load_delta(folder, delta_name="x")
+    assert model.deltas == []
+
+
+def test_the_recorded_local_base_is_found_or_reported_missing_at_once(tmp_path):
+    import time
+
+    from hf_deltazip import BaseMismatchError
+
+    base_dir = tmp_path / "models" / "base"
+    base_model("llama").save_pretrained(base_dir)
+    cfg = DeltaZipConfig(bits=4, group_size=32)
+    delta = compress(base_dir, finetune("llama", 1), cfg, progress=False)  # round-to-nearest: no calibration needed
+    delta.save_pretrained(tmp_path / "delta")
+    model = DeltaModel.from_pretrained(tmp_path / "delta")  # base loaded from where it was recorded
+    assert torch.equal(greedy(model), greedy(model.merge_and_unload()))
+    base_dir.rename(tmp_path / "moved")
+    start = time.perf_counter()
+    with pytest.raises(BaseMismatchError, match="not there .*pass base="):
+        DeltaModel.from_pretrained(tmp_path / "delta")
+    assert time.perf_counter() - start < 5, "a missing local base must be reported at once, not retried on the Hub"

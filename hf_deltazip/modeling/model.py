@@ -13,9 +13,8 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ..config import CONFIG_NAME, DeltaZipConfig
-from ..delta import CompressedDelta, PackedModule, resolve_delta_folder
-from ..errors import BaseMismatchError, DeltaZipError
+from ..delta import CompressedDelta, PackedModule, load_folder_config, resolve_delta_folder, resolve_recorded_base
+from ..errors import DeltaZipError
 from ..format import DZ_FILENAME, DeltaZipFile
 from .cache import CacheEntry, DeltaCache, Residency, to_host
 from .placement import DeltaPlacer
@@ -94,11 +93,11 @@ class DeltaModel(nn.Module):
 
             with DeltaZipFile(folder / DZ_FILENAME) as dz:
                 header = dict(dz.header)
-            base_id = str(base) if base is not None else header.get("base_model")
-            if not base_id:
-                raise BaseMismatchError("the delta records no base model: pass base=")
+            # a recorded local base that is gone is reported now, not retried as a Hub id
+            base_id = str(base) if base is not None else resolve_recorded_base(header)
             kwargs = dict(base_kwargs)
-            if base is None and header.get("base_revision") and "revision" not in kwargs:
+            if (base is None and header.get("base_source") == "hub" and header.get("base_revision")
+                    and "revision" not in kwargs):
                 kwargs["revision"] = header["base_revision"]
             if token is not None:
                 kwargs.setdefault("token", token)
@@ -132,9 +131,9 @@ class DeltaModel(nn.Module):
         with self._cache.lock:
             if name in self._cache:
                 raise DeltaZipError(f"a delta named {name!r} is already loaded: delete_delta({name!r}) first or pick another name")
-            config = DeltaZipConfig.from_pretrained(folder)
             with DeltaZipFile(folder / DZ_FILENAME) as dz:
                 header = dict(dz.header)
+            config = load_folder_config(folder, header)  # the header is the truth: a contradicting JSON is refused
             self._placer.check_base(header, folder)
             self._cache.add(CacheEntry(name=name, path=folder, config=config, header=header, num_threads=num_threads),
                             resident=resident)

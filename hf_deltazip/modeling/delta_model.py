@@ -569,7 +569,13 @@ class DeltaModel(nn.Module):
         for pname, t in params.items():
             owner, _, attr = pname.rpartition(".")
             wrapper = self._wrap(owner, "override" if owner not in modules else modules[owner].kind)
-            wrapper.add_override(slot, attr, move(t))
+            t = move(t)
+            wrapper.add_override(slot, attr, t)
+            # tied embeddings stored exactly: the LM head shares the input embedding's new weight too
+            out_name = special.get("output")
+            if (attr == "weight" and owner == special.get("input") and header.get("extra", {}).get("tied_embeddings")
+                    and out_name and f"{out_name}.weight" not in params and out_name not in modules):
+                self._wrap(out_name, "linear").add_override(slot, "weight", t)
 
     def _detach(self, slot: int, keep_room: bool = True) -> None:
         for mod in list(self.base_model.modules()):

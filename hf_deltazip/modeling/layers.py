@@ -619,9 +619,7 @@ class DeltaOverride(_DeltaModuleBase):
                 y = torch.func.functional_call(self.base_layer, params, (xr, *r_args), r_kwargs)
             else:
                 y = self.base_layer(xr, *r_args, **r_kwargs)
-            if out is None:
-                out = y.new_empty((batch, *y.shape[1:]))
-            out[rows] = y
+            out = _put_rows(out, rows, y, batch)
         return out
 
 
@@ -630,3 +628,17 @@ def _take_rows(value, idx: torch.Tensor, batch: int):
     if torch.is_tensor(value) and value.dim() and value.shape[0] == batch:
         return value.index_select(0, idx.to(value.device))
     return value
+
+
+def _put_rows(out, rows: list, y, batch: int):
+    """Write ``y`` (a tensor, or a tuple of them such as an MoE router's outputs) into rows ``rows`` of
+    ``out``, made on first use with ``batch`` rows."""
+    if isinstance(y, tuple):
+        olds = (None,) * len(y) if out is None else out
+        return tuple(_put_rows(o, rows, v, batch) for o, v in zip(olds, y))
+    if not torch.is_tensor(y):
+        return y
+    if out is None:
+        out = y.new_empty((batch, *y.shape[1:]))
+    out[rows] = y
+    return out

@@ -33,7 +33,7 @@ from ..modeling.arch import (
     linear_modules,
     weight_as_nk,
 )
-from .calibration import prepare_calibration
+from .calibration import calibration_length, prepare_calibration
 from .solver import HessianAccumulator, obs_compress, relative_objective, rtn_compress
 
 logger = logging.getLogger(__name__)
@@ -288,7 +288,8 @@ def compress(
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(str(finetuned))
-        ids = prepare_calibration(calibration, tokenizer, n_samples=config.n_samples, seq_len=config.seq_len, seed=config.seed)
+        seq_len = calibration_length(ft_m, config.seq_len)
+        ids = prepare_calibration(calibration, tokenizer, n_samples=config.n_samples, seq_len=seq_len, seed=config.seed)
         vocab = ft_m.get_input_embeddings().weight.shape[0]
         if int(ids.max()) >= vocab or int(ids.min()) < 0:
             raise DeltaZipError(f"calibration token ids fall outside the fine-tune's vocabulary of {vocab}: wrong tokenizer?")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 from pathlib import Path
@@ -13,6 +14,24 @@ import torch
 from ..errors import DeltaZipError
 
 CalibrationLike = Union[str, os.PathLike, Sequence, torch.Tensor, None]
+
+logger = logging.getLogger(__name__)
+
+
+def calibration_length(model, seq_len: int) -> int:
+    """``seq_len``, or the model's context length when that is shorter (with a warning).
+
+    A model with learned positions (GPT-2, OPT) has no position beyond its context and fails on longer
+    sequences; for the others they are positions the model never saw in training.
+    """
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(context, int) and 0 < context < seq_len:
+        logger.warning(
+            "calibration sequences of seq_len=%d tokens are longer than the model's context of %d positions: "
+            "using %d-token sequences (set DeltaZipConfig(seq_len=%d) to silence this)", seq_len, context, context, context,
+        )
+        return context
+    return seq_len
 
 
 def _records_from_file(path: Path) -> list:

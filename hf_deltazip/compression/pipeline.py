@@ -33,7 +33,7 @@ from ..modeling.arch import (
     linear_modules,
     weight_as_nk,
 )
-from .calibration import prepare_calibration
+from .calibration import calibration_length, prepare_calibration
 from .solver import HessianAccumulator, obs_compress, relative_objective, rtn_compress
 
 logger = logging.getLogger(__name__)
@@ -98,6 +98,41 @@ def check_compatible(base: nn.Module, ft: nn.Module, vocab_params: set) -> None:
             f"shape mismatch for {name}: fine-tune {list(p.shape)} vs base {list(b.shape)}; "
             "check that the fine-tune was trained from this base"
         )
+
+
+def _left_exact(config: DeltaZipConfig, module: str) -> bool:
+    """Whether the settings keep ``module`` out of compression (what the fine-tune changed in it is stored exactly)."""
+    decision = config.is_target(module)
+    return decision is False or (decision is None and config.target_modules is not None)
+
+
+def _check_fused_experts(ft: nn.Module, base_params: dict, layers_prefix: str, config: DeltaZipConfig) -> None:
+    """Refuse changed parameters of more than two dimensions in the decoder layers unless they are skipped.
+
+    transformers 5 stores a mixture-of-experts layer's experts as fused 3-D tensors
+    (``mlp.experts.gate_up_proj``: ``[experts, out, in]``), which the solver does not quantize. Their
+    delta is stored exactly (and served through the parameter-override path) only when the user asks
+    for it with ``skip_modules``, since that stores the experts uncompressed.
+    """
+    changed = {}
+    for name, p in ft.named_parameters():
+        owner = name.rpartition(".")[0]
+        if not name.startswith(layers_prefix + ".") or p.dim() <= 2 or _left_exact(config, owner):
+            continue
+        if not torch.equal(p.detach().cpu(), base_params[name].detach().cpu()):
+            changed[name] = p
+    if not changed:
+        return
+    name = next(iter(changed))
+    owner = name.rpartition(".")[0]
+    pattern = "*." + owner[len(layers_prefix) + 1 :].partition(".")[2]  # model.layers.0.mlp.experts -> *.mlp.experts
+    mib = sum(p.numel() * p.element_size() for p in changed.values()) / 2**20
+    raise UnsupportedModelError(
+        f"{name} is a {changed[name].dim()}-D parameter (such as a mixture-of-experts layer's fused experts) that the "
+        f"fine-tune changed, and hf-deltazip quantizes only nn.Linear and Conv1D deltas. Pass skip_modules=[{pattern!r}] to "
+        f"store the expert deltas exactly instead ({len(changed)} tensors, {mib:.1f} MiB uncompressed; DeltaModel "
+        "serves and merges them), or fine-tune with the experts frozen"
+    )
 
 
 def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
@@ -212,24 +247,10 @@ def compress(
     base_params = dict(base_m.named_parameters())
 
     # which linear modules are compressed by the solver
-    targets: dict[str, list[str]] = {}
-    for i, layer in enumerate(ft_layers):
-        chosen = []
-        for rel, mod in linear_modules(layer).items():
-            full = f"{layers_prefix}.{i}.{rel}"
-            decision = config.is_target(full)
-            if decision is False or (decision is None and config.target_modules is not None):
-                continue
-            chosen.append(rel)
-        targets[i] = chosen
+    targets = {i: [rel for rel in linear_modules(layer) if not _left_exact(config, f"{layers_prefix}.{i}.{rel}")]
+               for i, layer in enumerate(ft_layers)}
     covered = {f"{layers_prefix}.{i}.{rel}.weight" for i, rels in targets.items() for rel in rels}
-
-    for name, p in ft_m.named_parameters():
-        if name.startswith(layers_prefix + ".") and p.dim() > 2:
-            raise UnsupportedModelError(
-                f"{name} is a {p.dim()}-D parameter (fused experts?): only nn.Linear and Conv1D layers are "
-                "supported; skip these layers with skip_modules or use a dense architecture"
-            )
+    _check_fused_experts(ft_m, base_params, layers_prefix, config)
 
     modules: dict[str, PackedModule] = {}
     params: dict[str, torch.Tensor] = {}
@@ -271,7 +292,8 @@ def compress(
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(str(finetuned))
-        ids = prepare_calibration(calibration, tokenizer, n_samples=config.n_samples, seq_len=config.seq_len, seed=config.seed)
+        seq_len = calibration_length(ft_m, config.seq_len)
+        ids = prepare_calibration(calibration, tokenizer, n_samples=config.n_samples, seq_len=seq_len, seed=config.seed)
         vocab = ft_m.get_input_embeddings().weight.shape[0]
         if int(ids.max()) >= vocab or int(ids.min()) < 0:
             raise DeltaZipError(f"calibration token ids fall outside the fine-tune's vocabulary of {vocab}: wrong tokenizer?")

@@ -475,7 +475,19 @@ class DeltaEmbedding(DeltaModule):
         return w.to(dtype) if p is None else base_plus_delta(w, p, dtype)
 
     def graph_safe(self) -> bool:
-        return all(p.sparsity == "dense" for p in self.packed.values())
+        return self._lookup_then_scale() and all(p.sparsity == "dense" for p in self.packed.values())
+
+    def _lookup_then_scale(self) -> bool:
+        """Whether the base's forward is a row lookup, maybe times ``embed_scale`` (transformers' scaled
+        word embeddings: Gemma, Gemma 2/3, ...), which the delta paths below reproduce exactly."""
+        return type(self.base_layer).forward is nn.Embedding.forward or hasattr(self.base_layer, "embed_scale")
+
+    def _scaled(self, rows: torch.Tensor) -> torch.Tensor:
+        """Looked-up rows as the base's forward returns them (times its ``embed_scale``, if any)."""
+        scale = getattr(self.base_layer, "embed_scale", None)
+        if scale is None:
+            return rows
+        return rows * (scale.to(self.base_layer.weight.dtype) if torch.is_tensor(scale) else scale)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         routing = self.router.current
@@ -490,12 +502,14 @@ class DeltaEmbedding(DeltaModule):
         for slot, rows in _groups(slots).items():
             idx = torch.tensor(rows, device=ids.device)
             r_ids = ids.index_select(0, idx)
-            if "weight" in self.overrides.get(slot, {}):
-                y = F.embedding(r_ids, self.overrides[slot]["weight"].to(w.dtype))
-            elif slot in self.packed:
-                y = self._lookup(slot, r_ids)
-            else:
+            if slot not in self.packed and "weight" not in self.overrides.get(slot, {}):
                 y = self.base_layer(r_ids)
+            elif not self._lookup_then_scale():  # an embedding whose forward does more: run it on merged rows
+                y = torch.func.functional_call(self.base_layer, {"weight": self.merged_weight(slot)}, (r_ids,))
+            elif "weight" in self.overrides.get(slot, {}):
+                y = self._scaled(F.embedding(r_ids, self.overrides[slot]["weight"].to(w.dtype)))
+            else:
+                y = self._scaled(self._lookup(slot, r_ids))
             if out is None:
                 out = y.new_empty((ids.shape[0], *y.shape[1:]))
             out[rows] = y
@@ -505,11 +519,11 @@ class DeltaEmbedding(DeltaModule):
         """Every slot's rows computed for the whole batch and kept where the row uses that slot: no
         host decisions, so a captured decode step can run it (the slot set is fixed at capture)."""
         if not self.graph_safe():
-            raise DeltaZipError("sparse embedding deltas cannot run in a captured decode step")
+            raise DeltaZipError("sparse embedding deltas (or an embedding with its own forward) cannot run in a captured decode step")
         w = self.base_layer.weight
         if self.stacks is not None and ids.dim() == 2:  # device gathers from stacks with room: no per-slot code
             out = F.embedding(ids, w).float() + self.stacks.gather_rows(rows.long() + 1, ids)
-            return out.to(w.dtype)
+            return self._scaled(out.to(w.dtype))
         row_slot = rows.long().view(-1, *([1] * (ids.dim() - 1))).expand_as(ids)
         out = F.embedding(ids.clamp(max=w.shape[0] - 1), w).float()
         if any(p.shape[0] > w.shape[0] for p in self.packed.values()):
@@ -526,7 +540,7 @@ class DeltaEmbedding(DeltaModule):
                 table = ov["weight"]
                 full = F.embedding(ids.clamp(max=table.shape[0] - 1), table).float()
                 out = torch.where((row_slot == slot)[..., None], full, out)
-        return out.to(w.dtype)
+        return self._scaled(out.to(w.dtype))
 
     def _lookup(self, slot: int, ids: torch.Tensor) -> torch.Tensor:
         """``(W_base + delta)[ids]`` computing only the rows looked up."""
@@ -643,12 +657,34 @@ class DeltaOverride(DeltaModule):
         for slot, rows in _groups(slots).items():
             idx = torch.tensor(rows, device=x.device)
             xr = x.index_select(0, idx)
+            # per-row tensors beside x (OPT's position ids, an MoE block's routing) are split the same way
+            r_args = [_take_rows(a, idx, batch) for a in args]
+            r_kwargs = {k: _take_rows(v, idx, batch) for k, v in kwargs.items()}
             if slot in self.overrides:
                 params = {k: v.to(dict(self.base_layer.named_parameters())[k].dtype) for k, v in self.overrides[slot].items()}
-                y = torch.func.functional_call(self.base_layer, params, (xr, *args), kwargs)
+                y = torch.func.functional_call(self.base_layer, params, (xr, *r_args), r_kwargs)
             else:
-                y = self.base_layer(xr, *args, **kwargs)
-            if out is None:
-                out = y.new_empty((batch, *y.shape[1:]))
-            out[rows] = y
+                y = self.base_layer(xr, *r_args, **r_kwargs)
+            out = _put_rows(out, rows, y, batch)
         return out
+
+
+def _take_rows(value, idx: torch.Tensor, batch: int):
+    """Rows ``idx`` of a tensor with one row per batch row; anything else as it is."""
+    if torch.is_tensor(value) and value.dim() and value.shape[0] == batch:
+        return value.index_select(0, idx.to(value.device))
+    return value
+
+
+def _put_rows(out, rows: list, y, batch: int):
+    """Write ``y`` (a tensor, or a tuple of them such as an MoE router's outputs) into rows ``rows`` of
+    ``out``, made on first use with ``batch`` rows."""
+    if isinstance(y, tuple):
+        olds = (None,) * len(y) if out is None else out
+        return tuple(_put_rows(o, rows, v, batch) for o, v in zip(olds, y))
+    if not torch.is_tensor(y):
+        return y
+    if out is None:
+        out = y.new_empty((batch, *y.shape[1:]))
+    out[rows] = y
+    return out

@@ -190,16 +190,25 @@ class DeltaPlacer:
                     head = self.wrap(out_name, "linear")
                     head.add_packed(slot, p)
                     touched.append(head)
+        tied = header.get("extra", {}).get("tied_embeddings")
         for pname, t in params.items():
             owner, _, attr = pname.rpartition(".")
-            wrapper = self.wrap(owner, "override" if owner not in modules else modules[owner].kind)
-            if wrapper.can_override_in_place(slot, attr, t):
-                value = move(t)
-                with on_side:
-                    wrapper.add_override(slot, attr, value)  # in place: a row of the per-slot table
-            else:
-                wrapper.add_override(slot, attr, t.to(device))
-            touched.append(wrapper)
+            targets = [self.wrap(owner, "override" if owner not in modules else modules[owner].kind)]
+            # tied embeddings stored exactly: the LM head shares the input embedding's new weight too
+            out_name = special.get("output")
+            if (tied and attr == "weight" and owner == special.get("input") and out_name
+                    and f"{out_name}.weight" not in params and out_name not in modules):
+                targets.append(self.wrap(out_name, "linear"))
+            copies = {}  # one device copy per stream, shared by the embedding and a tied head
+            for wrapper in targets:
+                if wrapper.can_override_in_place(slot, attr, t):
+                    value = copies["side"] = copies.get("side") if "side" in copies else move(t)
+                    with on_side:
+                        wrapper.add_override(slot, attr, value)  # in place: a row of the per-slot table
+                else:
+                    value = copies["main"] = copies.get("main") if "main" in copies else t.to(device)
+                    wrapper.add_override(slot, attr, value)
+                touched.append(wrapper)
         if name is not None:
             for w in touched:
                 w.names[slot] = name

@@ -243,3 +243,24 @@ def test_cli_compress_never_overwrites(tmp_path, capsys):
     assert main(args[:6] + [str(fresh)] + args[7:]) == 0
     printed = capsys.readouterr().out
     assert "ratio" in printed and (fresh / DZ_FILENAME).is_file()
+
+
+def test_compress_runs_named_steps_and_reports_every_layer():
+    from hf_deltazip.compression import COMPRESSION_STEPS, LayerReport
+
+    steps, layers = [], []
+    cfg = DeltaZipConfig(bits=4, group_size=32, n_samples=4, seq_len=16)
+    delta = compress(base_model("llama"), finetune("llama", 1), cfg, calibration=calibration_ids(n=4, length=16),
+                     progress=False, on_layer=layers.append, on_step=lambda name, s: steps.append((name, s)))
+    assert [name for name, _ in steps] == list(COMPRESSION_STEPS)
+    assert all(s >= 0 for _, s in steps)
+    assert [r.index for r in layers] == [0, 1] and all(isinstance(r, LayerReport) for r in layers)
+    assert layers[0].name == "model.layers.0" and layers[0].num_layers == 2
+    for r in layers:
+        assert r.seconds >= r.hessian_seconds + r.solver_seconds - 1e-6
+        # every linear module of the layer was compressed, and its error is the one in the summary
+        assert sorted(r.relative_errors) == sorted(n for n in delta.modules if n.startswith(r.name + "."))
+        for name, err in r.relative_errors.items():
+            assert delta.summary["relative_error"][name] == err
+    assert list(delta.summary["steps"]) == list(COMPRESSION_STEPS)
+    assert [row["index"] for row in delta.summary["layers"]] == [0, 1]

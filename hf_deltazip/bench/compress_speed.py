@@ -63,34 +63,23 @@ def main(argv=None) -> int:
                          sparsity=args.sparsity if args.sparsity != "2:4" else "2:4")
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    layer_times = []
-    import hf_deltazip.compression.pipeline as pipeline
-
-    original = pipeline._layer_hessians
-    marks = []
-
-    def timed(*a, **k):  # marks when each layer starts its Hessian pass
-        marks.append(time.perf_counter())
-        return original(*a, **k)
-
-    pipeline._layer_hessians = timed
-    try:
-        t1 = time.perf_counter()
-        delta = compress(base, ft, cfg, calibration=ids, device=args.device, batch_size=args.batch_size, progress=False)
-        t2 = time.perf_counter()
-    finally:
-        pipeline._layer_hessians = original
-    marks.append(t2)
-    layer_times = [b - a for a, b in zip(marks[:-1], marks[1:])]
-    before_layers = marks[0] - t1
-    per_layer = sum(layer_times[1:]) / max(1, len(layer_times) - 1) if len(layer_times) > 1 else layer_times[0]
-    estimate_32 = before_layers + 32 * per_layer
+    layers, steps = [], {}
+    t1 = time.perf_counter()
+    delta = compress(base, ft, cfg, calibration=ids, device=args.device, batch_size=args.batch_size, progress=False,
+                     on_layer=layers.append, on_step=steps.__setitem__)
+    t2 = time.perf_counter()
+    layer_times = [r.seconds for r in layers]
+    before_layers = sum(s for name, s in steps.items() if name in ("load", "plan", "embeddings", "exact_params", "calibrate"))
+    after_layers = steps.get("package", 0.0)
+    per_layer = sum(layer_times) / len(layer_times)  # the mean of every measured layer, the first one included
+    estimate_32 = before_layers + 32 * per_layer + after_layers
     peak = torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else float("nan")
     result = {
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "layers_built": args.layers, "calibration": f"{args.n_samples} x {args.seq_len}",
         "config": f"{args.bits}-bit g{args.group_size} sparsity={args.sparsity}",
-        "build_s": build_s, "total_s": t2 - t1, "before_layers_s": before_layers, "layer_s": layer_times,
+        "build_s": build_s, "total_s": t2 - t1, "steps_s": steps, "before_layers_s": before_layers, "layer_s": layer_times,
+        "hessian_s": [r.hessian_seconds for r in layers], "solver_s": [r.solver_seconds for r in layers],
         "per_layer_s": per_layer, "estimate_32_layers_s": estimate_32, "peak_gpu_gib": peak,
         "packed_bytes": delta.summary["packed_bytes"],
     }

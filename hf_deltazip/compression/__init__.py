@@ -1,5 +1,5 @@
 """Compression: the OBS solver, the layer walk, calibration data and the baselines."""
 
-from .pipeline import compress
+from .pipeline import COMPRESSION_STEPS, LayerReport, compress
 
-__all__ = ["compress"]
+__all__ = ["compress", "COMPRESSION_STEPS", "LayerReport"]

@@ -12,10 +12,12 @@ inputs. Only one decoder layer is on the device at a time.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import time
-from typing import Optional, Union
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -186,6 +188,32 @@ def _restore(model: nn.Module, saved: dict) -> None:
         tensors[name].data = data
 
 
+COMPRESSION_STEPS = ("load", "plan", "embeddings", "exact_params", "calibrate", "layers", "package")
+"""The named steps of :func:`compress`, in order (``on_step`` is called after each)."""
+
+
+@dataclass
+class LayerReport:
+    """What :func:`compress` did to one decoder layer (passed to its ``on_layer`` callback).
+
+    Attributes:
+        index, num_layers: this layer's position among the decoder layers.
+        name: the layer's module name (e.g. ``model.layers.3``).
+        seconds: wall time of the whole layer (Hessians, solver, next layer's inputs).
+        hessian_seconds: building its Hessians from the calibration activations.
+        solver_seconds: compressing its linear deltas.
+        relative_errors: module name -> relative OBS objective (or relative error without calibration).
+    """
+
+    index: int
+    num_layers: int
+    name: str
+    seconds: float
+    hessian_seconds: float
+    solver_seconds: float
+    relative_errors: dict
+
+
 @torch.no_grad()
 def compress(
     base: ModelLike,
@@ -198,9 +226,16 @@ def compress(
     batch_size: int = 8,
     progress: bool = True,
     base_revision: Optional[str] = None,
+    on_layer: Optional[Callable[[LayerReport], None]] = None,
+    on_step: Optional[Callable[[str, float], None]] = None,
     **load_kwargs,
 ) -> CompressedDelta:
     """Compress the delta between a fine-tune and its base.
+
+    Runs the steps of :data:`COMPRESSION_STEPS`: ``load`` the two models, ``plan`` which modules the
+    solver compresses, quantize the ``embeddings`` and LM head, keep the ``exact_params`` (norms,
+    biases, ...), ``calibrate`` (the first decoder layer's inputs), walk the ``layers`` on
+    reconstructed inputs, and ``package`` the delta.
 
     Args:
         base: the base model, a Hub id or a local path.
@@ -213,108 +248,162 @@ def compress(
         batch_size: calibration sequences per forward pass.
         progress: show a tqdm bar per layer.
         base_revision: recorded in the delta so loaders can fetch the same base.
+        on_layer: called with a :class:`LayerReport` after each decoder layer.
+        on_step: called with ``(step name, seconds)`` after each step.
         load_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` for ids and paths.
 
     Returns:
-        :class:`~hf_deltazip.delta.CompressedDelta`; ``.summary`` has time, bytes and per-layer errors.
+        :class:`~hf_deltazip.delta.CompressedDelta`; ``.summary`` has time, bytes, each step's and each
+        layer's seconds and per-module errors.
 
     Raises:
         DeltaZipError: incompatible models or bad calibration data.
         UnsupportedModelError: no decoder layers or unsupported layer types.
     """
-    t0 = time.perf_counter()
-    config = config or DeltaZipConfig()
-    base_m = _load(base, "base", **load_kwargs)
-    ft_m = _load(finetuned, "fine-tuned", **load_kwargs)
-    base_m.eval()
-    ft_m.eval()
-    dev = _device_of(device)
+    run = _Compression(base, finetuned, config or DeltaZipConfig(), calibration, tokenizer, device=device,
+                       batch_size=batch_size, progress=progress, base_revision=base_revision,
+                       on_layer=on_layer, load_kwargs=load_kwargs)
+    for step in COMPRESSION_STEPS:
+        t = time.perf_counter()
+        getattr(run, step)()
+        run.step_seconds[step] = time.perf_counter() - t
+        if on_step is not None:
+            on_step(step, run.step_seconds[step])
+    run.delta.summary["steps"] = dict(run.step_seconds)
+    run.delta.summary["seconds"] = sum(run.step_seconds.values())
+    return run.delta
 
-    in_emb = ft_m.get_input_embeddings()
-    out_emb = ft_m.get_output_embeddings()
-    names = {id(m): n for n, m in ft_m.named_modules()}
-    emb_names = []
-    if in_emb is not None and isinstance(getattr(in_emb, "weight", None), torch.Tensor):
-        emb_names.append(names[id(in_emb)])
-    tied = out_emb is not None and in_emb is not None and out_emb.weight is in_emb.weight
-    if out_emb is not None and not tied and is_linear(out_emb):
-        emb_names.append(names[id(out_emb)])
-    vocab_params = {f"{n}.weight" for n in emb_names}
-    check_compatible(base_m, ft_m, vocab_params)
 
-    layers_prefix, ft_layers = find_decoder_layers(ft_m)
-    base_layers = base_m.get_submodule(layers_prefix)
-    base_params = dict(base_m.named_parameters())
+class _Compression:
+    """The state of one :func:`compress` call; one method per named step."""
 
-    # which linear modules are compressed by the solver
-    targets = {i: [rel for rel in linear_modules(layer) if not _left_exact(config, f"{layers_prefix}.{i}.{rel}")]
-               for i, layer in enumerate(ft_layers)}
-    covered = {f"{layers_prefix}.{i}.{rel}.weight" for i, rels in targets.items() for rel in rels}
-    _check_fused_experts(ft_m, base_params, layers_prefix, config)
+    def __init__(self, base, finetuned, config, calibration, tokenizer, *, device, batch_size, progress,
+                 base_revision, on_layer, load_kwargs):
+        self.base, self.finetuned, self.config = base, finetuned, config
+        self.calibration, self.tokenizer = calibration, tokenizer
+        self.device, self.batch_size, self.progress = device, batch_size, progress
+        self.base_revision, self.on_layer, self.load_kwargs = base_revision, on_layer, load_kwargs
+        self.step_seconds: dict = {}
+        self.modules: dict[str, PackedModule] = {}
+        self.params: dict[str, torch.Tensor] = {}
+        self.layer_errors: dict[str, float] = {}
+        self.layer_reports: list[LayerReport] = []
+        self.captured = None
+        self.ids = None
 
-    modules: dict[str, PackedModule] = {}
-    params: dict[str, torch.Tensor] = {}
-    layer_errors: dict[str, float] = {}
+    def load(self) -> None:
+        self.base_m = _load(self.base, "base", **self.load_kwargs)
+        self.ft_m = _load(self.finetuned, "fine-tuned", **self.load_kwargs)
+        self.base_m.eval()
+        self.ft_m.eval()
+        self.dev = _device_of(self.device)
 
-    # -- embeddings and LM head
-    emb_weight_names = set()
-    if config.embeddings == "quantize":
-        for name in emb_names:
+    def plan(self) -> None:
+        """Which tensors are embeddings, which linear modules the solver compresses; refuse what cannot work."""
+        ft_m, config = self.ft_m, self.config
+        in_emb, out_emb = ft_m.get_input_embeddings(), ft_m.get_output_embeddings()
+        names = {id(m): n for n, m in ft_m.named_modules()}
+        self.emb_names = []
+        if in_emb is not None and isinstance(getattr(in_emb, "weight", None), torch.Tensor):
+            self.emb_names.append(names[id(in_emb)])
+        self.tied = out_emb is not None and in_emb is not None and out_emb.weight is in_emb.weight
+        if out_emb is not None and not self.tied and is_linear(out_emb):
+            self.emb_names.append(names[id(out_emb)])
+        check_compatible(self.base_m, ft_m, {f"{n}.weight" for n in self.emb_names})
+        self.layers_prefix, self.ft_layers = find_decoder_layers(ft_m)
+        self.base_layers = self.base_m.get_submodule(self.layers_prefix)
+        self.base_params = dict(self.base_m.named_parameters())
+        prefix = self.layers_prefix
+        self.targets = {i: [rel for rel in linear_modules(layer) if not _left_exact(config, f"{prefix}.{i}.{rel}")]
+                        for i, layer in enumerate(self.ft_layers)}
+        self.covered = {f"{prefix}.{i}.{rel}.weight" for i, rels in self.targets.items() for rel in rels}
+        _check_fused_experts(ft_m, self.base_params, prefix, config)
+
+    def embeddings(self) -> None:
+        """Round-to-nearest deltas of the input embeddings and the LM head (rows the fine-tune added included)."""
+        config = self.config
+        self.emb_weight_names = set()
+        if config.embeddings != "quantize":
+            return
+        for name in self.emb_names:
             wname = f"{name}.weight"
-            emb_weight_names.add(wname)
-            w_ft = ft_m.get_parameter(wname).detach().float()
-            w_b = _pad_rows(base_params[wname].detach().float(), w_ft.shape[0])
+            self.emb_weight_names.add(wname)
+            w_ft = self.ft_m.get_parameter(wname).detach().float()
+            w_b = _pad_rows(self.base_params[wname].detach().float(), w_ft.shape[0])
             delta = w_ft - w_b
             if not bool(delta.any()):
                 continue
-            res = rtn_compress(delta, bits=config.embedding_bits, group_size=config.embedding_group_size, symmetric=config.symmetric)
-            modules[name] = PackedModule.from_codes(
+            res = rtn_compress(delta, bits=config.embedding_bits, group_size=config.embedding_group_size,
+                               symmetric=config.symmetric)
+            self.modules[name] = PackedModule.from_codes(
                 res.codes, res.scales, res.zeros, None, bits=res.bits, group_size=res.group_size,
                 symmetric=res.symmetric, kind="embedding",
             )
-            layer_errors[name] = float(((res.dequantize() - delta).norm() / delta.norm().clamp_min(1e-30)) ** 2)
+            self.layer_errors[name] = float(((res.dequantize() - delta).norm() / delta.norm().clamp_min(1e-30)) ** 2)
 
-    # -- exact parameters: everything else the fine-tune changed
-    store_dtype = torch.float16 if config.norms_and_biases == "float16" else None
-    for name, p in ft_m.named_parameters():
-        if name in covered or name in emb_weight_names:
-            continue
-        b = base_params[name]
-        if p.shape == b.shape and torch.equal(p.detach().cpu(), b.detach().cpu()):
-            continue
-        t = p.detach().cpu().clone()
-        params[name] = t.to(store_dtype) if store_dtype is not None and t.is_floating_point() else t
+    def exact_params(self) -> None:
+        """Everything else the fine-tune changed (norms, biases, skipped modules), stored as it is."""
+        store_dtype = torch.float16 if self.config.norms_and_biases == "float16" else None
+        for name, p in self.ft_m.named_parameters():
+            if name in self.covered or name in self.emb_weight_names:
+                continue
+            b = self.base_params[name]
+            if p.shape == b.shape and torch.equal(p.detach().cpu(), b.detach().cpu()):
+                continue
+            t = p.detach().cpu().clone()
+            self.params[name] = t.to(store_dtype) if store_dtype is not None and t.is_floating_point() else t
 
-    # -- the layer walk
-    use_solver = calibration is not None
-    if use_solver:
-        if tokenizer is None and isinstance(finetuned, (str, os.PathLike)) and not isinstance(calibration, torch.Tensor):
+    def calibrate(self) -> None:
+        """Tokenize the calibration data and capture the first decoder layer's inputs (compressed embeddings in)."""
+        if self.calibration is None:
+            logger.warning("no calibration data: compressing with round-to-nearest instead of the OBS solver")
+            return
+        tokenizer = self.tokenizer
+        if tokenizer is None and isinstance(self.finetuned, (str, os.PathLike)) and not isinstance(self.calibration, torch.Tensor):
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(str(finetuned))
-        seq_len = calibration_length(ft_m, config.seq_len)
-        ids = prepare_calibration(calibration, tokenizer, n_samples=config.n_samples, seq_len=seq_len, seed=config.seed)
-        vocab = ft_m.get_input_embeddings().weight.shape[0]
+            tokenizer = self.tokenizer = AutoTokenizer.from_pretrained(str(self.finetuned))
+        seq_len = calibration_length(self.ft_m, self.config.seq_len)
+        ids = prepare_calibration(self.calibration, tokenizer, n_samples=self.config.n_samples, seq_len=seq_len,
+                                  seed=self.config.seed)
+        vocab = self.ft_m.get_input_embeddings().weight.shape[0]
         if int(ids.max()) >= vocab or int(ids.min()) < 0:
             raise DeltaZipError(f"calibration token ids fall outside the fine-tune's vocabulary of {vocab}: wrong tokenizer?")
-        captured = _capture_layer_inputs(ft_m, layers_prefix, ft_layers[0], ids, modules, base_params, dev, batch_size)
-    else:
-        logger.warning("no calibration data: compressing with round-to-nearest instead of the OBS solver")
-        captured = None
+        self.ids = ids
+        self.captured = _capture_layer_inputs(self.ft_m, self.layers_prefix, self.ft_layers[0], ids, self.modules,
+                                              self.base_params, self.dev, self.batch_size)
 
-    conv1d = conv1d_class()
-    bar = tqdm(total=len(ft_layers), desc="compressing layers", disable=not progress, unit="layer")
-    for i, ft_layer in enumerate(ft_layers):
-        work = copy.deepcopy(ft_layer).to(dev)
-        base_layer = base_layers[i]
+    def layers(self) -> None:
+        """The walk: one decoder layer at a time on the device, on inputs through the compressed layers before it."""
+        bar = tqdm(total=len(self.ft_layers), desc="compressing layers", disable=not self.progress, unit="layer")
+        for i, ft_layer in enumerate(self.ft_layers):
+            report = self._layer(i, ft_layer)
+            self.layer_reports.append(report)
+            if self.on_layer is not None:
+                self.on_layer(report)
+            bar.update(1)
+        bar.close()
+
+    def _sync(self) -> float:
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
+        return time.perf_counter()
+
+    def _layer(self, i: int, ft_layer: nn.Module) -> LayerReport:
+        t0 = self._sync()
+        conv1d = conv1d_class()
+        work = copy.deepcopy(ft_layer).to(self.dev)
+        base_layer = self.base_layers[i]
         lin = linear_modules(work)
-        hess = _layer_hessians(work, lin, targets[i], captured) if captured is not None else {}
-        for rel in targets[i]:
+        hess = _layer_hessians(work, lin, self.targets[i], self.captured) if self.captured is not None else {}
+        t1 = self._sync()
+        errors = {}
+        for rel in self.targets[i]:
             mod = lin[rel]
-            full = f"{layers_prefix}.{i}.{rel}"
-            settings = config.for_module(full)
+            full = f"{self.layers_prefix}.{i}.{rel}"
+            settings = self.config.for_module(full)
             w_ft = weight_as_nk(mod).float()
-            w_b = weight_as_nk(base_layer.get_submodule(rel)).to(dev).float()
+            w_b = weight_as_nk(base_layer.get_submodule(rel)).to(self.dev).float()
             delta = w_ft - w_b
             sparsity = settings.sparsity
             if sparsity == "2:4" and delta.shape[1] % 4:
@@ -322,71 +411,75 @@ def compress(
                 sparsity = None
             if not bool(delta.any()):
                 continue
-            if rel in hess:
-                h = hess[rel]
+            h = hess.get(rel)
+            if h is not None:
                 res = obs_compress(delta, h, bits=settings.bits, group_size=settings.group_size,
                                    symmetric=settings.symmetric, sparsity=sparsity,
                                    block_size=settings.block_size, damp=settings.damp)
             else:
-                h = None
                 res = rtn_compress(delta, bits=settings.bits, group_size=settings.group_size,
                                    symmetric=settings.symmetric, sparsity=sparsity)
             approx = res.dequantize()
-            modules[full] = PackedModule.from_codes(
+            self.modules[full] = PackedModule.from_codes(
                 res.codes, res.scales, res.zeros, res.mask, bits=res.bits, group_size=res.group_size,
                 symmetric=res.symmetric, two_four=sparsity == "2:4", kind="linear",
                 transposed=conv1d is not None and isinstance(mod, conv1d),
             )
             if h is not None:
-                layer_errors[full] = relative_objective(delta, approx, h)
+                errors[full] = relative_objective(delta, approx, h)
             else:
-                layer_errors[full] = float(((approx - delta).norm() / delta.norm().clamp_min(1e-30)) ** 2)
+                errors[full] = float(((approx - delta).norm() / delta.norm().clamp_min(1e-30)) ** 2)
             new_w = (w_b + approx).to(mod.weight.dtype)
-            mod.weight.data = new_w.t().contiguous() if modules[full].transposed else new_w
-        if captured is not None:
-            for c in captured:
+            mod.weight.data = new_w.t().contiguous() if self.modules[full].transposed else new_w
+        t2 = self._sync()
+        if self.captured is not None:
+            for c in self.captured:
                 c.hidden = c.run(work, c.hidden)
         del work, hess
-        bar.update(1)
-    bar.close()
+        t3 = self._sync()
+        self.layer_errors.update(errors)
+        return LayerReport(index=i, num_layers=len(self.ft_layers), name=f"{self.layers_prefix}.{i}", seconds=t3 - t0,
+                           hessian_seconds=t1 - t0, solver_seconds=t2 - t1, relative_errors=errors)
 
-    n_params = sum(p.numel() for p in ft_m.parameters())
-    base_name, base_source = recorded_location(base, base_m)  # what resolve_recorded_base finds again
-    header = {
-        "library_version": __version__,
-        "base_model": base_name,
-        "base_source": base_source,
-        "base_revision": _base_commit(base, base_m, base_revision, load_kwargs),
-        "base_fingerprint": base_fingerprint(base_m),
-        "finetuned_model": recorded_location(finetuned, ft_m)[0],
-        "model_type": getattr(ft_m.config, "model_type", None),
-        "architectures": [type(ft_m).__name__],
-        "model_config": ft_m.config.to_dict(),
-        "extra": {
-            "finetune_num_params": n_params,
-            "vocab_size_base": int(base_m.get_input_embeddings().weight.shape[0]),
-            "vocab_size_finetune": int(ft_m.get_input_embeddings().weight.shape[0]),
-            "tied_embeddings": bool(tied),
-            "layers_prefix": layers_prefix,
-            "solver": "obs" if use_solver else "rtn",
-            "calibration_tokens": int(ids.numel()) if use_solver else 0,
-        },
-    }
-    gen_cfg = getattr(ft_m, "generation_config", None)
-    delta = CompressedDelta(config=config, modules=modules, params=params, header=header, tokenizer=tokenizer,
-                            generation_config=gen_cfg)
-    packed = sum(m.nbytes for m in modules.values())
-    exact = sum(t.numel() * t.element_size() for t in params.values())
-    delta.summary = {
-        "seconds": time.perf_counter() - t0,
-        "device": str(dev),
-        "packed_bytes": packed,
-        "exact_param_bytes": exact,
-        "finetune_fp16_bytes": 2 * n_params,
-        "ratio_before_zstd": 2 * n_params / max(1, packed + exact),
-        "relative_error": layer_errors,
-    }
-    return delta
+    def package(self) -> None:
+        """The header (base, fingerprint, architecture, facts loaders need) and the CompressedDelta."""
+        base_m, ft_m = self.base_m, self.ft_m
+        n_params = sum(p.numel() for p in ft_m.parameters())
+        base_name, base_source = recorded_location(self.base, base_m)  # what resolve_recorded_base finds again
+        header = {
+            "library_version": __version__,
+            "base_model": base_name,
+            "base_source": base_source,
+            "base_revision": _base_commit(self.base, base_m, self.base_revision, self.load_kwargs),
+            "base_fingerprint": base_fingerprint(base_m),
+            "finetuned_model": recorded_location(self.finetuned, ft_m)[0],
+            "model_type": getattr(ft_m.config, "model_type", None),
+            "architectures": [type(ft_m).__name__],
+            "model_config": ft_m.config.to_dict(),
+            "extra": {
+                "finetune_num_params": n_params,
+                "vocab_size_base": int(base_m.get_input_embeddings().weight.shape[0]),
+                "vocab_size_finetune": int(ft_m.get_input_embeddings().weight.shape[0]),
+                "tied_embeddings": bool(self.tied),
+                "layers_prefix": self.layers_prefix,
+                "solver": "obs" if self.ids is not None else "rtn",
+                "calibration_tokens": int(self.ids.numel()) if self.ids is not None else 0,
+            },
+        }
+        gen_cfg = getattr(ft_m, "generation_config", None)
+        self.delta = CompressedDelta(config=self.config, modules=self.modules, params=self.params, header=header,
+                                     tokenizer=self.tokenizer, generation_config=gen_cfg)
+        packed = sum(m.nbytes for m in self.modules.values())
+        exact = sum(t.numel() * t.element_size() for t in self.params.values())
+        self.delta.summary = {
+            "device": str(self.dev),
+            "packed_bytes": packed,
+            "exact_param_bytes": exact,
+            "finetune_fp16_bytes": 2 * n_params,
+            "ratio_before_zstd": 2 * n_params / max(1, packed + exact),
+            "relative_error": self.layer_errors,
+            "layers": [dataclasses.asdict(r) for r in self.layer_reports],
+        }
 
 
 def _capture_layer_inputs(model, layers_prefix, first_layer, ids, modules, base_params, dev, batch_size):

@@ -7,9 +7,7 @@ Example:
     >>> model = DeltaModel.from_pretrained("ft-delta", base="org/base")
 """
 
-__version__ = "0.1.0.dev0"
-
-
+from ._version import __version__
 from .config import DeltaZipConfig
 from .errors import (
     BaseMismatchError,

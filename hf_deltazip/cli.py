@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from . import __version__
+from ._version import __version__
 from .errors import DeltaZipError
 
 

@@ -233,7 +233,7 @@ class DeltaZipConfig:
 
     def save_pretrained(self, save_directory: Union[str, os.PathLike]) -> Path:
         """Write ``deltazip_config.json`` into ``save_directory`` (atomically) and return its path."""
-        from .format import atomic_write_bytes
+        from .fileio import atomic_write_bytes
 
         directory = Path(save_directory)
         directory.mkdir(parents=True, exist_ok=True)

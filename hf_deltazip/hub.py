@@ -471,7 +471,7 @@ def _describe_number(value: Any) -> str:
 
 # --- helpers ------------------------------------------------------------------------------------
 def _library_version() -> str:
-    from . import __version__  # imported late: hf_deltazip/__init__ may import this module
+    from ._version import __version__
 
     return __version__
 

@@ -140,7 +140,7 @@ def test_interrupted_save_keeps_earlier_delta(tmp_path, monkeypatch):
     delta = small_delta()
     delta.save_pretrained(tmp_path)
     before = (tmp_path / DZ_FILENAME).read_bytes()
-    import hf_deltazip.format as fmt
+    import hf_deltazip.fileio as fmt
 
     def boom(*a, **k):
         raise RuntimeError("disk full")

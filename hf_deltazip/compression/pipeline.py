@@ -23,11 +23,12 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .. import __version__
+from .._version import __version__
 from ..config import DeltaZipConfig
 from ..delta import CompressedDelta, PackedModule, recorded_location
 from ..errors import DeltaZipError, UnsupportedModelError
 from ..fingerprint import base_fingerprint
+from ..format import DeltaHeader
 from ..modeling.arch import (
     conv1d_class,
     find_decoder_layers,
@@ -446,17 +447,18 @@ class _Compression:
         base_m, ft_m = self.base_m, self.ft_m
         n_params = sum(p.numel() for p in ft_m.parameters())
         base_name, base_source = recorded_location(self.base, base_m)  # what resolve_recorded_base finds again
-        header = {
-            "library_version": __version__,
-            "base_model": base_name,
-            "base_source": base_source,
-            "base_revision": _base_commit(self.base, base_m, self.base_revision, self.load_kwargs),
-            "base_fingerprint": base_fingerprint(base_m),
-            "finetuned_model": recorded_location(self.finetuned, ft_m)[0],
-            "model_type": getattr(ft_m.config, "model_type", None),
-            "architectures": [type(ft_m).__name__],
-            "model_config": ft_m.config.to_dict(),
-            "extra": {
+        header = DeltaHeader(
+            library_version=__version__,
+            base_model=base_name,
+            base_source=base_source,
+            base_revision=_base_commit(self.base, base_m, self.base_revision, self.load_kwargs),
+            base_fingerprint=base_fingerprint(base_m),
+            finetuned_model=recorded_location(self.finetuned, ft_m)[0],
+            model_type=getattr(ft_m.config, "model_type", None),
+            architectures=[type(ft_m).__name__],
+            model_config=ft_m.config.to_dict(),
+            config=self.config.to_dict(),
+            extra={
                 "finetune_num_params": n_params,
                 "vocab_size_base": int(base_m.get_input_embeddings().weight.shape[0]),
                 "vocab_size_finetune": int(ft_m.get_input_embeddings().weight.shape[0]),
@@ -465,7 +467,7 @@ class _Compression:
                 "solver": "obs" if self.ids is not None else "rtn",
                 "calibration_tokens": int(self.ids.numel()) if self.ids is not None else 0,
             },
-        }
+        )
         gen_cfg = getattr(ft_m, "generation_config", None)
         self.delta = CompressedDelta(config=self.config, modules=self.modules, params=self.params, header=header,
                                      tokenizer=self.tokenizer, generation_config=gen_cfg)

@@ -40,7 +40,7 @@ import torch
 
 from ..delta import PackedModule
 from ..errors import DeltaNotFoundError, DeltaZipError
-from ..format import DZ_FILENAME, DeltaZipFile
+from ..format import DZ_FILENAME, DeltaHeader, DeltaZipFile
 from .layers import map_packed
 from .placement import DeltaPlacer, delta_nbytes
 
@@ -71,7 +71,7 @@ class CacheEntry:
         name: the name batches use.
         path: the delta folder its tensors are read from, or ``None`` for an in-memory delta.
         config: its :class:`~hf_deltazip.DeltaZipConfig` (``None`` for bare packed modules).
-        header: the ``.dz`` header (base, fingerprint, extra facts such as tied embeddings).
+        header: the typed ``.dz`` header (base, fingerprint, extra facts such as tied embeddings).
         host: ``(modules, params)`` in host memory, or ``None``.
         slot: its slot while ``DEVICE``, else ``None``.
         nbytes: bytes of its tensors as held (known once read).
@@ -81,7 +81,7 @@ class CacheEntry:
     name: str
     path: Optional[Path]
     config: Any
-    header: dict
+    header: DeltaHeader
     host: Optional[tuple] = None
     slot: Optional[int] = None
     nbytes: Optional[int] = None

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..delta import CompressedDelta, PackedModule, load_folder_config, resolve_delta_folder, resolve_recorded_base
 from ..errors import DeltaZipError
-from ..format import DZ_FILENAME, DeltaZipFile
+from ..format import DZ_FILENAME, DeltaHeader, DeltaZipFile
 from .cache import CacheEntry, DeltaCache, Residency, to_host
 from .placement import DeltaPlacer
 from .routing import BatchRouting, KernelPolicy, LayoutVersion, Router
@@ -92,13 +92,12 @@ class DeltaModel(nn.Module):
             from transformers import AutoModelForCausalLM
 
             with DeltaZipFile(folder / DZ_FILENAME) as dz:
-                header = dict(dz.header)
+                header = dz.header
             # a recorded local base that is gone is reported now, not retried as a Hub id
             base_id = str(base) if base is not None else resolve_recorded_base(header)
             kwargs = dict(base_kwargs)
-            if (base is None and header.get("base_source") == "hub" and header.get("base_revision")
-                    and "revision" not in kwargs):
-                kwargs["revision"] = header["base_revision"]
+            if base is None and header.base_source == "hub" and header.base_revision and "revision" not in kwargs:
+                kwargs["revision"] = header.base_revision
             if token is not None:
                 kwargs.setdefault("token", token)
             base = AutoModelForCausalLM.from_pretrained(base_id, **kwargs)
@@ -132,7 +131,7 @@ class DeltaModel(nn.Module):
             if name in self._cache:
                 raise DeltaZipError(f"a delta named {name!r} is already loaded: delete_delta({name!r}) first or pick another name")
             with DeltaZipFile(folder / DZ_FILENAME) as dz:
-                header = dict(dz.header)
+                header = dz.header
             config = load_folder_config(folder, header)  # the header is the truth: a contradicting JSON is refused
             self._placer.check_base(header, folder)
             self._cache.add(CacheEntry(name=name, path=folder, config=config, header=header, num_threads=num_threads),
@@ -147,17 +146,17 @@ class DeltaModel(nn.Module):
         it is kept in host memory, since there is no file to read it back from.
         """
         if isinstance(delta, CompressedDelta):
-            modules, params, header, config = dict(delta.modules), dict(delta.params), dict(delta.header), delta.config
-            if header.get("base_fingerprint") or header.get("model_type"):
+            modules, params, config = dict(delta.modules), dict(delta.params), delta.config
+            header = DeltaHeader.from_dict(delta.header)
+            if header.base_fingerprint or header.model_type:
                 self._placer.check_base(header, f"delta {delta_name!r}")
         elif isinstance(delta, dict) and all(isinstance(p, PackedModule) for p in delta.values()):
-            modules, params, header, config = dict(delta), {}, {"extra": {}}, None
+            modules, params, header, config = dict(delta), {}, DeltaHeader(), None
         else:
             raise DeltaZipError(
                 f"add_delta takes a CompressedDelta or a dict of PackedModule, got {type(delta).__name__}; "
                 "for a folder or Hub repo use load_delta()"
             )
-        header.setdefault("extra", {})
         if not resident:  # kept until needed: in host memory, where the cache's budget counts it
             modules, params = to_host(modules, params)
         with self._cache.lock:
@@ -341,7 +340,7 @@ class DeltaModel(nn.Module):
                 )
             modules, params = e.host if e.host is not None else self._placer.gather(e.slot)
             modules, params = to_host(modules, params)
-        CompressedDelta(config=e.config, modules=modules, params=params, header=dict(e.header)).save_pretrained(
+        CompressedDelta(config=e.config, modules=modules, params=params, header=e.header.to_dict()).save_pretrained(
             folder, num_threads=num_threads)
 
     def merge_and_unload(self, name: Optional[str] = None, *, inplace: bool = False) -> nn.Module:

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..errors import BaseMismatchError
 from ..fingerprint import check_fingerprint
+from ..format import DeltaHeader
 from .arch import is_linear
 from .layers import DeltaEmbedding, DeltaLinear, DeltaModule, DeltaOverride, map_packed
 from .routing import KernelPolicy, LayoutVersion, Router
@@ -81,26 +82,26 @@ class DeltaPlacer:
                 yield _plain(n), m
 
     # ------------------------------------------------------------------ checks
-    def check_base(self, header: dict, where) -> None:
+    def check_base(self, header: DeltaHeader, where) -> None:
         """Raise :class:`BaseMismatchError` unless this base is the one the delta was made from."""
         cfg = getattr(self.base_model, "config", None)
-        expected = header.get("base_model") or "?"
-        mt = header.get("model_type")
+        expected = header.base_model or "?"
+        mt = header.model_type
         if mt is not None and getattr(cfg, "model_type", None) != mt:
             raise BaseMismatchError(
                 f"{where}: the delta is for a {mt!r} model ({expected}) but the base is {getattr(cfg, 'model_type', None)!r}; "
                 f"load it onto {expected!r}"
             )
-        check_fingerprint(header.get("base_fingerprint") or {}, self.plain_params(), expected_base=expected)
+        check_fingerprint(header.base_fingerprint, self.plain_params(), expected_base=expected)
 
-    def validate(self, modules: dict, params: dict, header: dict, where) -> None:
+    def validate(self, modules: dict, params: dict, header: DeltaHeader, where) -> None:
         """Raise :class:`BaseMismatchError` unless every module and parameter of the delta fits the base."""
         base_params = self.plain_params()
         vocab_rows = set()
         for name, p in modules.items():
             mod = self.find(name)
             if mod is None:
-                raise BaseMismatchError(f"{where}: the base has no module {name!r}; load the delta onto {header.get('base_model')!r}")
+                raise BaseMismatchError(f"{where}: the base has no module {name!r}; load the delta onto {header.base_model!r}")
             base_mod = mod.base_layer if isinstance(mod, DeltaModule) else mod
             w = base_mod.weight
             n, k = (w.shape[1], w.shape[0]) if p.transposed else tuple(w.shape)
@@ -114,7 +115,7 @@ class DeltaPlacer:
         for pname, t in params.items():
             b = base_params.get(pname)
             if b is None:
-                raise BaseMismatchError(f"{where}: the base has no parameter {pname!r}; load the delta onto {header.get('base_model')!r}")
+                raise BaseMismatchError(f"{where}: the base has no parameter {pname!r}; load the delta onto {header.base_model!r}")
             owner = pname.rsplit(".", 1)[0]
             if tuple(b.shape) != tuple(t.shape) and owner not in vocab_rows and owner not in vocab_modules:
                 raise BaseMismatchError(f"{where}: {pname} is {list(t.shape)} in the delta but {list(b.shape)} in the base")
@@ -140,10 +141,10 @@ class DeltaPlacer:
         setattr(parent, child, wrapper)
         return wrapper
 
-    def can_attach_in_room(self, slot: int, modules: dict, params: dict, header: dict) -> bool:
+    def can_attach_in_room(self, slot: int, modules: dict, params: dict, header: DeltaHeader) -> bool:
         """Whether :meth:`attach` needs no new wrapper and no kernel-stack rebuild: what an upload ahead
         of use (while a decode step may run) is allowed to do."""
-        if header.get("extra", {}).get("tied_embeddings"):
+        if header.tied_embeddings:
             return False  # the LM head would share the embedding's delta: attach on demand instead
         for mname, p in modules.items():
             mod = self.find(mname)
@@ -155,7 +156,7 @@ class DeltaPlacer:
                 return False
         return True
 
-    def attach(self, slot: int, modules: dict, params: dict, header: dict, name: Optional[str] = None,
+    def attach(self, slot: int, modules: dict, params: dict, header: DeltaHeader, name: Optional[str] = None,
                side: Optional[torch.cuda.Stream] = None) -> None:
         """Put a delta's tensors on the device under ``slot``; with a CUDA ``side`` stream the copies
         run on it (device memory is taken on the current stream)."""
@@ -184,13 +185,13 @@ class DeltaPlacer:
                 with on_side:
                     wrapper.add_packed(slot, p)  # in place: one copy from (pinned) host memory into the stack
             # tied embeddings: the LM head shares the input embedding's delta
-            if p.kind == "embedding" and header.get("extra", {}).get("tied_embeddings") and mname == special.get("input"):
+            if p.kind == "embedding" and header.tied_embeddings and mname == special.get("input"):
                 out_name = special.get("output")
                 if out_name and out_name not in modules:
                     head = self.wrap(out_name, "linear")
                     head.add_packed(slot, p)
                     touched.append(head)
-        tied = header.get("extra", {}).get("tied_embeddings")
+        tied = header.tied_embeddings
         for pname, t in params.items():
             owner, _, attr = pname.rpartition(".")
             targets = [self.wrap(owner, "override" if owner not in modules else modules[owner].kind)]
@@ -239,7 +240,7 @@ class DeltaPlacer:
         return all(mod.graph_safe() for _, mod in self.wrappers() if hasattr(mod, "graph_safe"))
 
     # ------------------------------------------------------------------ merging
-    def merged_model(self, slot: int, header: dict, inplace: bool) -> nn.Module:
+    def merged_model(self, slot: int, header: DeltaHeader, inplace: bool) -> nn.Module:
         """The base with slot ``slot``'s delta merged in, every wrapper replaced by a plain module."""
         target = self.base_model if inplace else copy.deepcopy(self.base_model)
         for mod_name, mod in list(target.named_modules()):
@@ -249,10 +250,10 @@ class DeltaPlacer:
             parent_name, _, child = mod_name.rpartition(".")
             parent = target.get_submodule(parent_name) if parent_name else target
             setattr(parent, child, merged)
-        vocab = header.get("extra", {}).get("vocab_size_finetune")
+        vocab = header.vocab_size_finetune
         if vocab and getattr(target.config, "vocab_size", None) != vocab:
             target.config.vocab_size = vocab
-        if header.get("extra", {}).get("tied_embeddings"):
+        if header.tied_embeddings:
             target.tie_weights()
         return target
 

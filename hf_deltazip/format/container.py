@@ -11,8 +11,6 @@ import json
 import math
 import mmap
 import os
-import secrets
-import stat
 import struct
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -23,9 +21,10 @@ from typing import Any, Iterable, Optional, Union
 import torch
 import zstandard
 
-from .config import ALLOWED_BITS
-from .errors import DeltaZipFormatError
-from .packing import num_groups, packed_nbytes
+from ..errors import DeltaZipFormatError
+from ..fileio import atomic_write_bytes
+from ..packing import CODE_BITS, num_groups, packed_nbytes
+from .header import HEADER_TABLES, DeltaHeader, HeaderError
 
 DZ_FORMAT_VERSION = 1
 SUPPORTED_FORMAT_VERSIONS = (1,)
@@ -55,69 +54,6 @@ def dtype_name(dtype: torch.dtype) -> str:
         return DTYPE_NAMES[dtype]
     except KeyError:
         raise ValueError(f"dtype {dtype} cannot be stored in a .dz file; allowed: {sorted(DTYPES)}") from None
-
-
-# --------------------------------------------------------------------------- atomic writes
-def atomic_write_bytes(path: Union[str, os.PathLike], chunks: Union[bytes, Iterable[bytes]]) -> None:
-    """Write ``chunks`` to ``path`` through a temporary file in the same folder and a rename.
-
-    An interruption leaves the previous file (if any) untouched and no partial file under ``path``.
-    The new file gets the permissions of any file the user saves (``0o666`` less the umask), or keeps
-    those of the file it replaces.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = _create_temporary(path)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for chunk in [chunks] if isinstance(chunks, (bytes, bytearray, memoryview)) else chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    try:  # make the rename itself durable
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
-
-
-def _create_temporary(path: Path) -> tuple[int, str]:
-    """Open a new temporary file beside ``path``; return its descriptor and name.
-
-    Unlike ``tempfile.mkstemp`` (always mode 0600), the file is created with mode 0666 so that the
-    kernel applies the umask, as for any file the user saves; when ``path`` exists its permission
-    bits are kept.
-    """
-    try:
-        keep_mode = stat.S_IMODE(os.stat(path).st_mode)
-    except FileNotFoundError:
-        keep_mode = None
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
-    for _ in range(100):
-        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp")
-        try:
-            fd = os.open(tmp, flags, 0o666)
-        except FileExistsError:
-            continue
-        if keep_mode is not None:
-            try:
-                os.chmod(tmp, keep_mode)
-            except BaseException:
-                os.close(fd)
-                os.unlink(tmp)
-                raise
-        return fd, tmp
-    raise FileExistsError(f"could not create a temporary file beside {path}: remove stale .{path.name}.*.tmp files")
 
 
 # --------------------------------------------------------------------------- records
@@ -197,7 +133,7 @@ def write_dz(
     tensors: dict,
     modules: dict,
     params: dict,
-    header: dict,
+    header: Union[DeltaHeader, dict],
     zstd_level: int = 9,
     num_threads: Optional[int] = None,
 ) -> int:
@@ -208,7 +144,7 @@ def write_dz(
         tensors: stored name -> tensor (any dtype in :data:`DTYPES`).
         modules: module name -> :class:`ModuleRecord` (its ``tensors`` must name entries of ``tensors``).
         params: parameter name -> stored tensor name of an exactly stored parameter.
-        header: the other ``dz_header`` fields (base model, fingerprint, config, ...); JSON-serialisable.
+        header: the other ``dz_header`` fields (a :class:`DeltaHeader`, or a dict of them); JSON-serialisable.
         zstd_level: 0 stores raw bytes; otherwise each tensor is one zstd frame (kept only if smaller).
         num_threads: threads compressing tensors in parallel (default: CPU count).
     """
@@ -231,7 +167,7 @@ def write_dz(
     with ThreadPoolExecutor(max_workers=num_threads or os.cpu_count() or 1) as pool:
         encoded = list(pool.map(encode, names))
 
-    dz_header = dict(header)
+    dz_header = DeltaHeader.from_dict(header).to_dict()
     dz_header["tensors"] = {
         n: {"encoding": r.encoding, "dtype": r.dtype, "shape": list(r.shape), "nbytes": r.nbytes, "crc32": r.crc32}
         for n, (r, _) in zip(names, encoded)
@@ -275,7 +211,7 @@ class DeltaZipFile:
 
     Example:
         >>> with DeltaZipFile("delta.dz") as dz:
-        ...     print(dz.header["base_model"], len(dz.modules))
+        ...     print(dz.header.base_model, len(dz.modules))
         ...     qweight = dz.get_tensor(dz.modules["model.layers.0.mlp.up_proj"].tensors["qweight"])
     """
 
@@ -385,7 +321,10 @@ class DeltaZipFile:
             if not isinstance(p, dict) or p.get("tensor") not in self.tensors:
                 self._fail(f"param {name!r} does not name a stored tensor")
             self.params[name] = p["tensor"]
-        self.header = {k: v for k, v in dz.items() if k not in ("tensors", "modules", "params")}
+        try:
+            self.header = DeltaHeader.from_dict({k: v for k, v in dz.items() if k not in HEADER_TABLES})
+        except HeaderError as e:
+            self._fail(f"{e}: the header is corrupt or from an incompatible writer")
 
     def _check_tensor_record(self, name, t) -> TensorRecord:
         if not isinstance(t, dict):
@@ -429,8 +368,8 @@ class DeltaZipFile:
             self._fail(f"module {name!r}: unknown kind {rec.kind!r}")
         if not (len(rec.shape) == 2 and all(_is_int(s) and 0 < s <= MAX_TENSOR_BYTES for s in rec.shape)):
             self._fail(f"module {name!r}: bad shape {list(rec.shape)}")
-        if not _is_int(rec.bits) or rec.bits not in ALLOWED_BITS:
-            self._fail(f"module {name!r}: bits {rec.bits!r} not in {list(ALLOWED_BITS)}")
+        if not _is_int(rec.bits) or rec.bits not in CODE_BITS:
+            self._fail(f"module {name!r}: bits {rec.bits!r} not in {list(CODE_BITS)}")
         gs = rec.group_size
         if not (_is_int(gs) and (gs == -1 or (gs >= 1 and gs & (gs - 1) == 0))):
             self._fail(f"module {name!r}: bad group_size {gs!r}")

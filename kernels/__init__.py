@@ -6,9 +6,21 @@ Importing this package is cheap and needs no GPU: Triton is imported on the firs
   ``y = x W_base^T + bias + x dequant(delta[row])^T`` in one launch (``multi_delta.py``).
 * :class:`DeltaStack` / :func:`build_delta_stack` - the device-side stack of packed deltas that
   the kernel reads (``delta_stack.py``).
+* :func:`prepare_stack` / :func:`repack_for_kernel` / :func:`densify_2of4` - the kernel layout of
+  a stack (planar codes, 2:4 as dense codes), applied when deltas are written into a stack; and
+  :func:`build_row_segments` - the per-step table of rows grouped by delta (``layout.py``).
 """
 
 from .delta_stack import DeltaStack, build_delta_stack, dequantize_delta, random_delta_stack
+from .layout import (
+    build_row_segments,
+    default_planar_block,
+    densify_2of4,
+    planar_block_for,
+    prepare_stack,
+    repack_for_kernel,
+    unpack_planar_codes,
+)
 from .multi_delta import (
     MultiDeltaConfig,
     auto_split_k,
@@ -19,6 +31,13 @@ from .multi_delta import (
 )
 
 __all__ = [
+    "build_row_segments",
+    "default_planar_block",
+    "densify_2of4",
+    "planar_block_for",
+    "prepare_stack",
+    "repack_for_kernel",
+    "unpack_planar_codes",
     "DeltaStack",
     "build_delta_stack",
     "dequantize_delta",

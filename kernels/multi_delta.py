@@ -211,7 +211,9 @@ def default_config(m: int, n: int, k: int, stack: DeltaStack, device: torch.devi
 
     Tuned on an H200 (``deltazip bench kernels --auto-tune`` / ``--variants``, BENCHMARKS.md
     section 3): 64 outputs per program, base k-steps of 64, 3 pipeline stages, K split for about
-    four programs per SM (planar 4-bit stacks on layers of 8192 outputs or more: 2 stages, six). Row blocks are as large as the rows per delta of the stack (16 to 64), so a
+    four programs per SM (planar 4-bit stacks on layers of 8192 outputs or more and more than one
+    row: 2 stages, six programs per SM; planar 2-bit stacks with 16-row blocks: at most 128
+    registers per thread). Row blocks are as large as the rows per delta of the stack (16 to 64), so a
     batch of many rows over few deltas streams each weight once.
     """
     if device.type != "cuda":
@@ -220,10 +222,14 @@ def default_config(m: int, n: int, k: int, stack: DeltaStack, device: torch.devi
     bm = 16 if rows_per_delta <= 16 else (32 if rows_per_delta <= 32 else 64)
     cfg = MultiDeltaConfig(block_m=bm)
     waves = 4.0
-    if stack.layout_block and stack.bits >= 4 and n >= 8192:
-        # planar 4-bit on wide layers: two stages and more programs (H200 sweep, BENCHMARKS.md)
+    if stack.layout_block and stack.bits >= 4 and n >= 8192 and m > 1:
+        # planar 4-bit on wide layers: two stages and more programs (H200 sweep, BENCHMARKS.md;
+        # one row keeps three stages: 10 % faster there)
         cfg = replace(cfg, num_stages=2)
         waves = 6.0
+    if stack.layout_block and stack.bits == 2 and bm == 16:
+        # planar 2-bit: 128 registers let four programs share an SM (uncapped: 167, three)
+        cfg = replace(cfg, max_registers=128)
     return replace(cfg, split_k=auto_split_k(n, k, cfg.block_n, device, waves=waves))
 
 

@@ -53,7 +53,8 @@ def test_repack_puts_plane_s_at_contiguous_inputs(bits, block):
 
 def test_planar_block_for_rules():
     assert L.planar_block_for(4, 4096, 128) == L.default_planar_block(4) == 64
-    assert L.planar_block_for(2, 4096, -1) == L.default_planar_block(2) == 32
+    assert L.planar_block_for(2, 4096, -1) == L.default_planar_block(2) == 64
+    assert L.planar_block_for(2, 4096 + 256, -1) == 32  # not whole blocks of 512 inputs: blocks of 32
     assert L.planar_block_for(4, 4096, 32) == 32  # groups of 32: the default block would straddle them
     assert L.planar_block_for(3, 4096, 128) == 0  # 3-bit keeps the file layout
     assert L.planar_block_for(2, 4096 + 128, 128) == 0  # not whole blocks of 256

@@ -593,6 +593,8 @@ VARIANTS = {
     "bn128sw": dict(block_n=128, num_warps=4, scale_in_weights=True),
     "s2wv6": dict(num_stages=2, waves=6),
     "r96s2wv6": dict(max_registers=96, num_stages=2, waves=6),
+    "r120": dict(max_registers=120),
+    "r128": dict(max_registers=128),
     "r80wv6": dict(max_registers=80, waves=6),
     "r80wv8": dict(max_registers=80, waves=8),
     "r96wv5": dict(max_registers=96, waves=5),

@@ -42,8 +42,8 @@ __all__ = [
 #: code widths with a planar layout (3-bit keeps the file layout and the generic kernel)
 PLANAR_BITS = (2, 4, 8)
 # 16-bit elements per row and planar block (measured on an H200, BENCHMARKS.md section 3: with
-# blocks of 64 rather than 32, 4-bit runs 15-25 % faster; 2-bit, with its register cap, 4-18 %
-# faster at 4 or more deltas and up to 13 % slower on 1024x4096 at 8-32 deltas)
+# blocks of 64 rather than 32, 4-bit runs up to 25 % faster; 2-bit, with its register cap, 3-18 %
+# faster on large layers at 8 or more deltas, up to 16 % slower on 1024x4096 at 8-32 deltas)
 _DEFAULT_BLOCK = {2: 64, 4: 64, 8: 64}
 _FALLBACK_BLOCK = 32
 

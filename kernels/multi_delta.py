@@ -17,6 +17,12 @@ Design (the Triton kernel is in ``_multi_delta_triton.py``; its docstring has th
   shapes, so a captured CUDA graph stays right when the mix of deltas changes.
 * **Split-K without a second launch.** Partial sums go to an fp32 workspace; the last program of
   each tile (a per-tile semaphore) sums them in a fixed order, so results are deterministic.
+* **Two kernels.** Stacks in the planar kernel layout (``stack.layout_block > 0``: dense 2-, 4- and
+  8-bit codes repacked by :func:`kernels.layout.repack_for_kernel` / :func:`kernels.layout.prepare_stack`
+  when deltas are written into the stack) run ``planar_delta_linear_kernel``: each decoded code plane
+  multiplies a contiguous slice of x, and rows come from the step's row-segment table
+  (:func:`kernels.layout.build_row_segments`, passed as ``segments=``). Stacks in the file layout
+  (3-bit, 2:4 not densified, shapes without whole blocks) run the generic kernel, which sorts rows itself.
 
 On a CPU tensor without ``TRITON_INTERPRET=1`` the public function runs the reference.
 

@@ -633,6 +633,103 @@ def variant_config(name: str):
     return make
 
 
+# --------------------------------------------------------------------------- SASS
+def _planar_cubin(bits: int, cfg, block: int, dtype: str = "bf16", group_size: int = GROUP_SIZE) -> bytes:
+    """The planar kernel compiled for sm_90 (no GPU needed), as a cubin."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    K = _kernels()
+    import importlib
+
+    fn = K.multi_delta._kernel("planar_delta_linear_kernel")  # compiled, not interpreted (reloads if needed)
+    tmod = importlib.import_module(K.__name__ + "._multi_delta_triton")
+    magic = 1 if dtype == "fp16" else 2
+    planes = 16 // bits
+    ptr = {"x_ptr": dtype, "w_ptr": dtype, "bias_ptr": dtype, "q_ptr": "u8", "s_ptr": "fp16", "z_ptr": "u8",
+           "seg_ptr": "i32", "out_ptr": dtype, "ws_ptr": "fp32", "cnt_ptr": "i32"}
+    sig = {name: "*" + t for name, t in ptr.items()}
+    ints = ["M", "N", "K", "U", "QROW_E", "G", "LOG2_GS", "K_CHUNK", "stride_xm", "stride_wn", "stride_om"]
+    sig.update({name: "i32" for name in ints})
+    consts = dict(BITS=bits, HAS_BIAS=False, BM=cfg.block_m, BN=cfg.block_n, BKP=block,
+                  BKB=min(cfg.block_k_base, planes * block), PPG=min(planes, group_size // block), SPLIT=4,
+                  SWAP=cfg.swap_ab, MAGIC=magic, SCALE_W=cfg.scale_in_weights, DOT_PREC="tf32", FAST=True)
+    consts.update(tmod.planar_asm_args(bits, magic, cfg.scale_in_weights))
+    sig.update({name: "constexpr" for name in consts})
+    names = fn.arg_names
+    aligned = list(ptr) + ["N", "K", "QROW_E", "G", "K_CHUNK", "stride_xm", "stride_wn", "stride_om"]
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in consts.items()},
+                    attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
+    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.max_registers:
+        opts["maxnreg"] = cfg.max_registers
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["cubin"]
+
+
+def sass_loop_stats(cubin: bytes) -> dict:
+    """Instruction mix of the largest loop that decodes codes (LOP3 and MMAs in its body)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        tool = triton.knobs.nvidia.cuobjdump.path
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    ins = []  # (address, opcode, branch target or None)
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            op = [t for t in m.group(2).split() if not t.startswith("@")][0]
+            tgt = re.search(r"BRA\s+0x([0-9a-f]+)", m.group(2))
+            ins.append((int(m.group(1), 16), op, int(tgt.group(1), 16) if tgt else None))
+    body: list = []
+    for addr, _, tgt in ins:  # a backward branch closes a loop
+        if tgt is not None and tgt < addr:
+            cand = [op for a, op, _ in ins if tgt <= a <= addr]
+            if any(op.startswith("LOP3") for op in cand) and any("MMA" in op for op in cand) and len(cand) > len(body):
+                body = cand
+    mix: dict = {}
+    for op in body:
+        key = op.split(".")[0]
+        mix[key] = mix.get(key, 0) + 1
+    regs = re.search(r"REG:(\d+)", res)
+    return {"loop": len(body), "mix": mix, "registers": int(regs.group(1)) if regs else None}
+
+
+def sass_report(formats=((4, False), (2, False)), n: int = 4096, k: int = 4096, m: int = 16, u: int = 16,
+                log=print) -> list[dict]:
+    """Instructions per weight in the delta loop of the planar kernel with its default launch
+    parameters, read from the SASS compiled for sm_90 on this machine (no GPU needed)."""
+    K = _kernels()
+    out = []
+    for bits, sparse in formats:
+        stub = K.prepare_stack(K.random_delta_stack(1, 8, k, bits=bits, group_size=GROUP_SIZE, sparse_2of4=sparse))
+        cfg = K.default_config(m, n, k, stub, torch.device("cuda")) if torch.cuda.is_available() else None
+        if cfg is None:  # the GPU defaults without a GPU: same rules, split from a 132-SM H200
+            import dataclasses
+
+            cfg = K.MultiDeltaConfig(block_m=16)
+            if bits == 2:
+                cfg = dataclasses.replace(cfg, max_registers=128)
+        block = stub.layout_block
+        st = sass_loop_stats(_planar_cubin(bits, cfg, block))
+        weights = cfg.block_n * (16 // bits) * block / (32 * cfg.num_warps)  # per thread and k-step
+        row = {"format": _fmt_name(bits, sparse), "block": block, "registers": st["registers"],
+               "loop_instructions": st["loop"], "weights_per_thread": weights,
+               "instructions_per_weight": st["loop"] / weights, "mix": st["mix"]}
+        out.append(row)
+        top = ", ".join(f"{op} {c}" for op, c in sorted(st["mix"].items(), key=lambda kv: -kv[1])[:8])
+        log(f"{row['format']:7s} block {block:3d}  regs {st['registers']}  {st['loop']} instructions per thread "
+            f"and k-step / {weights:.0f} weights = {row['instructions_per_weight']:.2f} per weight  ({top})")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="deltazip bench kernels", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a subset: 2 shapes, M in 1/16/32, U in 1/4/16")
@@ -650,11 +747,16 @@ def main(argv=None) -> int:
     p.add_argument("--rep-ms", type=int, default=50, help="do_bench repetition time per measurement")
     p.add_argument("--out", default=None, help="folder for bench_kernels.json / .md")
     p.add_argument("--tune", action="store_true", help="sweep launch parameters on a few cases instead")
+    p.add_argument("--sass", action="store_true",
+                   help="instructions per weight of the planar kernel's delta loop, from SASS compiled here for sm_90")
     p.add_argument("--tune-budget-s", type=float, default=240)
     p.add_argument("--auto-tune", action="store_true",
                    help="sweep the launch policies first, then run the benchmark with the best one")
     a = p.parse_args(argv)
     config_for = None
+    if a.sass:
+        sass_report()
+        return 0
     if a.auto_tune:
         rows_t = tune(budget_s=a.tune_budget_s)
         name = best_policy(rows_t)

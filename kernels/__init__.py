@@ -13,9 +13,12 @@ Importing this package is cheap and needs no GPU: Triton is imported on the firs
 
 from .delta_stack import DeltaStack, build_delta_stack, dequantize_delta, random_delta_stack
 from .layout import (
+    KernelStackFormat,
     build_row_segments,
     default_planar_block,
     densify_2of4,
+    kernel_stack_format,
+    pack_for_stack,
     planar_block_for,
     prepare_stack,
     repack_for_kernel,
@@ -34,6 +37,9 @@ __all__ = [
     "build_row_segments",
     "default_planar_block",
     "densify_2of4",
+    "KernelStackFormat",
+    "kernel_stack_format",
+    "pack_for_stack",
     "planar_block_for",
     "prepare_stack",
     "repack_for_kernel",

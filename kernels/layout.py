@@ -14,6 +14,9 @@ of the launch, each a pure function:
 * **Dense 2:4** (:func:`densify_2of4`): a 2:4 delta rewritten as dense codes of the same bits
   (pruned entries take their group's zero point, so they dequantize to exactly 0). At 2 bits this
   is the same number of bytes; at 4 bits a third more. It lets 2:4 deltas run on the dense path.
+* **Stack writes** (:func:`kernel_stack_format` once per format class, then :func:`pack_for_stack`
+  for each delta written into the stack): what the layer code calls; :func:`prepare_stack` does the
+  same for a whole file-layout stack at once.
 * **Row segments** (:func:`build_row_segments`, once per decode step): rows sorted by delta and
   cut into runs, in one static-shape int32 table, so the kernel does not sort rows in every
   program of every layer. Every op is a fixed-shape device op: safe to capture in a CUDA graph
@@ -22,11 +25,12 @@ of the launch, each a pure function:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from hf_deltazip.packing import expand_2of4, num_groups, pack_bits, unpack_bits, unpack_codes
+from hf_deltazip.packing import expand_2of4, num_groups, pack_bits, packed_nbytes, unpack_bits, unpack_codes
 
 __all__ = [
     "PLANAR_BITS",
@@ -35,6 +39,9 @@ __all__ = [
     "repack_for_kernel",
     "unpack_planar_codes",
     "densify_2of4",
+    "KernelStackFormat",
+    "kernel_stack_format",
+    "pack_for_stack",
     "prepare_stack",
     "build_row_segments",
 ]
@@ -147,31 +154,74 @@ def densify_2of4(
     return pack_bits(codes, bits)
 
 
+@dataclass(frozen=True)
+class KernelStackFormat:
+    """How a stack of one format class is laid out for the fast path (see :func:`kernel_stack_format`).
+
+    Attributes:
+        layout_block: ``DeltaStack.layout_block`` of the stack (0: file layout, generic kernel).
+        densify: 2:4 deltas are stored as dense codes (no ``positions`` tensor in the stack).
+        row_bytes: bytes per output row of ``qweight`` in the stack (``qweight.shape[2]``).
+        has_positions: the stack keeps a ``positions`` tensor (2:4 not densified).
+    """
+
+    layout_block: int
+    densify: bool
+    row_bytes: int
+    has_positions: bool
+
+
+def kernel_stack_format(bits: int, group_size: int, in_features: int, sparse_2of4: bool,
+                        densify: bool = True, block: Optional[int] = None) -> KernelStackFormat:
+    """The stack layout to allocate for deltas of one format class (call once per class).
+
+    Dense 2-, 4- and 8-bit deltas (and 2:4 deltas, densified) get the planar layout when
+    ``in_features`` allows it; everything else keeps the file layout.
+    """
+    dense = (not sparse_2of4) or densify
+    lb = planar_block_for(bits, in_features, group_size, block) if dense else 0
+    kq = in_features if dense else in_features // 2
+    return KernelStackFormat(lb, sparse_2of4 and densify, packed_nbytes(kq, bits), not dense)
+
+
+def pack_for_stack(fmt: KernelStackFormat, qweight: torch.Tensor, positions: Optional[torch.Tensor],
+                   zeros: torch.Tensor, bits: int, group_size: int, in_features: int) -> torch.Tensor:
+    """One delta's file-layout codes -> the bytes to write into a stack of format ``fmt``.
+
+    ``qweight`` / ``positions`` / ``zeros`` as stored (``[N, ...]``, or ``[U, N, ...]``); returns
+    uint8 ``[..., N, fmt.row_bytes]``. Scales, zeros (and positions, when the stack keeps them) are
+    written unchanged.
+    """
+    q = qweight
+    if positions is not None and fmt.densify:
+        q = densify_2of4(q, positions, zeros, bits, group_size, in_features)
+    if fmt.layout_block:
+        q = repack_for_kernel(q, bits, in_features, fmt.layout_block)
+    if q.shape[-1] != fmt.row_bytes:
+        raise ValueError(f"packed rows of {q.shape[-1]} bytes do not fit a stack of {fmt.row_bytes}-byte rows")
+    return q.contiguous()
+
+
 def prepare_stack(stack, block: Optional[int] = None, densify: bool = True):
     """The layout the fast path wants for a whole :class:`~kernels.delta_stack.DeltaStack`.
 
     2:4 stacks become dense stacks of the same bits (``densify``), then dense stacks of 2, 4 or 8
     bits whose shape allows it get the planar layout (``stack.layout_block``: ``block``, default
-    :func:`planar_block_for`'s choice). A stack
-    that already has a kernel layout, or whose shape allows none, comes back unchanged.
+    :func:`planar_block_for`'s choice). A stack that already has a kernel layout, or whose shape
+    allows none, comes back unchanged.
     """
     from .delta_stack import DeltaStack
 
     if stack.layout_block:
         return stack
-    q, pos = stack.qweight, stack.positions
-    if pos is not None and densify:
-        q = densify_2of4(q, pos, stack.zeros, stack.bits, stack.group_size, stack.in_features).contiguous()
-        pos = None
-    lb = 0
-    if pos is None:
-        lb = planar_block_for(stack.bits, stack.in_features, stack.group_size, block)
-        if lb:
-            q = repack_for_kernel(q, stack.bits, stack.in_features, lb).contiguous()
-    if q is stack.qweight:
+    fmt = kernel_stack_format(stack.bits, stack.group_size, stack.in_features, stack.sparse_2of4, densify, block)
+    if not fmt.layout_block and not fmt.densify:
         return stack
+    q = pack_for_stack(fmt, stack.qweight, stack.positions, stack.zeros, stack.bits, stack.group_size,
+                       stack.in_features)
+    pos = stack.positions if fmt.has_positions else None
     return DeltaStack(q, stack.scales, stack.zeros, pos, stack.bits, stack.group_size, stack.in_features,
-                      layout_block=lb)
+                      layout_block=fmt.layout_block)
 
 
 # --------------------------------------------------------------------------- row segments

@@ -79,6 +79,26 @@ def test_densify_2of4_and_prepare_stack_keep_the_delta(bits, gs):
     assert kept is st
 
 
+@pytest.mark.parametrize("bits,sparse,k", [(4, False, 512), (2, True, 512), (4, True, 512), (3, False, 512),
+                                           (4, False, 320)])
+def test_writing_deltas_one_by_one_matches_prepare_stack(bits, sparse, k):
+    # what the layer code does: allocate a stack of kernel_stack_format, write each delta's packed
+    # tensors with pack_for_stack; the result must equal prepare_stack of the whole file-layout stack
+    g = torch.Generator().manual_seed(bits + k)
+    st = K.random_delta_stack(3, 9, k, bits=bits, group_size=32, sparse_2of4=sparse, generator=g)
+    fmt = L.kernel_stack_format(bits, 32, k, sparse)
+    assert fmt.layout_block == L.planar_block_for(bits, k, 32) or (sparse and not fmt.densify)
+    q = torch.empty((3, 9, fmt.row_bytes), dtype=torch.uint8)
+    for i in range(3):
+        q[i] = L.pack_for_stack(fmt, st.qweight[i], st.positions[i] if sparse else None, st.zeros[i], bits, 32, k)
+    built = K.DeltaStack(q, st.scales, st.zeros, st.positions if fmt.has_positions else None, bits, 32, k,
+                         layout_block=fmt.layout_block)
+    whole = L.prepare_stack(st)
+    assert torch.equal(built.qweight, whole.qweight) and built.layout_block == whole.layout_block
+    for i in range(3):
+        assert torch.equal(built.dequantize(i), st.dequantize(i))
+
+
 def test_stack_rejects_a_layout_that_cannot_exist():
     st = K.random_delta_stack(1, 4, 96, bits=4, group_size=32)
     with pytest.raises(ValueError, match="layout_block=32"):

@@ -343,6 +343,53 @@ def _sparse3(part, xa, xb, xc, xd, m0, m1, m2, ratio, S: tl.constexpr, PER_ELEM:
     return part
 
 
+@triton.jit
+def _finish(res, bias_ptr, offs_n, nmask, bad2, out_ptr, o_off, o_mask, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # + bias, NaN for rows with a bad delta id, store in the output dtype
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
+        if SWAP:
+            res += b[:, None]
+        else:
+            res += b[None, :]
+    res = tl.where(bad2, float("nan"), res)
+    tl.store(out_ptr + o_off, res.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _epilogue(acc, rows, slot, valid, bad, offs_n, nmask, bias_ptr, out_ptr, ws_ptr, cnt_ptr, N, stride_om,
+              pid_n, pid_r, pid_s, n_rblocks, BM: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr,
+              HAS_BIAS: tl.constexpr):
+    # SPLIT == 1: add bias and store the rows where they came from. SPLIT > 1: store the fp32
+    # partial, count arrivals on the tile's semaphore; the last program sums the partials in split
+    # order (deterministic), adds bias, stores, and resets the semaphore for the next launch.
+    offs_n64 = offs_n.to(tl.int64)
+    if SWAP:
+        o_off = rows.to(tl.int64)[None, :] * stride_om + offs_n64[:, None]
+        o_mask = valid[None, :] & nmask[:, None]
+        bad2 = bad[None, :]
+        ws_off = slot.to(tl.int64)[None, :] * N + offs_n64[:, None]
+    else:
+        o_off = rows.to(tl.int64)[:, None] * stride_om + offs_n64[None, :]
+        o_mask = valid[:, None] & nmask[None, :]
+        bad2 = bad[:, None]
+        ws_off = slot.to(tl.int64)[:, None] * N + offs_n64[None, :]
+    if SPLIT == 1:
+        _finish(acc, bias_ptr, offs_n, nmask, bad2, out_ptr, o_off, o_mask, SWAP, HAS_BIAS)
+    else:
+        split_stride = n_rblocks * BM * N  # ws is [SPLIT, n_rblocks * BM, N] fp32
+        tl.store(ws_ptr + pid_s * split_stride + ws_off, acc, mask=o_mask)
+        tl.debug_barrier()  # every thread's partial is written before the arrival is counted
+        tile = pid_n * n_rblocks + pid_r
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            res = acc * 0.0
+            for s in tl.static_range(SPLIT):  # fixed order: deterministic sums
+                res += tl.load(ws_ptr + s * split_stride + ws_off, mask=o_mask, other=0.0, cache_modifier=".cg")
+            _finish(res, bias_ptr, offs_n, nmask, bad2, out_ptr, o_off, o_mask, SWAP, HAS_BIAS)
+            tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
+
+
 # M and U change with every batch: keep them out of specialisation (one compile per layer shape)
 @triton.jit(do_not_specialize=["M", "U"])
 def multi_delta_linear_kernel(
@@ -613,42 +660,252 @@ def multi_delta_linear_kernel(
 
     # ---------------------------------------------------------------- epilogue
     bad = valid & ((dl < -1) | (dl >= U))  # out-of-range delta ids give NaN rows, never a bad read
+    _epilogue(acc, rows, slot, valid, bad, offs_n, nmask, bias_ptr, out_ptr, ws_ptr, cnt_ptr, N, stride_om,
+              pid_n, pid_r, pid_s, n_rblocks, BM, SPLIT, SWAP, HAS_BIAS)
+
+
+# =====================================================================================================
+# Planar kernel: dense 2-, 4- and 8-bit codes in the planar layout (kernels/layout.py), rows given by
+# a per-step row-segment table (kernels.layout.build_row_segments).
+#
+# Element i of the k-step's block holds, in bits S*b.., the code of input k0 + S*BKP + i, so plane S
+# is an MMA with the contiguous activation slice x[:, k0 + S*BKP : k0 + (S+1)*BKP] (loaded straight
+# into the MMA operand: no register shuffles of x). Decode of one plane, per 32-bit register (two
+# codes): `lop3` masks the code in place and ORs in the exponent of 1024.0 (fp16) / 128.0 (bf16),
+# giving MAGIC + code * 2^e; one packed fma with 2^-e and -(MAGIC * 2^-e + zero) leaves code - zero
+# exactly. Codes sit in place while they fit the mantissa (fp16: 10 bits, bf16: 7), otherwise a
+# shared `shr` brings the next window down (1 - 1.4 instructions per weight in all).
+# =====================================================================================================
+_PTX_MAGICF = {1: 1024.0, 2: 128.0}
+_MANT_BITS = {1: 10, 2: 7}
+
+
+def planar_window(bits: int, magic: int) -> int:
+    """Codes of one 16-bit element decoded per window (in place, without a shift)."""
+    return max(1, _MANT_BITS[magic] // bits)
+
+
+def planar_plan(bits: int, magic: int):
+    """Per plane S: (S, right shift of the element, bit offset e of the code after the shift)."""
+    pw = planar_window(bits, magic)
+    return [(s, (s // pw) * pw * bits, (s % pw) * bits) for s in range(16 // bits)]
+
+
+def _pow2_bits(e: int, magic: int) -> int:
+    # 2^-e as a packed pair of fp16 / bf16
+    h = ((15 - e) << 10) if magic == 1 else ((127 - e) << 7)
+    return h | (h << 16)
+
+
+def _ptx_plane(bits: int, magic: int, e: int, scaled: bool) -> str:
+    """One plane, two codes per register: $0 = out, $1 = element pair (already shifted), $2 =
+    -(MAGIC * 2^-e + zero) pair, $3 (scaled) = group scale pair."""
+    mask = ((1 << bits) - 1) << e
+    mask |= mask << 16
+    fma = "fma.rn.f16x2" if magic == 1 else "fma.rn.bf16x2"
+    dst = "d" if scaled else "$0"
+    lines = ["{", ".reg .b32 m, k, d;", f"mov.b32 k, 0x{_pow2_bits(e, magic):08x};",
+             f"lop3.b32 m, $1, 0x{mask:08x}, {_PTX_MAGIC[magic]}, 0xea;",
+             f"{fma} {dst}, m, k, $2;"]
+    if scaled:
+        lines += ["mov.b32 k, 0x80008000;", f"{fma} $0, d, $3, k;"]  # d * scale + (-0.0)
+    return "\n".join(lines + ["}"])
+
+
+def _ptx_table(scaled: bool) -> tuple:
+    # index: magic * 64 + bits * 8 + e // 2 (only the combinations the plans use are filled)
+    out = {}
+    for magic in (1, 2):
+        for bits in (2, 4, 8):
+            if _MANT_BITS[magic] < bits:
+                continue
+            for _, _, e in planar_plan(bits, magic):
+                out[(magic, bits, e)] = _ptx_plane(bits, magic, e, scaled)
+    return out
+
+
+_PLANE_ASM = _ptx_table(False)
+_PLANE_ASM_S = _ptx_table(True)
+_SHR_ASM = {sh: f"shr.b32 $0, $1, {sh};" for sh in range(2, 16, 2)}
+
+
+@triton.jit
+def _asm_shr(q, ASM: tl.constexpr):
+    # a packed pair of 16-bit elements shifted right as one 32-bit word (down to window WIN): the
+    # bits a lane gets from its neighbour lie above every code bit read afterwards. Pure: the
+    # repeated calls of one window fold into one instruction.
+    return tl.inline_asm_elementwise(ASM, "=r,r", [q], dtype=tl.uint16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _asm_plane(q, c, s, ASM: tl.constexpr, SCALED: tl.constexpr, MAGIC: tl.constexpr):
+    if MAGIC == 1:
+        if SCALED:
+            return tl.inline_asm_elementwise(ASM, "=r,r,r,r", [q, c, s], dtype=tl.float16, is_pure=True, pack=2)
+        else:
+            return tl.inline_asm_elementwise(ASM, "=r,r,r", [q, c], dtype=tl.float16, is_pure=True, pack=2)
+    else:
+        if SCALED:
+            return tl.inline_asm_elementwise(ASM, "=r,r,r,r", [q, c, s], dtype=tl.bfloat16, is_pure=True, pack=2)
+        else:
+            return tl.inline_asm_elementwise(ASM, "=r,r,r", [q, c], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit(do_not_specialize=["M", "U"])
+def planar_delta_linear_kernel(
+    x_ptr, w_ptr, bias_ptr, q_ptr, s_ptr, z_ptr, seg_ptr,
+    out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, U, QROW_E, G, LOG2_GS, K_CHUNK,
+    stride_xm, stride_wn, stride_om,
+    BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr, BKB: tl.constexpr, PPG: tl.constexpr,
+    SPLIT: tl.constexpr, SWAP: tl.constexpr, MAGIC: tl.constexpr, MAGICF: tl.constexpr, PW: tl.constexpr,
+    SCALE_W: tl.constexpr, DOT_PREC: tl.constexpr, FAST: tl.constexpr,
+    A00: tl.constexpr, A01: tl.constexpr, A02: tl.constexpr, A03: tl.constexpr,
+    A04: tl.constexpr, A05: tl.constexpr, A06: tl.constexpr, A07: tl.constexpr,
+    H1: tl.constexpr, H2: tl.constexpr, H3: tl.constexpr,
+):
+    CDT: tl.constexpr = x_ptr.dtype.element_ty
+    P: tl.constexpr = 16 // BITS  # planes (codes per 16-bit element)
+    LB: tl.constexpr = P * BKP  # inputs per k-step
+    pid = tl.program_id(0)
+    n_tiles = (N + BN - 1) // BN
+    n_rblocks = (M + BM - 1) // BM
+    pid_s = pid % SPLIT
+    t = pid // SPLIT
+    pid_r = t % n_rblocks
+    pid_n = t // n_rblocks
+
+    # ------------------------------------------------ rows of this block (sorted slots)
+    offs_bm = tl.arange(0, BM)
+    slot = pid_r * BM + offs_bm
+    valid = slot < M
+    rows = tl.load(seg_ptr + slot, mask=valid, other=0)
+    sd = tl.load(seg_ptr + M + slot, mask=valid, other=-1)
+    seg_lo = tl.load(seg_ptr + 2 * M + pid_r * BM)  # segments of the block's first and last slots
+    seg_hi = tl.load(seg_ptr + 2 * M + tl.minimum(pid_r * BM + BM, M) - 1)
+    n_seg = seg_hi - seg_lo + 1
+
+    # ------------------------------------------------ base pass
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nmask = offs_n < N
+    offs_n64 = offs_n.to(tl.int64)
+    k_begin = pid_s * K_CHUNK
+    k_end = tl.minimum(k_begin + K_CHUNK, K)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     if SWAP:
-        o_off = rows.to(tl.int64)[None, :] * stride_om + offs_n64[:, None]
-        o_mask = valid[None, :] & nmask[:, None]
-        bad2 = bad[None, :]
-        ws_off = slot.to(tl.int64)[None, :] * N + offs_n64[:, None]
+        acc = tl.full([BN, BM], 0.0, tl.float32)
     else:
-        o_off = rows.to(tl.int64)[:, None] * stride_om + offs_n64[None, :]
-        o_mask = valid[:, None] & nmask[None, :]
-        bad2 = bad[:, None]
-        ws_off = slot.to(tl.int64)[:, None] * N + offs_n64[None, :]
-    if SPLIT == 1:
-        res = acc
-        if HAS_BIAS:
-            b = tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
-            if SWAP:
-                res += b[:, None]
-            else:
-                res += b[None, :]
-        res = tl.where(bad2, float("nan"), res)
-        tl.store(out_ptr + o_off, res.to(out_ptr.dtype.element_ty), mask=o_mask)
-    else:
-        split_stride = n_rblocks * BM * N  # ws is [SPLIT, n_rblocks * BM, N] fp32
-        tl.store(ws_ptr + pid_s * split_stride + ws_off, acc, mask=o_mask)
-        tl.debug_barrier()  # every thread's partial is written before the arrival is counted
-        tile = pid_n * n_rblocks + pid_r
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:
-            res = acc * 0.0
-            for s in tl.static_range(SPLIT):  # fixed order: deterministic sums
-                res += tl.load(ws_ptr + s * split_stride + ws_off, mask=o_mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                b = tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
-                if SWAP:
-                    res += b[:, None]
+        acc = tl.full([BM, BN], 0.0, tl.float32)
+    offs_kb = tl.arange(0, BKB)
+    w_rows = w_ptr + offs_n64[:, None] * stride_wn
+    for k0 in range(k_begin, k_end, BKB):
+        cols = k0 + offs_kb
+        xt = tl.load(x_rows + cols[None, :], mask=valid[:, None], other=0.0)
+        wt = tl.load(w_rows + cols[None, :], mask=nmask[:, None], other=0.0)
+        acc = _mma(acc, xt, wt, SWAP, DOT_PREC)
+
+    # ------------------------------------------------ delta passes: one flat loop over (segment, k-step)
+    qe_ptr = q_ptr.to(tl.pointer_type(tl.uint16))
+    offs_i = tl.arange(0, BKP)
+    nk = tl.maximum((k_end - k_begin + LB - 1) // LB, 0)
+    q_rows = offs_n64 * QROW_E
+    g_rows = offs_n64 * G
+    t_seg = 0
+    kk = 0
+    for it in range(0, n_seg * nk):
+        k0 = k_begin + kk * LB
+        u = tl.load(seg_ptr + 3 * M + seg_lo + t_seg)
+        un = offs_n * 0 + u
+        nlive = nmask & (un >= 0) & (un < U)  # nothing is read for the -1 segment or a bad id
+        sel = valid & (sd == u) & (sd >= 0) & (sd < U)  # rows of this segment
+        u64 = tl.maximum(tl.minimum(u, U - 1), 0).to(tl.int64) * N
+        eidx = (k0 // LB) * BKP + offs_i
+        qe = tl.load(qe_ptr + u64 * QROW_E + q_rows[:, None] + eidx[None, :],
+                     mask=nlive[:, None] & (offs_i < BKP)[None, :], other=0)
+        g_base = u64 * G + g_rows
+        g0 = k0 >> LOG2_GS
+        if SWAP:
+            part = tl.full([BN, BM], 0.0, tl.float32)
+        else:
+            part = tl.full([BM, BN], 0.0, tl.float32)
+        for S in tl.static_range(P):
+            if S % PPG == 0:  # first plane of a quantization group: its zero point and scale
+                gi = g0 + S // PPG
+                zf = tl.load(z_ptr + g_base + gi, mask=nmask, other=0).to(tl.float32)
+                sc = tl.load(s_ptr + g_base + gi, mask=nmask, other=0.0).to(tl.float32)
+                if SCALE_W:
+                    sw = tl.broadcast_to(sc.to(CDT)[:, None], [BN, BKP])
+            if FAST:
+                if S // PW == 0:
+                    src = qe
+                elif S // PW == 1:
+                    src = _asm_shr(qe, H1)
+                elif S // PW == 2:
+                    src = _asm_shr(qe, H2)
                 else:
-                    res += b[None, :]
-            res = tl.where(bad2, float("nan"), res)
-            tl.store(out_ptr + o_off, res.to(out_ptr.dtype.element_ty), mask=o_mask)
-            tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
+                    src = _asm_shr(qe, H3)
+                # -(MAGIC * 2^-e + zero), e = the code's bit offset inside its window
+                cz = tl.broadcast_to((-(MAGICF / (1 << ((S % PW) * BITS))) - zf).to(CDT)[:, None], [BN, BKP])
+                if SCALE_W:
+                    sarg = sw
+                else:
+                    sarg = cz
+                if S == 0:
+                    d = _asm_plane(src, cz, sarg, A00, SCALE_W, MAGIC)
+                elif S == 1:
+                    d = _asm_plane(src, cz, sarg, A01, SCALE_W, MAGIC)
+                elif S == 2:
+                    d = _asm_plane(src, cz, sarg, A02, SCALE_W, MAGIC)
+                elif S == 3:
+                    d = _asm_plane(src, cz, sarg, A03, SCALE_W, MAGIC)
+                elif S == 4:
+                    d = _asm_plane(src, cz, sarg, A04, SCALE_W, MAGIC)
+                elif S == 5:
+                    d = _asm_plane(src, cz, sarg, A05, SCALE_W, MAGIC)
+                elif S == 6:
+                    d = _asm_plane(src, cz, sarg, A06, SCALE_W, MAGIC)
+                else:
+                    d = _asm_plane(src, cz, sarg, A07, SCALE_W, MAGIC)
+            else:
+                code = (qe.to(tl.int32) >> (S * BITS)) & ((1 << BITS) - 1)
+                if SCALE_W:
+                    d = ((code.to(tl.float32) - zf[:, None]) * sc[:, None]).to(CDT)
+                else:
+                    d = (code.to(tl.float32) - zf[:, None]).to(CDT)
+            xs = tl.load(x_rows + (k0 + S * BKP + offs_i)[None, :], mask=sel[:, None], other=0.0)
+            if SCALE_W:
+                acc = _mma(acc, xs, d, SWAP, DOT_PREC)
+            else:
+                part = _mma(part, xs, d, SWAP, DOT_PREC)
+                if S % PPG == PPG - 1:  # last plane of the group: scale the group's product once
+                    if SWAP:
+                        acc += part * sc[:, None]
+                        part = tl.full([BN, BM], 0.0, tl.float32)
+                    else:
+                        acc += part * sc[None, :]
+                        part = tl.full([BM, BN], 0.0, tl.float32)
+        kk += 1
+        wrap = kk == nk
+        kk = tl.where(wrap, 0, kk)
+        t_seg = tl.where(wrap, t_seg + 1, t_seg)
+
+    bad = valid & ((sd < -1) | (sd >= U))
+    _epilogue(acc, rows, slot, valid, bad, offs_n, nmask, bias_ptr, out_ptr, ws_ptr, cnt_ptr, N, stride_om,
+              pid_n, pid_r, pid_s, n_rblocks, BM, SPLIT, SWAP, HAS_BIAS)
+
+
+def planar_asm_args(bits: int, magic: int, scaled: bool) -> dict:
+    """The constexpr PTX strings the planar kernel needs for ``bits`` and the activation kind."""
+    table = _PLANE_ASM_S if scaled else _PLANE_ASM
+    args = {}
+    plan = planar_plan(bits, magic) if magic in (1, 2) and _MANT_BITS[magic] >= bits else []
+    for s in range(8):
+        key = (magic, bits, plan[s][2]) if s < len(plan) else None
+        args[f"A0{s}"] = table.get(key, "trap;")
+    pw = planar_window(bits, magic) if magic in (1, 2) else 1
+    for w in (1, 2, 3):
+        args[f"H{w}"] = _SHR_ASM.get(w * pw * bits, "trap;")
+    args["PW"] = pw
+    args["MAGICF"] = _PTX_MAGICF.get(magic, 1.0)
+    return args

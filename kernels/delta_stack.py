@@ -55,6 +55,9 @@ class DeltaStack:
         bits: code width: 2, 3, 4 or 8.
         group_size: inputs per quantization group, or -1 for one group per output row.
         in_features: ``K``, the layer's input width (dense).
+        layout_block: 0 when ``qweight`` holds the file layout of :mod:`hf_deltazip.packing`;
+            ``B > 0`` when it holds the planar kernel layout with blocks of ``B`` 16-bit elements
+            (:func:`kernels.layout.repack_for_kernel`; dense 2-, 4- and 8-bit only). Same bytes.
     """
 
     qweight: torch.Tensor
@@ -64,6 +67,7 @@ class DeltaStack:
     bits: int
     group_size: int
     in_features: int
+    layout_block: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -139,6 +143,16 @@ class DeltaStack:
                     f"positions must be uint8 {want} (2-bit packed, K/2 per row), got "
                     f"{self.positions.dtype} {tuple(self.positions.shape)}"
                 )
+        if self.layout_block:
+            from .layout import planar_block_for
+
+            lb = self.layout_block
+            if self.sparse_2of4 or planar_block_for(self.bits, k, self.group_size, lb) != lb:
+                raise ValueError(
+                    f"layout_block={lb} needs a dense 2-, 4- or 8-bit delta whose in_features is a multiple of "
+                    f"16 // bits * {lb} and whose group_size is -1 or a multiple of {lb}; got bits={self.bits}, "
+                    f"in_features={k}, group_size={self.group_size}, 2:4={self.sparse_2of4}"
+                )
         named = {"qweight": self.qweight, "scales": self.scales, "zeros": self.zeros, "positions": self.positions}
         devices = {t.device for t in named.values() if t is not None}
         if len(devices) != 1:
@@ -157,6 +171,7 @@ class DeltaStack:
             self.bits,
             self.group_size,
             self.in_features,
+            self.layout_block,
         )
 
     def select(self, start: int, stop: int) -> "DeltaStack":
@@ -169,13 +184,14 @@ class DeltaStack:
             self.bits,
             self.group_size,
             self.in_features,
+            self.layout_block,
         )
 
     # ------------------------------------------------------------------ meaning
     def codes(self, i: int) -> torch.Tensor:
         """Dense uint8 codes ``[N, K]`` of delta ``i``; pruned 2:4 entries take their group's zero point."""
         kq = self.kept_features
-        codes = unpack_codes(self.qweight[i], self.bits, kq)
+        codes = _unpack(self, i)
         if not self.sparse_2of4:
             return codes
         pos = unpack_bits(self.positions[i], 2, kq)
@@ -190,10 +206,19 @@ class DeltaStack:
         return dequantize_delta(self, i, dtype)
 
 
+def _unpack(stack: DeltaStack, i: int) -> torch.Tensor:
+    """Codes of delta ``i`` in input order, whatever the stack's layout."""
+    if stack.layout_block:
+        from .layout import unpack_planar_codes
+
+        return unpack_planar_codes(stack.qweight[i], stack.bits, stack.in_features, stack.layout_block)
+    return unpack_codes(stack.qweight[i], stack.bits, stack.kept_features)
+
+
 def dequantize_delta(stack: DeltaStack, i: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Dense ``[N, K]`` delta ``i`` of ``stack``, computed in float32 with :mod:`hf_deltazip.packing`."""
     kq = stack.kept_features
-    codes = unpack_codes(stack.qweight[i], stack.bits, kq)
+    codes = _unpack(stack, i)
     if stack.sparse_2of4:
         pos = unpack_bits(stack.positions[i], 2, kq)
         k = stack.in_features

@@ -17,6 +17,12 @@ Design (the Triton kernel is in ``_multi_delta_triton.py``; its docstring has th
   shapes, so a captured CUDA graph stays right when the mix of deltas changes.
 * **Split-K without a second launch.** Partial sums go to an fp32 workspace; the last program of
   each tile (a per-tile semaphore) sums them in a fixed order, so results are deterministic.
+* **Two kernels.** Stacks in the planar kernel layout (``stack.layout_block > 0``: dense 2-, 4- and
+  8-bit codes repacked by :func:`kernels.layout.repack_for_kernel` / :func:`kernels.layout.prepare_stack`
+  when deltas are written into the stack) run ``planar_delta_linear_kernel``: each decoded code plane
+  multiplies a contiguous slice of x, and rows come from the step's row-segment table
+  (:func:`kernels.layout.build_row_segments`, passed as ``segments=``). Stacks in the file layout
+  (3-bit, 2:4 not densified, shapes without whole blocks) run the generic kernel, which sorts rows itself.
 
 On a CPU tensor without ``TRITON_INTERPRET=1`` the public function runs the reference.
 
@@ -36,6 +42,7 @@ from typing import Optional
 import torch
 
 from .delta_stack import DeltaStack, dequantize_delta
+from .layout import SEGMENT_FIELDS, build_row_segments
 
 __all__ = [
     "MultiDeltaConfig",
@@ -67,6 +74,11 @@ class MultiDeltaConfig:
         fast_dequant: on the GPU, turn codes into fp16/bf16 with inline PTX, two per
             instruction (2-, 4- and fp16 8-bit codes); off: plain Triton integer arithmetic.
         num_warps, num_stages: Triton's launch options.
+        scale_in_weights: planar kernel only: multiply each decoded code by its group scale
+            (one more packed instruction per two weights; the MMA then accumulates in place)
+            instead of scaling each group's fp32 partial product.
+        max_registers: planar kernel only: cap on registers per thread (0: the compiler's
+            choice); lower caps let more programs share an SM (latency hiding).
     """
 
     block_m: int = 16
@@ -79,6 +91,8 @@ class MultiDeltaConfig:
     num_stages: int = 3
     fast_dequant: bool = True
     wide_elements: bool = True
+    scale_in_weights: bool = False
+    max_registers: int = 0
 
 
 # --------------------------------------------------------------------------- reference
@@ -201,9 +215,11 @@ def auto_split_k(n: int, k: int, block_n: int, device: torch.device, waves: floa
 def default_config(m: int, n: int, k: int, stack: DeltaStack, device: torch.device) -> MultiDeltaConfig:
     """Launch parameters for an ``[m, k] x [n, k]`` layer with ``stack``'s format on ``device``.
 
-    Tuned on an H200 (``deltazip bench kernels --auto-tune``, BENCHMARKS_kernels.md): 64 outputs
-    per program, k-steps of 64 (base) and 128 (deltas), 3 pipeline stages, K split for about four
-    programs per SM. Row blocks are as large as the rows per delta of the stack (16 to 64), so a
+    Tuned on an H200 (``deltazip bench kernels --auto-tune`` / ``--variants``, BENCHMARKS.md
+    section 3): 64 outputs per program, base k-steps of 64, 3 pipeline stages, K split for about
+    four programs per SM (planar 4-bit stacks on layers of 8192 outputs or more and more than one
+    row: 2 stages, six programs per SM; planar 2-bit stacks with 16-row blocks: at most 128
+    registers per thread). Row blocks are as large as the rows per delta of the stack (16 to 64), so a
     batch of many rows over few deltas streams each weight once.
     """
     if device.type != "cuda":
@@ -211,7 +227,16 @@ def default_config(m: int, n: int, k: int, stack: DeltaStack, device: torch.devi
     rows_per_delta = math.ceil(m / max(stack.num_deltas, 1))
     bm = 16 if rows_per_delta <= 16 else (32 if rows_per_delta <= 32 else 64)
     cfg = MultiDeltaConfig(block_m=bm)
-    return replace(cfg, split_k=auto_split_k(n, k, cfg.block_n, device, waves=4.0))
+    waves = 4.0
+    if stack.layout_block and stack.bits >= 4 and n >= 8192 and m > 1:
+        # planar 4-bit on wide layers: two stages and more programs (H200 sweep, BENCHMARKS.md;
+        # one row keeps three stages: 10 % faster there)
+        cfg = replace(cfg, num_stages=2)
+        waves = 6.0
+    if stack.layout_block and stack.bits == 2 and bm == 16:
+        # planar 2-bit: 128 registers let four programs share an SM (uncapped: 167, three)
+        cfg = replace(cfg, max_registers=128)
+    return replace(cfg, split_k=auto_split_k(n, k, cfg.block_n, device, waves=waves))
 
 
 def layer_bytes(
@@ -241,16 +266,16 @@ def _semaphores(device: torch.device, count: int) -> torch.Tensor:
     return buf
 
 
-def _kernel():
+def _kernel(name: str = "multi_delta_linear_kernel"):
     from . import _multi_delta_triton as mod  # triton is imported here, on first use
 
-    kern = mod.multi_delta_linear_kernel
+    kern = getattr(mod, name)
     interpreted = type(kern).__name__ == "InterpretedFunction"
     if interpreted != _interpreting():  # TRITON_INTERPRET changed since the first import
         import importlib
 
         mod = importlib.reload(mod)
-        kern = mod.multi_delta_linear_kernel
+        kern = getattr(mod, name)
     return kern
 
 
@@ -264,6 +289,7 @@ def multi_delta_linear(
     *,
     out: Optional[torch.Tensor] = None,
     config: Optional[MultiDeltaConfig] = None,
+    segments: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``y = x W_base^T + bias + x dequant(stack[row_delta[m]])^T`` per row, in one launch.
 
@@ -277,6 +303,11 @@ def multi_delta_linear(
         out_dtype: output dtype (default: ``x.dtype``).
         out: optional preallocated ``[M, N]`` output.
         config: launch parameters (default: :func:`default_config`).
+        segments: the step's row-segment table of ``row_delta``
+            (:func:`kernels.layout.build_row_segments`, int32 ``[4, M]``), built once per step and
+            shared by every layer whose stacks use this ``row_delta``. Used by stacks in the planar
+            layout (``stack.layout_block > 0``); when ``None`` the launcher builds it (a few small
+            device ops per call). The caller must keep it in step with ``row_delta``.
 
     Returns:
         ``[M, N]`` tensor of ``out_dtype``, accumulated in fp32.
@@ -307,8 +338,76 @@ def multi_delta_linear(
         return out
     if config is None:
         config = default_config(m, n, k, stack, device)
-    _launch(x, base_weight, bias, stack, row_delta.contiguous(), out, config)
+    if stack.layout_block:
+        if segments is None:
+            segments = build_row_segments(row_delta)
+        elif tuple(segments.shape) != (SEGMENT_FIELDS, m) or segments.dtype != torch.int32 or segments.device != device:
+            raise ValueError(
+                f"segments must be the int32 [{SEGMENT_FIELDS}, {m}] table of build_row_segments(row_delta) on "
+                f"{device}, got {segments.dtype} {tuple(segments.shape)} on {segments.device}"
+            )
+        _launch_planar(x, base_weight, bias, stack, segments.contiguous(), out, config)
+    else:
+        _launch(x, base_weight, bias, stack, row_delta.contiguous(), out, config)
     return out
+
+
+def _split_grid(m, n, k, cfg, step, device):
+    """(split, k_chunk, n_rblocks, n_tiles): K cut into ``split`` chunks of whole ``step``s."""
+    split = cfg.split_k if cfg.split_k > 0 else auto_split_k(n, k, cfg.block_n, device, waves=4.0)
+    k_chunk = math.ceil(math.ceil(k / split) / step) * step
+    split = math.ceil(k / k_chunk)
+    return split, k_chunk, math.ceil(m / cfg.block_m), math.ceil(n / cfg.block_n)
+
+
+def _workspace(split, n_rblocks, bm, n, n_tiles, out):
+    if split > 1:
+        ws = torch.empty((split, n_rblocks * bm, n), dtype=torch.float32, device=out.device)
+        return ws, _semaphores(out.device, n_tiles * n_rblocks)
+    return out, out
+
+
+def _magic(x_dtype, bits):
+    if x_dtype == torch.float16:
+        return 1
+    if x_dtype == torch.bfloat16 and bits <= 4:
+        return 2
+    return 0
+
+
+def _launch_planar(x, base_weight, bias, stack, segments, out, cfg: MultiDeltaConfig):
+    from . import _multi_delta_triton as tmod
+
+    m, k = x.shape
+    n = base_weight.shape[0]
+    bits, gs, bkp = stack.bits, stack.group_size, stack.layout_block
+    planes = 16 // bits
+    lb = planes * bkp  # inputs per k-step (one layout block)
+    ppg = planes if gs == -1 else min(planes, gs // bkp)  # planes per quantization group
+    bkb = min(cfg.block_k_base, lb)
+    split, k_chunk, n_rblocks, n_tiles = _split_grid(m, n, k, cfg, lb, x.device)
+    ws, cnt = _workspace(split, n_rblocks, cfg.block_m, n, n_tiles, out)
+    magic = _magic(x.dtype, bits)
+    fast = cfg.fast_dequant and not _interpreting() and magic in (1, 2) and not (magic == 2 and bits == 8)
+    u_count = stack.num_deltas
+    q, s, z = (stack.qweight, stack.scales, stack.zeros) if u_count > 0 else (x, x, x)
+    kern = _kernel("planar_delta_linear_kernel")
+    kern[(n_tiles * n_rblocks * split,)](
+        x, base_weight, bias if bias is not None else out, q, s, z, segments,
+        out, ws, cnt,
+        m, n, k, u_count, stack.qweight.shape[2] // 2, stack.num_groups,
+        (gs if gs > 0 else 1 << 30).bit_length() - 1, k_chunk,
+        x.stride(0), base_weight.stride(0), out.stride(0),
+        BITS=bits, HAS_BIAS=bias is not None, BM=cfg.block_m, BN=cfg.block_n, BKP=bkp, BKB=bkb, PPG=ppg,
+        SPLIT=split, SWAP=cfg.swap_ab, MAGIC=magic, SCALE_W=cfg.scale_in_weights,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", FAST=fast,
+        **tmod.planar_asm_args(bits, magic, cfg.scale_in_weights),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_reg_cap(cfg),
+    )
+
+
+def _reg_cap(cfg: MultiDeltaConfig) -> dict:
+    return {"maxnreg": cfg.max_registers} if cfg.max_registers and not _interpreting() else {}
 
 
 def _launch(x, base_weight, bias, stack, row_delta, out, cfg: MultiDeltaConfig):
@@ -324,29 +423,16 @@ def _launch(x, base_weight, bias, stack, row_delta, out, cfg: MultiDeltaConfig):
     per_elem = gs > 0 and gs % bk != 0
     bkb = cfg.block_k_base
     kmax = max(bk, bkb)
-    split = cfg.split_k if cfg.split_k > 0 else auto_split_k(n, k, cfg.block_n, x.device, waves=4.0)
-    k_chunk = math.ceil(math.ceil(k / split) / kmax) * kmax
-    split = math.ceil(k / k_chunk)
+    split, k_chunk, n_rblocks, n_tiles = _split_grid(m, n, k, cfg, kmax, x.device)
     bm, bn = cfg.block_m, cfg.block_n
-    n_rblocks = math.ceil(m / bm)
-    n_tiles = math.ceil(n / bn)
     grid = (n_tiles * n_rblocks * split,)
 
     fused_sort = m <= FUSED_SORT_MAX_M
     mp = FUSED_SORT_MAX_M if fused_sort else 16  # fixed: one compile serves every M <= 64
     perm = row_delta if fused_sort else torch.argsort(row_delta, stable=True)
 
-    if split > 1:
-        ws = torch.empty((split, n_rblocks * bm, n), dtype=torch.float32, device=x.device)
-        cnt = _semaphores(x.device, n_tiles * n_rblocks)
-    else:
-        ws = cnt = out
-    if x.dtype == torch.float16:
-        magic = 1
-    elif x.dtype == torch.bfloat16 and bits <= 4:
-        magic = 2
-    else:
-        magic = 0
+    ws, cnt = _workspace(split, n_rblocks, bm, n, n_tiles, out)
+    magic = _magic(x.dtype, bits)
     if u_count > 0:
         q, s, z = stack.qweight, stack.scales, stack.zeros
         pos = stack.positions if sparse else q

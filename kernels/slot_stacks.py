@@ -10,7 +10,10 @@ deltas from :class:`~.delta_stack.DeltaStack` tensors, one per *format class* (b
 * writing a delta into free room or freeing its place changes table entries in place, never tensors,
   so a CUDA graph captured over :meth:`SlotStacks.apply` stays valid while deltas come and go;
 * anything that needs new tensors (a new format class, a full stack) is a rebuild, which the caller
-  must report as a layout change (see ``hf_deltazip.modeling.routing.LayoutVersion``).
+  must report as a layout change (see ``hf_deltazip.modeling.routing.LayoutVersion``);
+* with ``kernel_layout`` (linear layers), deltas are written in the fast path's layout
+  (:func:`~.layout.pack_for_stack`: planar codes, 2:4 densified); :meth:`SlotStacks.file_fields`
+  reads one back in the file layout. Embedding stacks keep the file layout (:meth:`SlotStacks.gather_rows`).
 
 Plain PyTorch plus the kernel launcher; nothing here knows about models.
 """
@@ -22,9 +25,10 @@ from typing import Iterable, Optional
 
 import torch
 
-from hf_deltazip.packing import dequantize, unpack_codes
+from hf_deltazip.packing import dequantize, pack_codes, packed_nbytes, unpack_codes
 
 from .delta_stack import DeltaStack
+from .layout import KernelStackFormat, kernel_stack_format, pack_for_stack
 
 __all__ = ["PackedFields", "SlotStacks", "format_key"]
 
@@ -50,6 +54,7 @@ def format_key(fields: PackedFields) -> tuple:
 @dataclass
 class _ClassStack:
     key: tuple
+    fmt: KernelStackFormat
     stack: DeltaStack
     lookup: torch.Tensor  # int32 [table]: slot + 1 -> index in the stack, -1 if not in this class
     member: torch.Tensor  # bool [table]: slot + 1 -> the slot's delta is in this class
@@ -66,13 +71,17 @@ class SlotStacks:
         device: where the stacks live.
         capacity: deltas the stacks should have room for in all (the cache's resident budget), or
             ``None``: each class gets half again the room it needs.
+        kernel_layout: store codes in the fast kernel's layout (linear layers); ``False`` keeps the
+            file layout (embedding stacks, read row by row).
     """
 
-    def __init__(self, items: Iterable, in_features: int, out_features: int, device, capacity: Optional[int] = None):
+    def __init__(self, items: Iterable, in_features: int, out_features: int, device, capacity: Optional[int] = None,
+                 kernel_layout: bool = True):
         items = sorted(items, key=lambda it: it[0])
         if not items:
             raise ValueError("SlotStacks needs at least one delta")
         self.in_features, self.out_features = in_features, out_features
+        self.kernel_layout = kernel_layout
         self.device = torch.device(device)
         self.table_size = max(64, 2 * (max(s for s, _ in items) + 2))
         classes: dict = {}
@@ -92,14 +101,19 @@ class SlotStacks:
         sdtype = torch.float32 if any(f.scales.dtype == torch.float32 for _, f in members) else torch.float16
         n, dev = first.qweight.shape[0], self.device
         bits, group_size, sparsity = key
+        k = self.in_features
+        if self.kernel_layout:
+            fmt = kernel_stack_format(bits, group_size, k, sparsity == "2:4")
+        else:
+            fmt = KernelStackFormat(0, False, packed_nbytes(k // 2 if sparsity == "2:4" else k, bits), sparsity == "2:4")
         stack = DeltaStack(
-            torch.empty((cap, n, first.qweight.shape[1]), dtype=torch.uint8, device=dev),
+            torch.empty((cap, n, fmt.row_bytes), dtype=torch.uint8, device=dev),
             torch.zeros((cap, n, first.scales.shape[1]), dtype=sdtype, device=dev),
             torch.zeros((cap, n, first.zeros.shape[1]), dtype=torch.uint8, device=dev),
-            None if sparsity != "2:4" else torch.empty((cap, n, first.positions.shape[1]), dtype=torch.uint8, device=dev),
-            bits, group_size, self.in_features,
+            torch.empty((cap, n, first.positions.shape[1]), dtype=torch.uint8, device=dev) if fmt.has_positions else None,
+            bits, group_size, k, layout_block=fmt.layout_block,
         )
-        return _ClassStack(key=key, stack=stack,
+        return _ClassStack(key=key, fmt=fmt, stack=stack,
                            lookup=torch.full((self.table_size,), -1, dtype=torch.int32, device=dev),
                            member=torch.zeros((self.table_size,), dtype=torch.bool, device=dev),
                            free=list(range(cap - 1, -1, -1)))
@@ -124,11 +138,16 @@ class SlotStacks:
         (the caller rebuilds). Only table entries change: captured graphs stay valid.
         """
         c = self.place_for(slot, format_key(fields), fields.qweight.shape[0], fields.scales.dtype)
-        if c is None or tuple(fields.qweight.shape) != tuple(c.stack.qweight.shape[1:]):
+        if c is None:
+            return None
+        q = fields.qweight
+        if c.fmt.layout_block or c.fmt.densify:  # the kernel's layout: planar codes, 2:4 as dense codes
+            q = pack_for_stack(c.fmt, q, fields.positions, fields.zeros, fields.bits, fields.group_size, self.in_features)
+        if tuple(q.shape) != tuple(c.stack.qweight.shape[1:]):
             return None
         i = c.free.pop()
         st = c.stack
-        st.qweight[i].copy_(fields.qweight, non_blocking=True)
+        st.qweight[i].copy_(q, non_blocking=True)
         st.scales[i].copy_(fields.scales, non_blocking=True)
         st.zeros[i].copy_(fields.zeros, non_blocking=True)
         if st.positions is not None:
@@ -152,6 +171,36 @@ class SlotStacks:
     def slots(self) -> set:
         return {s for c in self.classes for s in c.index}
 
+    def where(self, slot: int) -> tuple:
+        """``(class stack, index)`` of a slot held here (``KeyError`` if it is not)."""
+        for c in self.classes:
+            if slot in c.index:
+                return c, c.index[slot]
+        raise KeyError(slot)
+
+    def codes(self, slot: int) -> torch.Tensor:
+        """Dense uint8 codes ``[N, K]`` of a slot's delta (pruned entries at their group's zero point)."""
+        c, i = self.where(slot)
+        return c.stack.codes(i)
+
+    def file_fields(self, slot: int) -> PackedFields:
+        """A slot's delta in the file layout (views when the stack keeps that layout; a 2:4 delta stored
+        densified comes back as dense codes, the same values)."""
+        c, i = self.where(slot)
+        st = c.stack
+        if not c.fmt.layout_block and not c.fmt.densify:
+            return PackedFields(st.qweight[i], st.scales[i], st.zeros[i], None if st.positions is None else st.positions[i],
+                                st.bits, st.group_size, "2:4" if st.positions is not None else "dense")
+        return PackedFields(pack_codes(st.codes(i), st.bits), st.scales[i], st.zeros[i], None, st.bits, st.group_size,
+                            "dense")
+
+    def delta_nbytes(self, slot: int) -> int:
+        """Device bytes one slot's delta occupies in its stack."""
+        c, i = self.where(slot)
+        st = c.stack
+        tensors = [st.qweight[i], st.scales[i], st.zeros[i]] + ([st.positions[i]] if st.positions is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def nbytes(self) -> int:
         """Device bytes of every stack and table (room included)."""
         return sum(c.stack.nbytes() + c.lookup.numel() * 4 + c.member.numel() for c in self.classes)
@@ -172,8 +221,8 @@ class SlotStacks:
         k = self.in_features
         out = torch.zeros((b, t, k), dtype=torch.float32, device=ids.device)
         for c in self.classes:
-            if c.stack.sparse_2of4:
-                raise ValueError("gather_rows reads dense-layout stacks only")
+            if c.stack.sparse_2of4 or c.stack.layout_block:
+                raise ValueError("gather_rows reads dense stacks in the file layout only (kernel_layout=False)")
             where = c.lookup[slot_plus_one].long().clamp(min=0)[:, None].expand(b, t)
             q = c.stack.qweight[where, ids].reshape(b * t, -1)
             scales = c.stack.scales[where, ids].reshape(b * t, -1)

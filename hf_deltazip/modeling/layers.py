@@ -121,6 +121,8 @@ class DeltaModule(nn.Module):
 
 
 def map_packed(p: PackedModule, fn) -> PackedModule:
+    if isinstance(p, StackedPacked):  # codes in a kernel stack: take them out in the file layout first
+        p = p.to_packed()
     # .to(device) must move the packed tensors but never cast them (they are codes, not weights)
     def move(t):
         if t is None:
@@ -238,7 +240,7 @@ class DeltaLinear(DeltaModule):
         where = self.stacks.write(slot, _fields(p))
         if where is None:
             return False
-        self.packed[slot] = _stack_view(p, *where)
+        self.packed[slot] = StackedPacked.of(p, self.stacks, slot)
         return True
 
     def out_width(self) -> int:
@@ -335,7 +337,7 @@ class DeltaLinear(DeltaModule):
         stacks = SlotStacks([(slot, _fields(p)) for slot, p in dense.items()], self.in_features, self.out_features,
                             device, capacity=self.policy.capacity)
         for slot, p in dense.items():
-            self.packed[slot] = _stack_view(p, *_where(stacks, slot))
+            self.packed[slot] = StackedPacked.of(p, stacks, slot)
         self._bias_delta = None
         if self.overrides:  # fine-tunes that changed the bias: add (b_u - b_base) to their rows
             table = torch.zeros(stacks.table_size, self.out_features, dtype=torch.float32, device=device)
@@ -370,23 +372,61 @@ class DeltaLinear(DeltaModule):
 
 
 def _fields(p: PackedModule):
+    """A delta's tensors as a stack write takes them: the file layout (read back from an old stack
+    when the delta already sits in one, as it does when stacks are rebuilt)."""
     from ..kernels import PackedFields
+
+    if isinstance(p, StackedPacked):
+        p = p.to_packed()
 
     return PackedFields(qweight=p.qweight, scales=p.scales, zeros=p.zeros, positions=p.positions,
                         bits=p.bits, group_size=p.group_size, sparsity=p.sparsity)
 
 
-def _where(stacks, slot: int) -> tuple:
-    for c in stacks.classes:
-        if slot in c.index:
-            return c.stack, c.index[slot]
-    raise KeyError(slot)
+@dataclasses.dataclass(repr=False)
+class StackedPacked(PackedModule):
+    """A delta placed in a layer's kernel stacks (its only device copy).
 
+    The fields describe it in the file layout; the codes live in the stack, possibly in the kernel's
+    own layout (planar, 2:4 densified), so they are read back through the stacks: ``dense_codes()``,
+    ``tensors()`` (file layout, for saving and evicting) and ``nbytes`` (what the stack holds).
+    """
 
-def _stack_view(p: PackedModule, stack, i: int) -> PackedModule:
-    """The delta's packed tensors as views into place ``i`` of its stack (one device copy)."""
-    return dataclasses.replace(p, qweight=stack.qweight[i], scales=stack.scales[i], zeros=stack.zeros[i],
-                               positions=None if stack.positions is None else stack.positions[i], mask=None, nnz=None)
+    stacks: object = None
+    slot: int = -1
+
+    @classmethod
+    def of(cls, p: PackedModule, stacks, slot: int) -> "StackedPacked":
+        """``p`` (dense layout) as written into ``stacks`` under ``slot``; its tensor fields are the raw
+        stack views (read them through :meth:`tensors`)."""
+        c, i = stacks.where(slot)
+        st = c.stack
+        sparsity = "dense" if c.fmt.densify else p.sparsity  # a densified 2:4 delta holds dense codes
+        return cls(kind=p.kind, shape=p.shape, bits=p.bits, group_size=p.group_size, symmetric=p.symmetric,
+                   sparsity=sparsity, transposed=p.transposed, qweight=st.qweight[i], scales=st.scales[i],
+                   zeros=st.zeros[i], positions=None if st.positions is None else st.positions[i],
+                   stacks=stacks, slot=slot)
+
+    def dense_codes(self) -> torch.Tensor:
+        return self.stacks.codes(self.slot)
+
+    def tensors(self) -> dict:
+        f = self.stacks.file_fields(self.slot)
+        out = {"qweight": f.qweight, "scales": f.scales, "zeros": f.zeros}
+        if f.positions is not None:
+            out["positions"] = f.positions
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.stacks.delta_nbytes(self.slot)
+
+    def to_packed(self) -> PackedModule:
+        """A plain :class:`PackedModule` in the file layout (a copy where the stack's layout differs)."""
+        f = self.stacks.file_fields(self.slot)
+        return PackedModule(kind=self.kind, shape=self.shape, bits=self.bits, group_size=self.group_size,
+                            symmetric=self.symmetric, sparsity=f.sparsity, transposed=self.transposed,
+                            qweight=f.qweight, scales=f.scales, zeros=f.zeros, positions=f.positions)
 
 
 def _cast(t, dtype):
@@ -424,9 +464,9 @@ class DeltaEmbedding(DeltaModule):
         dense = {slot: p.to_dense_layout() for slot, p in sorted(self.packed.items())}
         w = self.base_layer.weight
         self.stacks = SlotStacks([(slot, _fields(p)) for slot, p in dense.items()], w.shape[1], w.shape[0], device,
-                                 capacity=self.policy.capacity)
+                                 capacity=self.policy.capacity, kernel_layout=False)
         for slot, p in dense.items():
-            self.packed[slot] = _stack_view(p, *_where(self.stacks, slot))
+            self.packed[slot] = StackedPacked.of(p, self.stacks, slot)
 
     def can_write_in_place(self, slot: int, packed: PackedModule) -> bool:
         if self.stacks is None or slot in self.packed or not self._fits_stack(packed):
@@ -439,7 +479,7 @@ class DeltaEmbedding(DeltaModule):
             p = packed.to_dense_layout()
             where = self.stacks.write(slot, _fields(p))
             if where is not None:
-                self.packed[slot] = _stack_view(p, *where)
+                self.packed[slot] = StackedPacked.of(p, self.stacks, slot)
                 return
         super().add_packed(slot, packed)
 

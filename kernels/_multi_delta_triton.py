@@ -753,11 +753,11 @@ def _asm_plane(q, c, s, ASM: tl.constexpr, SCALED: tl.constexpr, MAGIC: tl.const
 
 @triton.jit(do_not_specialize=["M", "U"])
 def planar_delta_linear_kernel(
-    x_ptr, w_ptr, bias_ptr, q_ptr, s_ptr, z_ptr, seg_ptr,
+    x_ptr, w_ptr, bias_ptr, q_ptr, s_ptr, z_ptr, seg_ptr, lut_ptr,
     out_ptr, ws_ptr, cnt_ptr,
     M, N, K, U, QROW_E, G, LOG2_GS, K_CHUNK,
     stride_xm, stride_wn, stride_om,
-    BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BITS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LUT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr, BKB: tl.constexpr, PPG: tl.constexpr,
     SPLIT: tl.constexpr, SWAP: tl.constexpr, MAGIC: tl.constexpr, MAGICF: tl.constexpr, PW: tl.constexpr,
     SCALE_W: tl.constexpr, DOT_PREC: tl.constexpr, FAST: tl.constexpr,
@@ -782,6 +782,8 @@ def planar_delta_linear_kernel(
     valid = slot < M
     rows = tl.load(seg_ptr + slot, mask=valid, other=0)
     sd = tl.load(seg_ptr + M + slot, mask=valid, other=-1)
+    if HAS_LUT:  # the table holds the rows' slot ids: this stack's index of each (lut[slot + 1], -1 if none)
+        sd = tl.load(lut_ptr + sd + 1, mask=valid, other=-1)
     seg_lo = tl.load(seg_ptr + 2 * M + pid_r * BM)  # segments of the block's first and last slots
     seg_hi = tl.load(seg_ptr + 2 * M + tl.minimum(pid_r * BM + BM, M) - 1)
     n_seg = seg_hi - seg_lo + 1
@@ -816,6 +818,8 @@ def planar_delta_linear_kernel(
     for it in range(0, n_seg * nk):
         k0 = k_begin + kk * LB
         u = tl.load(seg_ptr + 3 * M + seg_lo + t_seg)
+        if HAS_LUT:
+            u = tl.load(lut_ptr + u + 1)
         un = offs_n * 0 + u
         nlive = nmask & (un >= 0) & (un < U)  # nothing is read for the -1 segment or a bad id
         sel = valid & (sd == u) & (sd >= 0) & (sd < U)  # rows of this segment

@@ -290,6 +290,7 @@ def multi_delta_linear(
     out: Optional[torch.Tensor] = None,
     config: Optional[MultiDeltaConfig] = None,
     segments: Optional[torch.Tensor] = None,
+    segment_lookup: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``y = x W_base^T + bias + x dequant(stack[row_delta[m]])^T`` per row, in one launch.
 
@@ -308,6 +309,10 @@ def multi_delta_linear(
             shared by every layer whose stacks use this ``row_delta``. Used by stacks in the planar
             layout (``stack.layout_block > 0``); when ``None`` the launcher builds it (a few small
             device ops per call). The caller must keep it in step with ``row_delta``.
+        segment_lookup: int32 ``[T]``: when given, ``row_delta`` holds each row's *slot id* (``-1``:
+            base) rather than its stack index, ``segments`` was built from those slot ids (one table
+            shared by every layer of a step, whatever each layer's stack holds), and a row's stack
+            index is ``segment_lookup[slot + 1]`` (``-1``: not in this stack), read in the kernel.
 
     Returns:
         ``[M, N]`` tensor of ``out_dtype``, accumulated in fp32.
@@ -320,6 +325,8 @@ def multi_delta_linear(
     """
     _check_inputs(x, base_weight, bias, stack, row_delta, out_dtype, out, need_same_device=True)
     device = x.device
+    if segment_lookup is not None and (not stack.layout_block or segments is None):
+        row_delta, segment_lookup = segment_lookup[row_delta.long() + 1], None  # slot ids -> stack indices
     if device.type != "cuda" and not _interpreting():
         y = multi_delta_linear_reference(x, base_weight, bias, stack, row_delta, out_dtype)
         if out is not None:
@@ -346,7 +353,10 @@ def multi_delta_linear(
                 f"segments must be the int32 [{SEGMENT_FIELDS}, {m}] table of build_row_segments(row_delta) on "
                 f"{device}, got {segments.dtype} {tuple(segments.shape)} on {segments.device}"
             )
-        _launch_planar(x, base_weight, bias, stack, segments.contiguous(), out, config)
+        if segment_lookup is not None and (segment_lookup.dtype != torch.int32 or segment_lookup.device != device
+                                           or segment_lookup.dim() != 1):
+            raise ValueError(f"segment_lookup must be a 1-D int32 tensor on {device}")
+        _launch_planar(x, base_weight, bias, stack, segments.contiguous(), out, config, segment_lookup)
     else:
         _launch(x, base_weight, bias, stack, row_delta.contiguous(), out, config)
     return out
@@ -375,7 +385,7 @@ def _magic(x_dtype, bits):
     return 0
 
 
-def _launch_planar(x, base_weight, bias, stack, segments, out, cfg: MultiDeltaConfig):
+def _launch_planar(x, base_weight, bias, stack, segments, out, cfg: MultiDeltaConfig, lut=None):
     from . import _multi_delta_triton as tmod
 
     m, k = x.shape
@@ -393,12 +403,12 @@ def _launch_planar(x, base_weight, bias, stack, segments, out, cfg: MultiDeltaCo
     q, s, z = (stack.qweight, stack.scales, stack.zeros) if u_count > 0 else (x, x, x)
     kern = _kernel("planar_delta_linear_kernel")
     kern[(n_tiles * n_rblocks * split,)](
-        x, base_weight, bias if bias is not None else out, q, s, z, segments,
+        x, base_weight, bias if bias is not None else out, q, s, z, segments, lut if lut is not None else segments,
         out, ws, cnt,
         m, n, k, u_count, stack.qweight.shape[2] // 2, stack.num_groups,
         (gs if gs > 0 else 1 << 30).bit_length() - 1, k_chunk,
         x.stride(0), base_weight.stride(0), out.stride(0),
-        BITS=bits, HAS_BIAS=bias is not None, BM=cfg.block_m, BN=cfg.block_n, BKP=bkp, BKB=bkb, PPG=ppg,
+        BITS=bits, HAS_BIAS=bias is not None, HAS_LUT=lut is not None, BM=cfg.block_m, BN=cfg.block_n, BKP=bkp, BKB=bkb, PPG=ppg,
         SPLIT=split, SWAP=cfg.swap_ab, MAGIC=magic, SCALE_W=cfg.scale_in_weights,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", FAST=fast,
         **tmod.planar_asm_args(bits, magic, cfg.scale_in_weights),

@@ -233,19 +233,26 @@ class SlotStacks:
 
     # ------------------------------------------------------------------ the launch
     def apply(self, x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-              slot_plus_one: torch.Tensor) -> torch.Tensor:
+              slot_plus_one: torch.Tensor, slot_segments: Optional[tuple] = None) -> torch.Tensor:
         """``x W^T + bias`` plus, for each row, its slot's delta: one kernel launch per format class.
 
         Args:
             x2: ``[M, K]`` activations.
             weight: ``[N, K]`` base weight; bias: ``[N]`` or ``None``.
             slot_plus_one: long ``[M]``: each row's slot + 1 (0 for the plain base), on the device.
+            slot_segments: ``(slots, build_row_segments(slots))`` with ``slots = slot_plus_one - 1``
+                (int32), built once per step and shared by every layer: planar stacks then translate
+                slots to their own indices in the kernel (no per-layer sorting or gathering).
         """
         from .multi_delta import multi_delta_linear
 
         y = None
         for c in self.classes:
-            yc = multi_delta_linear(x2, weight, bias, c.stack, c.lookup[slot_plus_one])
+            if slot_segments is not None and c.stack.layout_block:
+                slots, segments = slot_segments
+                yc = multi_delta_linear(x2, weight, bias, c.stack, slots, segments=segments, segment_lookup=c.lookup)
+            else:
+                yc = multi_delta_linear(x2, weight, bias, c.stack, c.lookup[slot_plus_one])
             # each row belongs to one format class: take it from that class's launch
             y = yc if y is None else torch.where(c.member[slot_plus_one][:, None], yc, y)
         return y

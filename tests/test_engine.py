@@ -84,9 +84,9 @@ def test_kernel_route_with_device_side_rows_under_interpreter(delta_dirs, monkey
 
     real = DeltaLinear._forward_kernel
 
-    def spy(self, x, batch, per_row):
-        seen.append(ker.router.current.is_static and ker.router.current.device_rows is per_row)
-        return real(self, x, batch, per_row)
+    def spy(self, x, batch, routing):
+        seen.append(routing.is_static and ker.router.current is routing)
+        return real(self, x, batch, routing)
 
     monkeypatch.setattr(DeltaLinear, "_forward_kernel", spy)
     ps = prompts(4, seed=9)
@@ -189,19 +189,20 @@ def test_cuda_graph_steps_match_eager_steps_as_deltas_come_and_go(delta_dirs):
 
 @cuda
 def test_deltas_cycling_through_a_small_budget_never_recapture(delta_dirs):
-    """Three real deltas (linear, embedding and norm deltas) through a 2-delta budget: every admission
-    evicts one and writes another into its room; the captured step stays valid."""
+    """Two real deltas of one format (linear, embedding and norm deltas) through a 1-delta budget: every
+    admission evicts one and writes the other into its room; the captured step stays valid. (A delta of
+    a format no resident delta has needs a stack of its own: that first load is a layout change.)"""
     def make(budget):
         m = DeltaModel(copy.deepcopy(base_model("llama")).to("cuda"))  # float32: tokens comparable
         m.configure_cache(max_resident=budget)
-        for name, path in delta_dirs.items():
-            m.load_delta(path, delta_name=name, resident=False)
+        for name in ("d1", "d3"):
+            m.load_delta(delta_dirs[name], delta_name=name, resident=False)
         return m
 
-    ps = prompts(9, seed=4)
-    names = ["d1", "d2", "d3", "d1", "d3", "d2", "d3", "d1", "d2"]
-    want = DecodeEngine(make(3), max_batch_size=2, max_length=32, cuda_graphs=False).run(ps, names, max_new_tokens=5)
-    model = make(2)
+    ps = prompts(7, seed=4)
+    names = ["d1", "d3", "d1", "d3", "d3", "d1", "d3"]
+    want = DecodeEngine(make(2), max_batch_size=2, max_length=32, cuda_graphs=False).run(ps, names, max_new_tokens=5)
+    model = make(1)
     engine = DecodeEngine(model, max_batch_size=2, max_length=32, cuda_graphs=True)
     version = None
     got = []

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hf_deltazip.delta import PackedModule
-from hf_deltazip.kernels import PackedFields, SlotStacks
+from hf_deltazip.kernels import PackedFields, SlotStacks, build_row_segments
 
 N, K = 48, 256
 
@@ -56,6 +56,10 @@ def test_written_deltas_read_back_exactly_and_rooms_are_reused(kernel_layout, mo
     for r, slot in enumerate([2, -1, 1, 1]):
         want = x[r] @ w.T if slot < 0 else x[r] @ (w + stacks_delta(stacks, slot)).T
         torch.testing.assert_close(y[r], want, rtol=1e-4, atol=1e-4)
+    # one segment table on slot ids for every layer of a step: planar stacks translate slots in the kernel
+    slots = (rows - 1).to(torch.int32)
+    shared = stacks.apply(x, w, None, rows, (slots, build_row_segments(slots)))
+    torch.testing.assert_close(shared, y, rtol=1e-5, atol=1e-5)
 
 
 def stacks_delta(stacks, slot):

@@ -648,11 +648,11 @@ def _planar_cubin(bits: int, cfg, block: int, dtype: str = "bf16", group_size: i
     magic = 1 if dtype == "fp16" else 2
     planes = 16 // bits
     ptr = {"x_ptr": dtype, "w_ptr": dtype, "bias_ptr": dtype, "q_ptr": "u8", "s_ptr": "fp16", "z_ptr": "u8",
-           "seg_ptr": "i32", "out_ptr": dtype, "ws_ptr": "fp32", "cnt_ptr": "i32"}
+           "seg_ptr": "i32", "lut_ptr": "i32", "out_ptr": dtype, "ws_ptr": "fp32", "cnt_ptr": "i32"}
     sig = {name: "*" + t for name, t in ptr.items()}
     ints = ["M", "N", "K", "U", "QROW_E", "G", "LOG2_GS", "K_CHUNK", "stride_xm", "stride_wn", "stride_om"]
     sig.update({name: "i32" for name in ints})
-    consts = dict(BITS=bits, HAS_BIAS=False, BM=cfg.block_m, BN=cfg.block_n, BKP=block,
+    consts = dict(BITS=bits, HAS_BIAS=False, HAS_LUT=True, BM=cfg.block_m, BN=cfg.block_n, BKP=block,
                   BKB=min(cfg.block_k_base, planes * block), PPG=min(planes, group_size // block), SPLIT=4,
                   SWAP=cfg.swap_ab, MAGIC=magic, SCALE_W=cfg.scale_in_weights, DOT_PREC="tf32", FAST=True)
     consts.update(tmod.planar_asm_args(bits, magic, cfg.scale_in_weights))

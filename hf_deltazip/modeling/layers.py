@@ -279,14 +279,14 @@ class DeltaLinear(DeltaModule):
         if routing.is_static:
             if not self._kernel_route:
                 raise DeltaZipError(f"this layer's deltas cannot run in a captured decode step ({self._why_not()})")
-            return self._forward_kernel(x, routing.device_rows.shape[0], routing.device_rows)
+            return self._forward_kernel(x, routing.device_rows.shape[0], routing)
         batch = x.shape[0] if x.dim() > 1 else 1
         slots = routing.rows_for(batch)
         if self._slot_set.isdisjoint(slots):
             y = self.base_layer(x)
             return self._pad_out(y) if self._width != self.out_features else y
         if self.policy.wants_kernels(x.device) and self._kernel_route and x.dim() >= 2:
-            return self._forward_kernel(x, batch, routing.device_rows_for(batch, x.device))
+            return self._forward_kernel(x, batch, routing)
         return self._forward_reference(x, slots)
 
     def _pad_out(self, y):
@@ -348,16 +348,15 @@ class DeltaLinear(DeltaModule):
         self.stacks = stacks
         return stacks
 
-    def _forward_kernel(self, x: torch.Tensor, batch: int, per_row: torch.Tensor) -> torch.Tensor:
+    def _forward_kernel(self, x: torch.Tensor, batch: int, routing) -> torch.Tensor:
         stacks = self.stacks if self.stacks is not None else self._build_stacks(x.device)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        tokens = x2.shape[0] // batch
-        slot_tok = (per_row.repeat_interleave(tokens) if tokens > 1 else per_row).long() + 1
+        slot_tok, segments = routing.kernel_rows(batch, x2.shape[0] // batch, x.device)  # shared by every layer
         w = self.base_weight_nk()
         if self.transposed:
             w = self._contiguous_weight(w)
-        y = stacks.apply(x2, w, self.base_layer.bias, slot_tok)
+        y = stacks.apply(x2, w, self.base_layer.bias, slot_tok, segments)
         if self._bias_delta is not None:
             y = (y.float() + self._bias_delta[slot_tok]).to(y.dtype)
         return y.reshape(*lead, y.shape[-1])

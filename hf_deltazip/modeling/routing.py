@@ -89,6 +89,20 @@ class BatchRouting:
             t = self._device_cache[key] = torch.tensor(self.rows_for(batch), dtype=torch.int32, device=device)
         return t
 
+    def kernel_rows(self, batch: int, tokens: int, device) -> tuple:
+        """What every delta layer of this batch passes its kernels, made once per batch (and captured once
+        per decode step): ``slot + 1`` of each of the ``batch * tokens`` rows (long), and
+        ``(slots, segments)``: the rows' int32 slot ids and their row-segment table."""
+        key = ("kernel", batch, tokens, str(device))
+        hit = self._device_cache.get(key)
+        if hit is None:
+            from ..kernels import build_row_segments
+
+            rows = self.device_rows_for(batch, device)
+            slots = (rows.repeat_interleave(tokens) if tokens > 1 else rows).to(torch.int32)
+            hit = self._device_cache[key] = (slots.long() + 1, (slots, build_row_segments(slots)))
+        return hit
+
 
 _BASE = BatchRouting.base()
 

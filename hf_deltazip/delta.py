@@ -31,14 +31,14 @@ from .packing import (
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
-# How the bytes of a delta split up (docs/format.md, section 7); ``bytes_by_category`` fills them.
+# How the bytes of a delta split up (docs/format.md, section 7).
 BYTE_CATEGORIES = ("linear deltas", "scales and zeros", "masks", "embeddings and head", "other parameters")
 # The parts of ``CompressedDelta.summary`` that only the compressor knows; saved in the header's
 # ``extra.summary`` so a delta read back from disk has them too.
 _SAVED_SUMMARY_KEYS = ("seconds", "device", "relative_error")
 
 
-def bytes_by_category(modules, param_bytes) -> dict:
+def _categorize_bytes(modules, param_bytes) -> dict:
     """Bytes by category of a delta.
 
     Args:
@@ -218,7 +218,6 @@ class PackedModule:
         )
 
 
-
 @dataclass(repr=False)
 class CompressedDelta:
     """A compressed fine-tune: packed module deltas, exactly stored parameters and metadata.
@@ -314,7 +313,7 @@ class CompressedDelta:
 
     def bytes_by_category(self) -> dict:
         """Bytes in memory (decoded, before zstd) by category: linear deltas, scales and zeros, masks, ..."""
-        return bytes_by_category(
+        return _categorize_bytes(
             ((m.kind, {role: _tensor_bytes(t) for role, t in m.tensors().items()}) for m in self.modules.values()),
             (_tensor_bytes(t) for t in self.params.values()),
         )
@@ -455,7 +454,7 @@ def delta_bytes_report(folder: Union[str, os.PathLike]) -> dict:
                  "group_size": rec.group_size, "sparsity": rec.sparsity, "bytes": sum(stored.values()),
                  "bits_per_weight": 8 * sum(stored.values()) / (rec.shape[0] * rec.shape[1])}
             )
-        cats = bytes_by_category(stored_by_module, [dz.stored_bytes(t) for t in dz.params.values()])
+        cats = _categorize_bytes(stored_by_module, [dz.stored_bytes(t) for t in dz.params.values()])
         header = dict(dz.header)
     overhead = total - sum(cats.values())
     n_params = int(header.get("extra", {}).get("finetune_num_params", 0))

@@ -23,7 +23,7 @@ def _fmt_bytes(n: float) -> str:
 # --------------------------------------------------------------------------- info
 def cmd_info(args) -> int:
     from .config import CONFIG_NAME
-    from .delta import delta_bytes_report, load_folder_config
+    from .format.folder import delta_bytes_report, load_folder_config
     from .errors import DeltaZipFormatError
     from .format import DeltaZipFile
 

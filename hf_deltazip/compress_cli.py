@@ -35,7 +35,7 @@ def device_type(value: str) -> str:
 def cmd_compress(args) -> int:
     from .compression import compress
     from .config import DeltaZipConfig, read_config_json
-    from .delta import delta_bytes_report
+    from .format.folder import delta_bytes_report
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
+from .display import delta_table_html, html_section
 from .errors import DeltaZipConfigError
 
 CONFIG_NAME = "deltazip_config.json"
@@ -87,7 +88,7 @@ class ModuleSettings:
     damp: float
 
 
-@dataclass
+@dataclass(repr=False)
 class DeltaZipConfig:
     """How a fine-tune's delta is compressed.
 
@@ -211,6 +212,30 @@ class DeltaZipConfig:
         if self.target_modules is None:
             return None
         return any(fnmatch.fnmatchcase(name, p) for p in self.target_modules)
+
+    # ------------------------------------------------------------------ display
+    _ALWAYS_SHOWN = ("bits", "sparsity", "group_size")
+
+    def _changed_settings(self) -> dict:
+        """The settings that differ from a default ``DeltaZipConfig()``, in field order."""
+        default = type(self)()
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(default, f.name)}
+
+    def key_settings(self) -> dict:
+        """``bits``, ``sparsity``, ``group_size`` and every other setting that differs from the default."""
+        shown = {name: getattr(self, name) for name in self._ALWAYS_SHOWN}
+        shown.update(self._changed_settings())
+        return shown
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(" + ", ".join(f"{k}={v!r}" for k, v in self.key_settings().items()) + ")"
+
+    def _repr_html_(self) -> str:
+        changed = self._changed_settings()
+        rows = [(f.name, repr(getattr(self, f.name)), "changed" if f.name in changed else "",
+                 f.metadata.get("help", "")) for f in dataclasses.fields(self)]
+        return html_section(type(self).__name__, delta_table_html(rows, columns=["setting", "value", "", "meaning"]))
 
     # ------------------------------------------------------------------ serialization
     def to_dict(self) -> dict:

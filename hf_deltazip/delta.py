@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -9,11 +10,15 @@ from pathlib import Path
 from typing import Mapping, Optional, Union
 
 import torch
+from tqdm.auto import tqdm
 
 from . import __version__
-from .config import CONFIG_NAME, DeltaZipConfig, read_config_json
-from .errors import BaseMismatchError, DeltaZipError, DeltaZipFormatError
+from .config import CONFIG_NAME, DeltaZipConfig
+from .display import delta_table_html, format_bytes, format_ratio, html_section
+from .errors import BaseMismatchError, DeltaZipFormatError
 from .format import DZ_FILENAME, DeltaZipFile, ModuleRecord, write_dz
+# re-exported: what a delta folder on disk holds (read by CLI, hub and loaders through this module too)
+from .format.folder import BYTE_CATEGORIES, categorize_bytes, delta_bytes_report, load_folder_config  # noqa: F401
 from .packing import (
     choose_scale_dtype,
     compress_2of4,
@@ -27,6 +32,14 @@ from .packing import (
 )
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+# The parts of ``CompressedDelta.summary`` that only the compressor knows; saved in the header's
+# ``extra.summary`` so a delta read back from disk has them too.
+_SAVED_SUMMARY_KEYS = ("seconds", "device", "relative_error", "steps", "layers")
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 @dataclass
@@ -157,11 +170,36 @@ class PackedModule:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+        return sum(_tensor_bytes(t) for t in self.tensors().values())
+
+    # ------------------------------------------------------------------ display
+    def info(self) -> dict:
+        """Layout and size of this module: what ``CompressedDelta.summary["modules"]`` lists per module."""
+        n, k = self.shape
+        return {"kind": self.kind, "shape": [n, k], "bits": self.bits, "group_size": self.group_size,
+                "symmetric": self.symmetric, "sparsity": self.sparsity, "bytes": self.nbytes,
+                "bits_per_weight": 8 * self.nbytes / (n * k)}
+
+    def __repr__(self) -> str:
+        n, k = self.shape
+        group = "per row" if self.group_size == -1 else f"group {self.group_size}"
+        grid = "symmetric" if self.symmetric else "asymmetric"
+        return (f"PackedModule({self.kind} [{n}, {k}], {self.bits}-bit, {group}, {grid}, {self.sparsity}, "
+                f"{format_bytes(self.nbytes)}{', transposed' if self.transposed else ''})")
+
+    def _repr_html_(self) -> str:
+        settings = [(key, value) for key, value in self.info().items() if key != "bytes"]
+        settings.append(("transposed", self.transposed))
+        tensors = [(role, str(t.dtype).removeprefix("torch."), list(t.shape), _tensor_bytes(t))
+                   for role, t in self.tensors().items()]
+        return html_section(
+            f"PackedModule ({format_bytes(self.nbytes)})",
+            delta_table_html(settings, columns=["setting", "value"]),
+            delta_table_html(tensors, columns=["tensor", "dtype", "shape", "bytes"]),
+        )
 
 
-
-@dataclass
+@dataclass(repr=False)
 class CompressedDelta:
     """A compressed fine-tune: packed module deltas, exactly stored parameters and metadata.
 
@@ -198,9 +236,11 @@ class CompressedDelta:
         header = dict(self.header)
         header.setdefault("library_version", __version__)
         header["config"] = self.config.to_dict()
-        header.setdefault("extra", {})
-        write_dz(directory / DZ_FILENAME, tensors, records, params, header, self.config.zstd_level, num_threads)
-        self.config.save_pretrained(directory)
+        header["extra"] = {**header.get("extra", {}), **self._summary_to_save()}
+        dz_bytes = write_dz(directory / DZ_FILENAME, tensors, records, params, header, self.config.zstd_level,
+                            num_threads)
+        config_path = self.config.save_pretrained(directory)
+        self._note_stored_bytes(dz_bytes + config_path.stat().st_size)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(directory)
         if self.generation_config is not None:
@@ -208,15 +248,93 @@ class CompressedDelta:
         return directory
 
     @classmethod
-    def from_pretrained(cls, path: Union[str, os.PathLike], **hub_kwargs) -> "CompressedDelta":
-        """Read a delta folder (or Hub id) fully into memory."""
+    def from_pretrained(cls, path: Union[str, os.PathLike], *, progress: Optional[bool] = None,
+                        **hub_kwargs) -> "CompressedDelta":
+        """Read a delta folder (or Hub id) fully into memory.
+
+        ``progress``: show a tqdm bar while tensors are decoded (``None``: only on a terminal).
+        """
         folder = resolve_delta_folder(path, **hub_kwargs)
         with DeltaZipFile(folder / DZ_FILENAME) as dz:
-            header = dict(dz.header)
-            config = load_folder_config(folder, header)
-            modules = {name: PackedModule.from_record(rec, dz.module_tensors(name)) for name, rec in dz.modules.items()}
-            params = {name: dz.get_tensor(t) for name, t in dz.params.items()}
-        return cls(config=config, modules=modules, params=params, header=header)
+            header = dz.header
+            config = load_folder_config(folder, header)  # the header is the truth: a contradicting JSON is refused
+            modules, params = read_packed(dz, progress=progress, desc=f"reading {folder.name}")
+        delta = cls(config=config, modules=modules, params=params, header=header)
+        cls._restore_summary(delta, folder)
+        return delta
+
+    # ------------------------------------------------------------------ summary
+    def _summary_to_save(self) -> dict:
+        saved = {key: self.summary[key] for key in _SAVED_SUMMARY_KEYS if self.summary.get(key) not in (None, {})}
+        return {"summary": saved} if saved else {}
+
+    def _note_stored_bytes(self, stored: int) -> None:
+        fp16 = self.summary.get("finetune_fp16_bytes")
+        self.summary.update(stored_bytes=stored, ratio=fp16 / stored if fp16 else None)
+
+    def _restore_summary(self, folder: Path) -> None:
+        """Fill ``summary`` of a delta read from ``folder``: what the compressor saved, what the records give."""
+        saved = self.header.get("extra", {}).get("summary", {})
+        self.summary.update({key: saved[key] for key in _SAVED_SUMMARY_KEYS if key in saved})
+        self._note_stored_bytes((folder / DZ_FILENAME).stat().st_size + (folder / CONFIG_NAME).stat().st_size)
+
+    def _derived_summary(self) -> dict:
+        """The parts of ``summary`` that the modules, params and header determine."""
+        packed = sum(m.nbytes for m in self.modules.values())
+        exact = sum(_tensor_bytes(t) for t in self.params.values())
+        n_params = int(self.header.get("extra", {}).get("finetune_num_params", 0))
+        return {
+            "packed_bytes": packed,
+            "exact_param_bytes": exact,
+            "finetune_fp16_bytes": 2 * n_params if n_params else None,
+            "ratio_before_zstd": 2 * n_params / max(1, packed + exact) if n_params else None,
+            "relative_error": {},
+            "modules": {name: mod.info() for name, mod in self.modules.items()},
+        }
+
+    def bytes_by_category(self) -> dict:
+        """Bytes in memory (decoded, before zstd) by category: linear deltas, scales and zeros, masks, ..."""
+        return categorize_bytes(
+            ((m.kind, {role: _tensor_bytes(t) for role, t in m.tensors().items()}) for m in self.modules.values()),
+            (_tensor_bytes(t) for t in self.params.values()),
+        )
+
+    # ------------------------------------------------------------------ display
+    def _overview(self) -> list:
+        s = self.summary
+        base = self.header.get("base_model") or "?"
+        total = s["packed_bytes"] + s["exact_param_bytes"]
+        ratio = format_ratio(s["ratio_before_zstd"]) + " before zstd"
+        if s.get("stored_bytes"):
+            ratio += f", {format_ratio(s.get('ratio'))} on disk ({format_bytes(s['stored_bytes'])})"
+        rows = [("base", base), ("model type", self.header.get("model_type") or "?"),
+                ("contents", f"{len(self.modules)} modules, {len(self.params)} exact parameters"),
+                ("bytes", f"{format_bytes(total)} in memory"), ("ratio", ratio)]
+        errors = s.get("relative_error") or {}
+        if errors:
+            worst = max(errors, key=errors.get)
+            rows.append(("error", f"mean {sum(errors.values()) / len(errors):.4g}, worst {errors[worst]:.4g} ({worst})"))
+        return rows
+
+    def __repr__(self) -> str:
+        cats = ", ".join(f"{cat} {format_bytes(n)}" for cat, n in self.bytes_by_category().items() if n)
+        rows = [("config", repr(self.config)), *self._overview()]
+        width = max(len(key) for key, _ in rows) + 2
+        lines = [f"  {key + ':':<{width}}{value}" + (f" ({cats})" if key == "bytes" and cats else "")
+                 for key, value in rows]
+        return f"{type(self).__name__}(\n" + "\n".join(lines) + "\n)"
+
+    def _repr_html_(self) -> str:
+        cats = self.bytes_by_category()
+        total = sum(cats.values()) or 1
+        settings = [(name, repr(value)) for name, value in self.config.key_settings().items()]
+        return html_section(
+            type(self).__name__,
+            delta_table_html(self._overview()),
+            delta_table_html(settings, columns=["setting", "value"], caption="settings"),
+            delta_table_html([(cat, n, f"{100 * n / total:.1f}%") for cat, n in cats.items()],
+                             columns=["category", "bytes", "share"], caption="bytes by category (in memory)"),
+        )
 
     def push_to_hub(self, repo_id: str, *, private: Optional[bool] = None, revision: Optional[str] = None,
                     commit_message: Optional[str] = None, token: Optional[str] = None,
@@ -237,6 +355,54 @@ class CompressedDelta:
 
 
 
+def _get_summary(self) -> dict:
+    summary = self.__dict__["_summary"]
+    if "modules" not in summary:
+        for key, value in self._derived_summary().items():
+            summary.setdefault(key, value)
+    return summary
+
+
+def _set_summary(self, value: dict) -> None:
+    if not isinstance(value, dict):
+        raise TypeError(f"summary must be a dict, got {type(value).__name__}")
+    self.__dict__["_summary"] = value
+
+
+CompressedDelta.summary = property(_get_summary, _set_summary, doc=(
+    "What the compression did: bytes (``packed_bytes``, ``exact_param_bytes``, ``ratio_before_zstd``; after a "
+    "save or load ``stored_bytes`` and ``ratio``), ``modules`` (name -> :meth:`PackedModule.info`) and the "
+    "compressor's ``seconds``, ``device`` and per-module ``relative_error`` (kept in the file since "
+    "hf-deltazip 0.1; older files give ``{}``)."
+))
+
+
+def read_packed(dz: DeltaZipFile, *, num_threads: Optional[int] = None, pin_memory: bool = False,
+                progress: Optional[bool] = None, desc: str = "reading delta") -> tuple[dict, dict]:
+    """Decode every module and exactly stored parameter of an open ``.dz`` file.
+
+    Tensors are decoded in parallel threads (:meth:`DeltaZipFile.read_tensors`), a slice at a time so
+    that a tqdm bar (in decoded bytes) can follow; ``progress=None`` shows it only on a terminal.
+
+    Returns:
+        ``(modules, params)``: module name -> :class:`PackedModule`, parameter name -> tensor.
+    """
+    names = list(dz.tensors)
+    step = max(16, math.ceil(len(names) / 20))
+    tensors = {}
+    total = sum(rec.nbytes for rec in dz.tensors.values())
+    with tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=None if progress is None else not progress,
+              leave=False) as bar:
+        for i in range(0, len(names), step):
+            got = dz.read_tensors(names[i : i + step], num_threads=num_threads, pin_memory=pin_memory)
+            tensors.update(got)
+            bar.update(sum(dz.tensors[n].nbytes for n in got))
+    modules = {name: PackedModule.from_record(rec, {role: tensors[t] for role, t in rec.tensors.items()})
+               for name, rec in dz.modules.items()}
+    params = {name: tensors[t] for name, t in dz.params.items()}
+    return modules, params
+
+
 def resolve_delta_folder(path_or_id: Union[str, os.PathLike], **hub_kwargs) -> Path:
     """A local delta folder as it is, or a Hub repo id downloaded through huggingface_hub's cache."""
     p = Path(path_or_id)
@@ -251,46 +417,6 @@ def resolve_delta_folder(path_or_id: Union[str, os.PathLike], **hub_kwargs) -> P
     from .hub import download_delta
 
     return Path(download_delta(str(path_or_id), **hub_kwargs))
-
-
-def load_folder_config(folder: Union[str, os.PathLike], header: Mapping) -> DeltaZipConfig:
-    """The config of a delta folder, after checking ``deltazip_config.json`` against the ``.dz`` header.
-
-    ``header`` is the ``DeltaZipFile.header`` of the folder's ``delta.dz``. Its ``config`` entry is the
-    config the delta was compressed with and is the truth; ``deltazip_config.json`` is a copy for tools
-    that do not read ``.dz`` files. A setting in the JSON that contradicts the header is refused, so
-    nothing ever reports settings the delta does not have.
-
-    Returns:
-        The header's config (the JSON's only when the header records none).
-
-    Raises:
-        DeltaZipFormatError: the JSON contradicts the header (the message names both values), or the
-            header's config is invalid.
-        DeltaZipConfigError: ``deltazip_config.json`` is missing, not JSON, or holds invalid values.
-    """
-    folder = Path(folder)
-    config_path = folder / CONFIG_NAME
-    data = read_config_json(config_path)
-    in_json = DeltaZipConfig.from_dict(data)
-    recorded = header.get("config")
-    if recorded is None:
-        return in_json
-    try:
-        truth = DeltaZipConfig.from_dict(recorded)
-    except DeltaZipError as e:
-        raise DeltaZipFormatError(folder / DZ_FILENAME, f"the header's config is invalid ({e}); re-save the delta") from None
-    said, holds = in_json.to_dict(), truth.to_dict()
-    wrong = [key for key in data if key in holds and said[key] != holds[key]]
-    if wrong:
-        pairs = "; ".join(f"{key} is {said[key]!r} but {DZ_FILENAME} was compressed with {holds[key]!r}" for key in wrong)
-        fix = ", ".join(f"{key}={holds[key]!r}" for key in wrong)
-        raise DeltaZipFormatError(
-            config_path,
-            f"contradicts {DZ_FILENAME}: {pairs}. The .dz header is what the delta holds: set {fix} in "
-            f"{CONFIG_NAME} (or download / save the delta again)",
-        )
-    return truth
 
 
 def resolve_recorded_base(header: Mapping) -> str:
@@ -343,43 +469,3 @@ def recorded_location(given, model) -> tuple:
     if path.exists():
         return str(path.resolve()), "local"
     return str(name), "hub"
-
-
-def delta_bytes_report(folder: Union[str, os.PathLike]) -> dict:
-    """Bytes by category of a saved delta, and its ratio to the fine-tune in 16-bit (docs/format.md, section 7)."""
-    folder = Path(folder)
-    dz_path = folder / DZ_FILENAME if folder.is_dir() else folder
-    cfg_bytes = (dz_path.parent / CONFIG_NAME).stat().st_size if (dz_path.parent / CONFIG_NAME).exists() else 0
-    cats = {"linear deltas": 0, "scales and zeros": 0, "masks": 0, "embeddings and head": 0, "other parameters": 0}
-    per_module = []
-    with DeltaZipFile(dz_path) as dz:
-        total = dz_path.stat().st_size + cfg_bytes
-        for name, rec in dz.modules.items():
-            stored = {role: dz.stored_bytes(t) for role, t in rec.tensors.items()}
-            if rec.kind == "embedding":
-                cats["embeddings and head"] += sum(stored.values())
-            else:
-                cats["linear deltas"] += stored["qweight"]
-                cats["scales and zeros"] += stored["scales"] + stored["zeros"]
-                cats["masks"] += stored.get("positions", 0) + stored.get("mask", 0)
-            per_module.append(
-                {"module": name, "kind": rec.kind, "shape": list(rec.shape), "bits": rec.bits,
-                 "group_size": rec.group_size, "sparsity": rec.sparsity, "bytes": sum(stored.values()),
-                 "bits_per_weight": 8 * sum(stored.values()) / (rec.shape[0] * rec.shape[1])}
-            )
-        for name, t in dz.params.items():
-            cats["other parameters"] += dz.stored_bytes(t)
-        header = dict(dz.header)
-    overhead = total - sum(cats.values())
-    n_params = int(header.get("extra", {}).get("finetune_num_params", 0))
-    fp16_bytes = 2 * n_params
-    return {
-        "path": str(dz_path),
-        "header": header,
-        "total_bytes": total,
-        "categories": cats,
-        "container_and_config_bytes": overhead,
-        "finetune_fp16_bytes": fp16_bytes,
-        "ratio": fp16_bytes / total if n_params else None,
-        "modules": per_module,
-    }

@@ -10,14 +10,48 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
+
+
+@contextlib.contextmanager
+def quiet_other_libraries():
+    """Turn off transformers' and huggingface_hub's progress bars and transformers' warnings, through
+    their own switches, and put each back as it was on exit."""
+    import huggingface_hub.utils as hub_utils
+    import transformers.utils.logging as hf_logging
+
+    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hub_bars = not hub_utils.are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    hub_utils.disable_progress_bars()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()  # which turns huggingface_hub's on too: restore those next
+        if hub_bars:
+            hub_utils.enable_progress_bars()
+        else:
+            hub_utils.disable_progress_bars()
 
 
 def run_demo(workdir: Path, size: str = "tiny", device: str = "cpu", log=print, base_steps=300, ft_steps=300,
-             keep: bool = True) -> dict:
+             keep: bool = True, progress: Optional[bool] = None) -> dict:
+    """Run the demo in ``workdir``; ``progress``: tqdm bars while training and compressing (``None``: only on
+    a terminal). Other libraries' progress bars and warnings are off while it runs."""
+    with quiet_other_libraries():
+        return _run_demo(workdir, size, device, log, base_steps, ft_steps, keep, progress)
+
+
+def _run_demo(workdir, size, device, log, base_steps, ft_steps, keep, progress) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -42,7 +76,7 @@ def run_demo(workdir: Path, size: str = "tiny", device: str = "cpu", log=print, 
             shutil.copytree(first / "tokenizer", out / "tokenizer")
         log(f"[{time.perf_counter() - t0:5.1f}s] building the base and the {task!r} fine-tune ({size}) in {out}")
         pairs[task] = build_pair(out, arch="llama", size=size, task=task, device=device,
-                                 base_steps=base_steps, ft_steps=ft_steps)
+                                 base_steps=base_steps, ft_steps=ft_steps, progress=progress)
         first = first or out
 
     results = {}
@@ -52,7 +86,8 @@ def run_demo(workdir: Path, size: str = "tiny", device: str = "cpu", log=print, 
         tok = pair.load_tokenizer()
         calib = pair.calibration_texts(64)  # disjoint from the held-out examples
         log(f"[{time.perf_counter() - t0:5.1f}s] compressing the {task!r} delta: bits={config.bits}, sparsity={config.sparsity}")
-        delta = compress(pair.base_dir, pair.finetuned_dir, config, calibration=calib, tokenizer=tok, progress=False)
+        delta = compress(pair.base_dir, pair.finetuned_dir, config, calibration=calib, tokenizer=tok,
+                         progress=progress if progress is not None else sys.stderr.isatty())
         folder = workdir / f"delta-{task}"
         delta.save_pretrained(folder)
         deltas[task] = folder
@@ -120,11 +155,12 @@ def run_demo(workdir: Path, size: str = "tiny", device: str = "cpu", log=print, 
 
 
 def cmd_demo(args) -> int:
+    progress = False if args.no_progress else None
     if args.workdir:
-        run_demo(Path(args.workdir), size=args.size, device=args.device)
+        run_demo(Path(args.workdir), size=args.size, device=args.device, progress=progress)
         return 0
     with tempfile.TemporaryDirectory(prefix="deltazip-demo-") as tmp:
-        run_demo(Path(tmp), size=args.size, device=args.device, keep=False)
+        run_demo(Path(tmp), size=args.size, device=args.device, keep=False, progress=progress)
     return 0
 
 
@@ -135,4 +171,6 @@ def add_parser(sub) -> None:
     p.add_argument("--workdir", help="keep the models and deltas here (default: a temporary folder)")
     p.add_argument("--size", default="tiny", help="model size preset: tiny (CPU, ~1 min), small (CPU minutes)")
     p.add_argument("--device", default="cpu", type=device_type, help="cpu (default), cuda, cuda:1, ...")
+    p.add_argument("--no-progress", dest="no_progress", action="store_true",
+                   help="no progress bars (they are shown only on a terminal anyway)")
     p.set_defaults(func=cmd_demo)

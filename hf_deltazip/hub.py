@@ -597,7 +597,7 @@ def _hub_error(
 # --- push with a generated card -----------------------------------------------------------------
 def delta_card_data(folder: str | os.PathLike, repo_id: str, quality: Mapping[str, Any] | None = None) -> dict:
     """The facts :func:`render_model_card` shows, read from a saved delta folder."""
-    from .delta import delta_bytes_report, load_folder_config
+    from .format.folder import delta_bytes_report, load_folder_config
 
     report = delta_bytes_report(folder)
     header = report["header"]

@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tqdm.auto import tqdm
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -501,6 +502,7 @@ def build_pair(
     n_eval: int | None = None,
     evaluate: bool = True,
     log: Callable[[str], None] | None = None,
+    progress: bool | None = None,
 ) -> Pair:
     """Build (or reuse) a base / full fine-tune pair in ``out_dir``.
 
@@ -529,6 +531,7 @@ def build_pair(
         n_eval: held-out examples (default: the size's recipe).
         evaluate: score base and fine-tune into ``pair.info["scores"]`` (exact match, NLL).
         log: called with progress lines (default: silent).
+        progress: a tqdm bar per training run (``None``: only when stderr is a terminal).
 
     Returns:
         The :class:`Pair`.
@@ -571,7 +574,7 @@ def build_pair(
         base = tiny_model(arch, len(tokenizer), seed=seed, size=size)
         t0 = time.perf_counter()
         batches = _lm_batches(tokenizer, seed, settings["base_steps"], preset["base_batch"], preset["seq_len"])
-        _train(base, batches, settings["base_steps"], preset["base_lr"], 0.1, device, say, "base")
+        _train(base, batches, settings["base_steps"], preset["base_lr"], 0.1, device, say, "base", progress)
         timings["base_train_s"] = time.perf_counter() - t0
         base.to("cpu").save_pretrained(base_dir)
         tokenizer.save_pretrained(base_dir)
@@ -593,7 +596,7 @@ def build_pair(
     resize_embeddings(ft, len(ft_tokenizer), seed=seed)
     t0 = time.perf_counter()
     batches = _task_batches(ft_tokenizer, task, seed, vocab_added, preset["ft_batch"], {ex.prompt for ex in eval_examples})
-    _train(ft, batches, settings["ft_steps"], preset["ft_lr"], 0.0, device, say, "finetune")
+    _train(ft, batches, settings["ft_steps"], preset["ft_lr"], 0.0, device, say, "finetune", progress)
     timings["ft_train_s"] = time.perf_counter() - t0
     ft.to("cpu")
     ft.generation_config.eos_token_id = ft_tokenizer.eos_token_id
@@ -713,7 +716,8 @@ def _task_batches(tokenizer, task: str, seed: int, vocab_added: int, batch: int,
         yield ids, mask, weights
 
 
-def _train(model, batches: Iterator[Batch], steps: int, lr: float, weight_decay: float, device, say, name: str) -> None:
+def _train(model, batches: Iterator[Batch], steps: int, lr: float, weight_decay: float, device, say, name: str,
+           progress: bool | None = None) -> None:
     """AdamW, linear warm-up then cosine decay to 10 %, gradient clipping at 1; the loss is the
     weighted mean next-token NLL."""
     model.to(device).train()
@@ -733,7 +737,9 @@ def _train(model, batches: Iterator[Batch], steps: int, lr: float, weight_decay:
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    for step in range(steps):
+    bar = tqdm(range(steps), desc=f"training {name}", unit="step", leave=False,
+               disable=None if progress is None else not progress)
+    for step in bar:
         ids, mask, weights = (t.to(device) for t in next(batches))
         with autocast:
             logits = model(input_ids=ids, attention_mask=mask).logits
@@ -745,6 +751,7 @@ def _train(model, batches: Iterator[Batch], steps: int, lr: float, weight_decay:
         opt.zero_grad(set_to_none=True)
         sched.step()
         if step % max(1, steps // 10) == 0 or step == steps - 1:
+            bar.set_postfix(loss=f"{loss.item():.4f}")
             say(f"{name} step {step + 1}/{steps} loss {loss.item():.4f}")
     model.eval()
 

@@ -1,0 +1,110 @@
+"""Delta folders on disk: reading their config against the header, and what their bytes are spent on.
+
+A delta folder holds ``delta.dz`` (the container, :mod:`.container`) and ``deltazip_config.json`` (a copy
+of the config for tools that do not read ``.dz`` files; the header's config is the truth).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping, Union
+
+from ..config import CONFIG_NAME, DeltaZipConfig, read_config_json
+from ..errors import DeltaZipError, DeltaZipFormatError
+from .container import DZ_FILENAME, DeltaZipFile
+
+__all__ = ["BYTE_CATEGORIES", "categorize_bytes", "load_folder_config", "delta_bytes_report"]
+
+# How the bytes of a delta split up (docs/format.md, section 7).
+BYTE_CATEGORIES = ("linear deltas", "scales and zeros", "masks", "embeddings and head", "other parameters")
+def categorize_bytes(modules, param_bytes) -> dict:
+    """Bytes by category of a delta.
+
+    Args:
+        modules: ``(kind, {role: bytes})`` of each compressed module.
+        param_bytes: bytes of each exactly stored parameter.
+    """
+    cats = dict.fromkeys(BYTE_CATEGORIES, 0)
+    for kind, stored in modules:
+        if kind == "embedding":
+            cats["embeddings and head"] += sum(stored.values())
+        else:
+            cats["linear deltas"] += stored["qweight"]
+            cats["scales and zeros"] += stored["scales"] + stored["zeros"]
+            cats["masks"] += stored.get("positions", 0) + stored.get("mask", 0)
+    cats["other parameters"] += sum(param_bytes)
+    return cats
+
+
+def load_folder_config(folder: Union[str, os.PathLike], header: Mapping) -> DeltaZipConfig:
+    """The config of a delta folder, after checking ``deltazip_config.json`` against the ``.dz`` header.
+
+    ``header`` is the ``DeltaZipFile.header`` of the folder's ``delta.dz``. Its ``config`` entry is the
+    config the delta was compressed with and is the truth; ``deltazip_config.json`` is a copy for tools
+    that do not read ``.dz`` files. A setting in the JSON that contradicts the header is refused, so
+    nothing ever reports settings the delta does not have.
+
+    Returns:
+        The header's config (the JSON's only when the header records none).
+
+    Raises:
+        DeltaZipFormatError: the JSON contradicts the header (the message names both values), or the
+            header's config is invalid.
+        DeltaZipConfigError: ``deltazip_config.json`` is missing, not JSON, or holds invalid values.
+    """
+    folder = Path(folder)
+    config_path = folder / CONFIG_NAME
+    data = read_config_json(config_path)
+    in_json = DeltaZipConfig.from_dict(data)
+    recorded = header.get("config")
+    if recorded is None:
+        return in_json
+    try:
+        truth = DeltaZipConfig.from_dict(recorded)
+    except DeltaZipError as e:
+        raise DeltaZipFormatError(folder / DZ_FILENAME, f"the header's config is invalid ({e}); re-save the delta") from None
+    said, holds = in_json.to_dict(), truth.to_dict()
+    wrong = [key for key in data if key in holds and said[key] != holds[key]]
+    if wrong:
+        pairs = "; ".join(f"{key} is {said[key]!r} but {DZ_FILENAME} was compressed with {holds[key]!r}" for key in wrong)
+        fix = ", ".join(f"{key}={holds[key]!r}" for key in wrong)
+        raise DeltaZipFormatError(
+            config_path,
+            f"contradicts {DZ_FILENAME}: {pairs}. The .dz header is what the delta holds: set {fix} in "
+            f"{CONFIG_NAME} (or download / save the delta again)",
+        )
+    return truth
+
+
+def delta_bytes_report(folder: Union[str, os.PathLike]) -> dict:
+    """Bytes by category of a saved delta, and its ratio to the fine-tune in 16-bit (docs/format.md, section 7)."""
+    folder = Path(folder)
+    dz_path = folder / DZ_FILENAME if folder.is_dir() else folder
+    cfg_bytes = (dz_path.parent / CONFIG_NAME).stat().st_size if (dz_path.parent / CONFIG_NAME).exists() else 0
+    per_module, stored_by_module = [], []
+    with DeltaZipFile(dz_path) as dz:
+        total = dz_path.stat().st_size + cfg_bytes
+        for name, rec in dz.modules.items():
+            stored = {role: dz.stored_bytes(t) for role, t in rec.tensors.items()}
+            stored_by_module.append((rec.kind, stored))
+            per_module.append(
+                {"module": name, "kind": rec.kind, "shape": list(rec.shape), "bits": rec.bits,
+                 "group_size": rec.group_size, "sparsity": rec.sparsity, "bytes": sum(stored.values()),
+                 "bits_per_weight": 8 * sum(stored.values()) / (rec.shape[0] * rec.shape[1])}
+            )
+        cats = categorize_bytes(stored_by_module, [dz.stored_bytes(t) for t in dz.params.values()])
+        header = dict(dz.header)
+    overhead = total - sum(cats.values())
+    n_params = int(header.get("extra", {}).get("finetune_num_params", 0))
+    fp16_bytes = 2 * n_params
+    return {
+        "path": str(dz_path),
+        "header": header,
+        "total_bytes": total,
+        "categories": cats,
+        "container_and_config_bytes": overhead,
+        "finetune_fp16_bytes": fp16_bytes,
+        "ratio": fp16_bytes / total if n_params else None,
+        "modules": per_module,
+    }

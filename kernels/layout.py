@@ -25,6 +25,7 @@ of the launch, each a pure function:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -210,8 +211,6 @@ def prepare_stack(stack, block: Optional[int] = None, densify: bool = True):
     :func:`planar_block_for`'s choice). A stack that already has a kernel layout, or whose shape
     allows none, comes back unchanged.
     """
-    from .delta_stack import DeltaStack
-
     if stack.layout_block:
         return stack
     fmt = kernel_stack_format(stack.bits, stack.group_size, stack.in_features, stack.sparse_2of4, densify, block)
@@ -220,8 +219,8 @@ def prepare_stack(stack, block: Optional[int] = None, densify: bool = True):
     q = pack_for_stack(fmt, stack.qweight, stack.positions, stack.zeros, stack.bits, stack.group_size,
                        stack.in_features)
     pos = stack.positions if fmt.has_positions else None
-    return DeltaStack(q, stack.scales, stack.zeros, pos, stack.bits, stack.group_size, stack.in_features,
-                      layout_block=fmt.layout_block)
+    # a stack of the same type, re-laid out (DeltaStack validates the new layout)
+    return dataclasses.replace(stack, qweight=q, positions=pos, layout_block=fmt.layout_block)
 
 
 # --------------------------------------------------------------------------- row segments

@@ -266,7 +266,8 @@ def _semaphores(device: torch.device, count: int) -> torch.Tensor:
     return buf
 
 
-def _kernel(name: str = "multi_delta_linear_kernel"):
+def triton_kernel(name: str = "multi_delta_linear_kernel"):
+    """The compiled Triton kernel ``name`` (interpreted under ``TRITON_INTERPRET=1``); imports Triton on first use."""
     from . import _multi_delta_triton as mod  # triton is imported here, on first use
 
     kern = getattr(mod, name)
@@ -401,7 +402,7 @@ def _launch_planar(x, base_weight, bias, stack, segments, out, cfg: MultiDeltaCo
     fast = cfg.fast_dequant and not _interpreting() and magic in (1, 2) and not (magic == 2 and bits == 8)
     u_count = stack.num_deltas
     q, s, z = (stack.qweight, stack.scales, stack.zeros) if u_count > 0 else (x, x, x)
-    kern = _kernel("planar_delta_linear_kernel")
+    kern = triton_kernel("planar_delta_linear_kernel")
     kern[(n_tiles * n_rblocks * split,)](
         x, base_weight, bias if bias is not None else out, q, s, z, segments, lut if lut is not None else segments,
         out, ws, cnt,
@@ -457,7 +458,7 @@ def _launch(x, base_weight, bias, stack, row_delta, out, cfg: MultiDeltaConfig):
     ew = 16 if (cfg.wide_elements and bits != 3 and slots // per_elem16 >= 16 and stack.qweight.shape[2] % 2 == 0
                 and not (sparse and per_elem16 == 8)) else 8
     kq = stack.kept_features
-    kern = _kernel()
+    kern = triton_kernel()
     kern[grid](
         x, base_weight, bias if bias is not None else out, q, s, z, pos, row_delta, perm,
         out, ws, cnt,

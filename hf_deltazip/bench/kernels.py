@@ -643,7 +643,7 @@ def _planar_cubin(bits: int, cfg, block: int, dtype: str = "bf16", group_size: i
     K = _kernels()
     import importlib
 
-    fn = K.multi_delta._kernel("planar_delta_linear_kernel")  # compiled, not interpreted (reloads if needed)
+    fn = K.multi_delta.triton_kernel("planar_delta_linear_kernel")  # compiled, not interpreted (reloads if needed)
     tmod = importlib.import_module(K.__name__ + "._multi_delta_triton")
     magic = 1 if dtype == "fp16" else 2
     planes = 16 // bits

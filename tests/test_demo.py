@@ -6,7 +6,7 @@ import torch
 from hf_deltazip import DeltaModel
 from hf_deltazip.bench.metrics import mean_token_nll
 from hf_deltazip.bench.pairs import load_pair
-from hf_deltazip.demo import run_demo
+from hf_deltazip.bench.demo import run_demo
 
 
 def test_demo_runs_end_to_end_and_reports_what_it_measured(tmp_path):

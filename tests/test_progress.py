@@ -7,7 +7,7 @@ import transformers.utils.logging as hf_logging
 
 from hf_deltazip.bench import pairs
 from hf_deltazip.delta import CompressedDelta
-from hf_deltazip.demo import quiet_other_libraries
+from hf_deltazip.bench.demo import quiet_other_libraries
 
 from dz_factory import small_delta
 from model_factory import VOCAB, base_model

@@ -8,8 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from ._version import __version__
-from .errors import DeltaZipError
+from .._version import __version__
+from ..errors import DeltaZipError
 
 
 def _fmt_bytes(n: float) -> str:
@@ -22,10 +22,10 @@ def _fmt_bytes(n: float) -> str:
 
 # --------------------------------------------------------------------------- info
 def cmd_info(args) -> int:
-    from .config import CONFIG_NAME
-    from .format.folder import delta_bytes_report, load_folder_config
-    from .errors import DeltaZipFormatError
-    from .format import DeltaZipFile
+    from ..config import CONFIG_NAME
+    from ..format.folder import delta_bytes_report, load_folder_config
+    from ..errors import DeltaZipFormatError
+    from ..format import DeltaZipFile
 
     path = Path(args.path)
     if not path.exists():
@@ -94,13 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_more_commands(sub) -> None:
     """Subcommands that live with the code they drive."""
-    for mod_name in ("compress_cli", "demo", "hub_cli", "bench_cli"):
-        try:
-            mod = __import__(f"hf_deltazip.{mod_name}", fromlist=["add_parser"])
-        except ModuleNotFoundError as e:
-            if e.name != f"hf_deltazip.{mod_name}":
-                raise
-            continue
+    from . import bench, compress, demo, push
+
+    for mod in (compress, demo, push, bench):
         mod.add_parser(sub)
 
 

@@ -8,11 +8,11 @@ import sys
 
 def cmd_bench(args) -> int:
     if args.which == "quality":
-        from .bench.quality import main
+        from ..bench.quality import main
     elif args.which == "serve":
-        from .bench.serve import main
+        from ..bench.serve import main
     else:
-        from .bench.kernels import main
+        from ..bench.kernels import main
     try:
         return int(main(args.rest) or 0)
     except RuntimeError as e:  # e.g. a GPU benchmark on a machine without one

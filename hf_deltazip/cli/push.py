@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .errors import DeltaZipError
+from ..errors import DeltaZipError
 
 
 def _quality(text: str) -> dict:
@@ -18,7 +18,7 @@ def _quality(text: str) -> dict:
 
 
 def cmd_push(args) -> int:
-    from .hub import push_delta_folder
+    from ..hub import push_delta_folder
 
     quality = _quality(args.quality) if args.quality else None
     info = push_delta_folder(args.folder, args.repo_id, private=args.private or None, revision=args.revision,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .errors import DeltaZipError
+from ..errors import DeltaZipError
 
 
 def _sparsity(value: str):
@@ -33,9 +33,9 @@ def device_type(value: str) -> str:
 
 
 def cmd_compress(args) -> int:
-    from .compression import compress
-    from .config import DeltaZipConfig, read_config_json
-    from .format.folder import delta_bytes_report
+    from ..compression import compress
+    from ..config import DeltaZipConfig, read_config_json
+    from ..format.folder import delta_bytes_report
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -55,12 +54,12 @@ def _run_demo(workdir, size, device, log, base_steps, ft_steps, keep, progress) 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .bench.metrics import exact_match, gain_kept, mean_token_nll
-    from .bench.pairs import build_pair
-    from .compression import compress
-    from .config import DeltaZipConfig
-    from .delta import delta_bytes_report
-    from .modeling import DeltaModel
+    from .metrics import exact_match, gain_kept, mean_token_nll
+    from .pairs import build_pair
+    from ..compression import compress
+    from ..config import DeltaZipConfig
+    from ..format.folder import delta_bytes_report
+    from ..modeling import DeltaModel
 
     t0 = time.perf_counter()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -152,25 +151,3 @@ def _run_demo(workdir, size, device, log, base_steps, ft_steps, keep, progress) 
     where = f"files in {workdir}" if keep else "the temporary files are removed (pass --workdir to keep them)"
     log(f"\ndone in {time.perf_counter() - t0:.1f}s; {where}")
     return {"results": results, "generations": generations, "seconds": time.perf_counter() - t0}
-
-
-def cmd_demo(args) -> int:
-    progress = False if args.no_progress else None
-    if args.workdir:
-        run_demo(Path(args.workdir), size=args.size, device=args.device, progress=progress)
-        return 0
-    with tempfile.TemporaryDirectory(prefix="deltazip-demo-") as tmp:
-        run_demo(Path(tmp), size=args.size, device=args.device, keep=False, progress=progress)
-    return 0
-
-
-def add_parser(sub) -> None:
-    from .compress_cli import device_type
-
-    p = sub.add_parser("demo", help="the offline demo: two fine-tunes, compressed, served in one batch")
-    p.add_argument("--workdir", help="keep the models and deltas here (default: a temporary folder)")
-    p.add_argument("--size", default="tiny", help="model size preset: tiny (CPU, ~1 min), small (CPU minutes)")
-    p.add_argument("--device", default="cpu", type=device_type, help="cpu (default), cuda, cuda:1, ...")
-    p.add_argument("--no-progress", dest="no_progress", action="store_true",
-                   help="no progress bars (they are shown only on a terminal anyway)")
-    p.set_defaults(func=cmd_demo)

@@ -34,8 +34,9 @@ from .packing import (
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 # The parts of ``CompressedDelta.summary`` that only the compressor knows; saved in the header's
-# ``extra.summary`` so a delta read back from disk has them too.
-_SAVED_SUMMARY_KEYS = ("seconds", "device", "relative_error", "steps", "layers")
+# ``extra.summary`` so a delta read back from disk has them too. Timings are not saved: the same
+# inputs must give the same file, byte for byte.
+_SAVED_SUMMARY_KEYS = ("device", "relative_error")
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:

@@ -92,12 +92,12 @@ def test_bad_device_and_quality_are_refused_before_any_work(tmp_path, capsys):
 
 
 def test_unexpected_errors_are_one_line_unless_debugging(folder, monkeypatch, capsys):
-    import hf_deltazip.delta as delta
+    import hf_deltazip.format.folder as folder_module
 
     def broken(path):
         raise RuntimeError("something\nunexpected")
 
-    monkeypatch.setattr(delta, "delta_bytes_report", broken)
+    monkeypatch.setattr(folder_module, "delta_bytes_report", broken)
     monkeypatch.delenv("DELTAZIP_DEBUG", raising=False)
     assert main(["info", str(folder)]) == 2
     line = one_line_error(capsys.readouterr().err)

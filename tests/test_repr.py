@@ -84,13 +84,15 @@ def test_delta_html_has_a_table_of_bytes_by_category(compressed):
 
 
 def test_summary_survives_a_save_and_load(compressed, tmp_path):
-    before = {k: v for k, v in compressed.summary.items() if k not in ("stored_bytes", "ratio")}
+    timings = ("seconds", "steps", "layers")  # not saved: the same inputs give the same file
+    before = {k: v for k, v in compressed.summary.items() if k not in ("stored_bytes", "ratio", *timings)}
     assert set(before["relative_error"]) == set(compressed.modules)
     assert before["modules"]["model.layers.1.self_attn.q_proj"]["sparsity"] == "2:4"
     compressed.save_pretrained(tmp_path)
     again = CompressedDelta.from_pretrained(tmp_path)
     for key, value in before.items():
-        assert again.summary[key] == value, key  # per-module errors and layouts, bytes, time and device
+        assert again.summary[key] == value, key  # per-module errors and layouts, bytes and device
+    assert not set(timings) & set(again.summary)
     on_disk = (tmp_path / DZ_FILENAME).stat().st_size + (tmp_path / CONFIG_NAME).stat().st_size
     assert again.summary["stored_bytes"] == compressed.summary["stored_bytes"] == on_disk
     assert again.summary["ratio"] == pytest.approx(delta_bytes_report(tmp_path)["ratio"])

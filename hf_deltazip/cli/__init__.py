@@ -144,7 +144,3 @@ def _silence_stdout() -> None:
         os.close(devnull)
     except (OSError, ValueError):
         pass
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,16 +1,13 @@
 """``deltazip serve``: the OpenAI-compatible HTTP API, driven by the real ``openai`` client on 127.0.0.1.
 
-Tiny llama base, three compressed fine-tunes (d3 carries its own tokenizer with another chat template),
-a BPE tokenizer trained on the spot. Every answer is compared with ``DeltaModel.generate`` (greedy) on a
+The world of tests/serve_factory.py; every answer is compared with ``DeltaModel.generate`` (greedy) on a
 second DeltaModel that the server does not touch.
 """
 
 import asyncio
-import copy
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,74 +15,22 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 fastapi = pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from hf_deltazip import DeltaModel, DeltaZipConfig, compress  # noqa: E402
-from hf_deltazip.bench.pairs import build_tokenizer, tiny_model  # noqa: E402
 from hf_deltazip.serving import DeltaServer  # noqa: E402
 from hf_deltazip.serving.openai_api import OpenAIService, ServeSettings  # noqa: E402
 from hf_deltazip.serving.openai_app import LocalBackend, create_app, serve_in_thread  # noqa: E402
 
-VOCAB = 300
-KEY = "sk-test"
-BASE = "tiny-base"
-D3_TEMPLATE = ("{% for m in messages %}<|system|>{{ m['content'] }}<|eos|>{% endfor %}"
-               "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
-
-def nudged(base, seed, scale=0.05):
-    """A 'fine-tune': the base plus seeded noise everywhere (enough to change greedy answers)."""
-    ft = copy.deepcopy(base)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in ft.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * scale)
-    return ft
+from serve_factory import BASE, KEY, VOCAB, build_world, chat_ids, expected, free_port  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    root = tmp_path_factory.mktemp("http")
-    tok = build_tokenizer(save_dir=root / "tok", vocab_size=VOCAB)
-    base = tiny_model("llama", vocab_size=VOCAB, seed=0, hidden_size=64, num_layers=2)
-    base.save_pretrained(root / "base")
-    tok.save_pretrained(root / "base")
-    own = copy.deepcopy(tok)
-    own.chat_template = D3_TEMPLATE
-    calib = torch.randint(3, VOCAB, (4, 16), generator=torch.Generator().manual_seed(0))
-    for i in (1, 2, 3):
-        cfg = DeltaZipConfig(bits=4, group_size=32, n_samples=4, seq_len=16)
-        delta = compress(base, nudged(base, i), cfg, calibration=calib, progress=False,
-                         tokenizer=own if i == 3 else None)
-        delta.save_pretrained(root / f"d{i}")
-
-    def delta_model():
-        m = DeltaModel(copy.deepcopy(base))
-        for i in (1, 2, 3):
-            m.load_delta(root / f"d{i}", delta_name=f"d{i}", resident=False)
-        return m
-
-    return dict(root=root, tok=tok, own=own, delta_model=delta_model, reference=delta_model())
-
-
-def expected(world, ids, name, n):
-    """Greedy ``generate`` for one prompt, cut at end-of-sequence, decoded."""
-    model = world["reference"]
-    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                         delta_names=[name], max_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
-    if world["tok"].eos_token_id in out:
-        out = out[: out.index(world["tok"].eos_token_id)]
-    return world["tok"].decode(out, skip_special_tokens=True), len(out)
-
-
-def chat_ids(tok, text):
-    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return build_world(tmp_path_factory.mktemp("http"))
 
 
 def started(world, **server_kwargs):
@@ -310,6 +255,10 @@ def test_full_queue_answers_429_and_a_client_that_leaves_frees_its_row(world):
             with pytest.raises(openai.RateLimitError) as e:
                 c.completions.create(model=BASE, prompt="x", max_tokens=2)
             assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
+            for name in ("d1", "d2"):  # one decoding, one waiting for a row: neither may be pulled away
+                r = httpx.post(f"{url}/v1/deltas/unload", json={"name": name}, timeout=60,
+                               headers={"Authorization": f"Bearer {KEY}"})
+                assert r.status_code == 409 and error_of(r)["code"] == "model_in_use"
         # the streaming client left after one event: its row goes to the queued request
         t.join(60)
         assert queued["text"] == expected(world, world["tok"]("x")["input_ids"], "d2", 3)[0]
@@ -323,12 +272,6 @@ def test_full_queue_answers_429_and_a_client_that_leaves_frees_its_row(world):
 
 
 # ----------------------------------------------------------------------------------------- the command
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_the_serve_command_finishes_in_flight_requests_on_sigterm(world):
     root, port = world["root"], free_port()
     cmd = [sys.executable, "-m", "hf_deltazip.serving.openai_app", "--base", str(root / "base"),
@@ -347,9 +290,9 @@ def test_the_serve_command_finishes_in_flight_requests_on_sigterm(world):
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        want, n = expected(world, world["tok"]("x")["input_ids"], "d1", 100)
+        want, n = expected(world, world["tok"]("x")["input_ids"], "d1", 30)
         c = client(url)
-        stream = c.completions.create(model="d1", prompt="x", max_tokens=100, temperature=0, stream=True)
+        stream = c.completions.create(model="d1", prompt="x", max_tokens=30, temperature=0, stream=True)
         pieces = [next(iter(stream)).choices[0].text]
         proc.send_signal(signal.SIGTERM)  # mid-stream: uvicorn stops accepting and lets this request finish
         pieces += [ch.choices[0].text for ch in stream]
@@ -360,3 +303,16 @@ def test_the_serve_command_finishes_in_flight_requests_on_sigterm(world):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_the_http_benchmark_replays_a_trace_both_ways_with_the_same_answers(tmp_path):
+    from hf_deltazip.bench.http import main
+
+    out = tmp_path / "http.json"
+    assert main(["--shape", "tiny", "--layers", "1", "--device", "cpu", "--deltas", "2", "--requests", "6",
+                 "--rate", "200", "--prompt-len", "4", "--new-tokens", "4", "--batch", "4", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["same_answers"] and report["http_over_in_process_throughput"] > 0
+    for system in ("in-process", "http"):
+        r = report["results"][system]
+        assert r["completed"] == 6 and r["output_tokens"] == 24 and r["latency_p99_s"] >= r["latency_p50_s"] > 0

@@ -206,6 +206,8 @@ class OpenAIService:
         self.metrics = Metrics()
         self.max_length = server.engine.max_length if server.engine is not None else _context_of(self.model)
         self._tokenizers: dict = {}  # delta name -> its own tokenizer (absent: the base's)
+        self._in_flight: dict = {}  # delta name -> requests submitted and not finished (queued ones too)
+        self._in_flight_lock = threading.Lock()
         for name in self.model.deltas:
             self._find_tokenizer(name)
 
@@ -244,15 +246,45 @@ class OpenAIService:
         return {"id": name, "object": "model", "location": self.model.cache.state(name).value}
 
     def unload(self, name: str) -> dict:
-        """Forget a delta. 409 while requests use it."""
+        """Forget a delta. 409 while requests use it (decoding or waiting for a row)."""
         if name not in self.model.deltas:
             raise APIError(404, f"no delta named {name!r} is loaded", param="name", code="model_not_found")
-        try:
-            self.model.delete_delta(name)
-        except DeltaInUseError as e:
-            raise APIError(409, f"{e}", param="name", code="model_in_use") from None
+        with self._in_flight_lock:
+            busy = self._in_flight.get(name, 0)
+            try:
+                if busy:
+                    raise DeltaInUseError(f"{busy} requests for delta {name!r} are in flight")
+                self.model.delete_delta(name)
+            except DeltaInUseError as e:
+                raise APIError(409, f"{e}: unload it once they finish", param="name", code="model_in_use") from None
         self._tokenizers.pop(name, None)
         return {"id": name, "object": "model", "deleted": True}
+
+    def submit(self, job: _Job, on_token) -> tuple:
+        """Queue a validated job on the server: ``(future, cold)``, ``cold`` when its delta is not on the
+        device yet. Every :meth:`submit` is matched by one :meth:`release`."""
+        with self._in_flight_lock:  # counted as it is queued: unload() must not pull its delta from under it
+            try:
+                cold = job.delta is not None and self.model.cache.state(job.delta) is not Residency.DEVICE
+            except DeltaZipError:  # unloaded since the request was validated
+                raise APIError(404, f"The model '{job.model}' does not exist (it was just unloaded)", param="model",
+                               code="model_not_found") from None
+            try:
+                future = self.server.submit(job.ids, job.delta, on_token=on_token, max_new_tokens=job.max_tokens,
+                                            eos_token_id=job.tokenizer.eos_token_id, **job.sampling)
+            except QueueFullError as e:
+                raise APIError(429, f"{e}", type="rate_limit_exceeded", code="queue_full") from None
+            except DeltaZipError as e:  # the prompt does not fit after all
+                raise APIError(400, f"{e}") from None
+            self._in_flight[job.delta] = self._in_flight.get(job.delta, 0) + 1
+        if cold:
+            self.metrics.cold_load(job.model)
+        return future, cold
+
+    def release(self, job: _Job) -> None:
+        """The job is over (finished, failed or cancelled)."""
+        with self._in_flight_lock:
+            self._in_flight[job.delta] -= 1
 
     def gauges(self) -> dict:
         cache = self.model.cache
@@ -486,17 +518,7 @@ class _Run:
         self.first: Optional[float] = None
         self.reason: Optional[str] = None
         self.finished = False
-        self.cold = job.delta is not None and service.model.cache.state(job.delta) is not Residency.DEVICE
-        if self.cold:
-            service.metrics.cold_load(job.model)
-        eos = job.tokenizer.eos_token_id
-        try:
-            self.future = service.server.submit(job.ids, job.delta, on_token=self._on_token, max_new_tokens=job.max_tokens,
-                                                eos_token_id=eos, **job.sampling)
-        except QueueFullError as e:
-            raise APIError(429, f"{e}", type="rate_limit_exceeded", code="queue_full") from None
-        except DeltaZipError as e:  # the delta was unloaded meanwhile, or the prompt does not fit
-            raise APIError(400, f"{e}") from None
+        self.future, self.cold = service.submit(job, self._on_token)
 
     def _on_token(self, tokens: list, reason: Optional[str]) -> None:  # worker thread
         self.loop.call_soon_threadsafe(self.parts.put_nowait, (tokens, reason))
@@ -537,6 +559,7 @@ class _Run:
         self.reason = reason
         self.count = len(self.tokens)
         self.finished = True
+        self.service.release(self.job)
         summary = dict(model=self.job.model, prompt_tokens=len(self.job.ids), tokens=self.count,
                        ttft=None if self.first is None else self.first - self.job.arrived,
                        latency=time.perf_counter() - self.job.arrived, reason=reason, cold=self.cold)

@@ -316,3 +316,20 @@ def test_the_http_benchmark_replays_a_trace_both_ways_with_the_same_answers(tmp_
     for system in ("in-process", "http"):
         r = report["results"][system]
         assert r["completed"] == 6 and r["output_tokens"] == 24 and r["latency_p99_s"] >= r["latency_p50_s"] > 0
+
+
+def test_the_subcommand_registers_and_refuses_bad_delta_specs():
+    import argparse
+
+    from hf_deltazip.errors import DeltaZipError
+    from hf_deltazip.serving.openai_app import add_parser, cmd_serve
+
+    parser = argparse.ArgumentParser(prog="deltazip")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve", "--base", "b", "--delta", "chat=./c", "--delta", "code"])
+    assert args.func is cmd_serve and args.host == "127.0.0.1"
+    with pytest.raises(DeltaZipError, match="NAME=PATH"):
+        cmd_serve(args)
+    args = parser.parse_args(["serve", "--base", "b", "--delta", "a=./x", "--delta", "a=./y"])
+    with pytest.raises(DeltaZipError, match="given twice"):
+        cmd_serve(args)

@@ -1,7 +1,6 @@
 """DeltaServer hands out tokens as they are decoded, frees the row of a cancelled request and bounds its queue."""
 
 import copy
-import threading
 import time
 
 import pytest

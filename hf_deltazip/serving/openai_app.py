@@ -21,6 +21,7 @@ Example:
 import argparse
 import asyncio
 import hmac
+import importlib
 import json
 import logging
 import sys
@@ -207,7 +208,7 @@ def build_service(args) -> OpenAIService:
     from ..modeling import DeltaModel
     from .server import DeltaServer
 
-    deltas = [_parse_delta(spec) for spec in args.delta or []]
+    deltas = _parse_delta_specs(args.delta)
     dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
     base = AutoModelForCausalLM.from_pretrained(args.base, dtype=dtype)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -224,11 +225,17 @@ def build_service(args) -> OpenAIService:
     return OpenAIService(server, settings)
 
 
-def _parse_delta(spec: str) -> tuple:
-    name, sep, path = spec.partition("=")
-    if not sep or not name or not path:
-        raise DeltaZipError(f"--delta {spec!r}: write NAME=PATH_OR_HUB_ID, e.g. --delta chat=org/chat-delta")
-    return name, path
+def _parse_delta_specs(specs) -> list:
+    """``--delta NAME=PATH`` values as ``(name, path)`` pairs."""
+    out = []
+    for spec in specs or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise DeltaZipError(f"--delta {spec!r}: write NAME=PATH_OR_HUB_ID, e.g. --delta chat=org/chat-delta")
+        if name in dict(out):
+            raise DeltaZipError(f"--delta {name!r} is given twice: one name per delta")
+        out.append((name, path))
+    return out
 
 
 def add_parser(sub) -> None:
@@ -260,8 +267,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args) -> int:
-    import uvicorn
-
+    try:
+        importlib.import_module("fastapi")
+        import uvicorn
+    except ImportError as e:
+        raise DeltaZipError(f"deltazip serve needs FastAPI and uvicorn ({e}): pip install 'hf-deltazip[serve]'") from None
+    _parse_delta_specs(args.delta)  # a typo fails before the model loads
     service = build_service(args)
     app = create_app(LocalBackend(service), api_key=args.api_key)
     print(f"deltazip serve: {service.settings.base_name!r} and deltas {service.model.deltas} on "

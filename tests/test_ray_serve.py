@@ -2,6 +2,7 @@
 ``openai`` client on 127.0.0.1. Skipped when ``ray[serve]`` is not installed (the ``[ray]`` extra)."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -89,3 +90,19 @@ def test_errors_and_unknown_models_pass_through_the_ingress(cluster):
     assert r.status_code == 200
     want, _ = expected(world, world["tok"]("x")["input_ids"], "d2", 4)
     assert c.completions.create(model="again", prompt="x", max_tokens=4, temperature=0).choices[0].text == want
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_row_on_the_replica(cluster):
+    world, url = cluster
+    body = {"model": "d1", "prompt": "x", "max_tokens": 120, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=120) as r:
+        assert r.status_code == 200
+        assert next(line for line in r.iter_lines() if line.startswith("data:"))
+    # the replica that holds d1 ran the request: it records the cancel when Serve cancels the call
+    replica = serve.get_deployment_handle("DeltaReplica", app_name="deltazip").options(multiplexed_model_id="d1")
+    deadline = time.monotonic() + 60
+    while 'deltazip_requests_cancelled_total{model="d1"}' not in replica.render_metrics.remote().result():
+        assert time.monotonic() < deadline, "the replica did not see the client leave"
+        time.sleep(0.2)
+    assert replica.gauges.remote().result()["running"] == 0

@@ -106,6 +106,10 @@ class DeltaReplica:
         """Queue length, running requests and where each delta lives, on this replica."""
         return self.service.gauges()
 
+    def render_metrics(self) -> str:
+        """This replica's own ``/metrics`` text (reach one replica with ``handle.options(multiplexed_model_id=...)``)."""
+        return self.service.render_metrics()
+
 
 class _LoadedDelta:
     """What the multiplexed loader returns: Serve calls ``__del__`` when it evicts the delta from this replica."""

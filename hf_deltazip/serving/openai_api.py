@@ -193,8 +193,12 @@ class OpenAIService:
     its end-of-sequence token, its decoding.
 
     Example:
-        >>> service = OpenAIService(DeltaServer(model, tokenizer, max_queue=256))
-        >>> status, body = asyncio.run(service.respond("chat", {"model": "chat", "messages": [...]})).__anext__()
+        >>> service = OpenAIService(DeltaServer(model, tokenizer, max_queue=256), ServeSettings(base_name="llama"))
+        >>> async def ask(body):
+        ...     async for status, response in service.respond("chat", body):  # one item: not streamed
+        ...         return status, response
+        >>> asyncio.run(ask({"model": "chat", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}))
+        (200, {'id': 'chatcmpl-...', 'object': 'chat.completion', ...})
     """
 
     def __init__(self, server: DeltaServer, settings: Optional[ServeSettings] = None):
@@ -242,7 +246,11 @@ class OpenAIService:
             raise APIError(400, f"could not load {path!r}: {e}", param="path", code="load_failed") from None
         except OSError as e:
             raise APIError(404, f"could not read {path!r}: {e}", param="path", code="not_found") from None
-        self._find_tokenizer(name)
+        try:
+            self._find_tokenizer(name)
+        except Exception as e:  # a broken tokenizer beside the delta: do not serve it half-configured
+            self.model.delete_delta(name)
+            raise APIError(400, f"the tokenizer in {path!r} does not load: {e}", param="path", code="load_failed") from None
         return {"id": name, "object": "model", "location": self.model.cache.state(name).value}
 
     def unload(self, name: str) -> dict:

@@ -270,6 +270,16 @@ def test_full_queue_answers_429_and_a_client_that_leaves_frees_its_row(world):
         assert len(cancelled) == 1 and cancelled[0].new_tokens < 4000
         assert 'deltazip_requests_cancelled_total{model="d1"} 1' in httpx.get(f"{url}/metrics", timeout=30).text
 
+        # a client that gives up on a whole (non-streamed) answer frees its row too
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=1.5,
+                       json={"model": "d2", "prompt": "x", "max_tokens": 4000, "temperature": 0})
+        deadline = time.monotonic() + 60
+        while len([s for s in server.stats if s.finish_reason == "cancelled"]) < 2:
+            assert time.monotonic() < deadline, "the row of a client that left was not freed"
+            time.sleep(0.05)
+        assert [s for s in server.stats if s.finish_reason == "cancelled"][-1].new_tokens < 4000
+
 
 # ----------------------------------------------------------------------------------------- the command
 def test_the_serve_command_finishes_in_flight_requests_on_sigterm(world):

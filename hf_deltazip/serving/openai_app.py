@@ -73,7 +73,7 @@ def create_app(backend, *, api_key: Optional[str] = None):
     """
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
 
     @asynccontextmanager
@@ -96,14 +96,8 @@ def create_app(backend, *, api_key: Optional[str] = None):
     async def validation_error(request, exc):
         return error(APIError(400, f"invalid request: {exc.errors()}"))
 
-    @app.middleware("http")
-    async def bearer_auth(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-                return error(APIError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>'",
-                                      code="invalid_api_key"))
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_BearerAuth, api_key=api_key, refuse=error)
 
     async def read_json(request: Request):
         raw = await request.body()
@@ -118,7 +112,14 @@ def create_app(backend, *, api_key: Optional[str] = None):
         except APIError as e:
             return error(e)
         answers = backend.respond(endpoint, body)
-        status, payload = await answers.__anext__()
+        first = asyncio.ensure_future(answers.__anext__())
+        while not (await asyncio.wait({first}, timeout=0.25))[0]:  # a whole answer may take a while
+            if await request.is_disconnected():  # nobody waits for it: stop it, free its row
+                first.cancel()
+                await asyncio.gather(first, return_exceptions=True)
+                await answers.aclose()
+                return Response(status_code=499)
+        status, payload = first.result()
         if status != 200 or payload is not None:  # an error, or a whole (non-streamed) response
             await answers.aclose()
             return JSONResponse(payload, status_code=status)
@@ -171,6 +172,25 @@ def create_app(backend, *, api_key: Optional[str] = None):
         return await backend.health()
 
     return app
+
+
+class _BearerAuth:
+    """ASGI middleware: ``/v1`` routes want ``Authorization: Bearer <api_key>``. (A plain ASGI layer, not
+    Starlette's BaseHTTPMiddleware, so that handlers still see a client disconnect.)"""
+
+    def __init__(self, app, *, api_key: str, refuse):
+        self.app, self.key, self.refuse = app, api_key.encode(), refuse
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            headers = dict(scope.get("headers") or [])
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                response = self.refuse(APIError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>'",
+                                                code="invalid_api_key"))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 # --------------------------------------------------------------------------------------------- running

@@ -230,6 +230,7 @@ def test_models_load_unload_metrics_and_health(world, served):
                    "deltazip_queue_length"):
         assert family in text, family
     assert 'deltazip_requests_total{model="d1",endpoint="completion",status="200"}' in text
+    assert 'deltazip_cold_loads_total{model="again"} 1' in text  # registered on disk, loaded by its request
     assert 'deltazip_requests_total{model="",endpoint="completion",status="404"}' in text
     health = httpx.get(f"{url}/health", timeout=30).json()
     assert health["status"] == "ok" and health["deltas"] == 3

@@ -65,13 +65,16 @@ def test_two_replicas_answer_like_generate_and_keep_deltas_where_they_are(cluste
         ids = chat_ids(template, job["prompt"]) if job["chat"] else tok(job["prompt"])["input_ids"]
         assert text == expected(world, ids, name, 6)[0], job
 
-    # once every delta sits on a replica, requests for it go there: no more cold loads
+    # once every delta sits on a replica, requests for it go there. Each replica holds two of the three
+    # deltas: routed without regard to them, about every third request would load its delta again.
     before = cold_loads(url)
-    assert 3 <= sum(before.values()) <= 6  # each delta on at least one and at most both replicas
+    assert set(before) == {"d1", "d2", "d3"}  # each delta loaded on some replica
+    time.sleep(1)  # replicas report what they hold to the router
     c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=300)
-    for i in range(12):
+    for i in range(30):
         c.completions.create(model=("d1", "d2", "d3")[i % 3], prompt="x", max_tokens=2, temperature=0)
-    assert cold_loads(url) == before
+    after = cold_loads(url)
+    assert sum(after.values()) - sum(before.values()) <= 3, (before, after)
 
 
 def test_errors_and_unknown_models_pass_through_the_ingress(cluster):
@@ -102,7 +105,9 @@ def test_a_client_that_leaves_mid_stream_frees_its_row_on_the_replica(cluster):
     # the replica that holds d1 ran the request: it records the cancel when Serve cancels the call
     replica = serve.get_deployment_handle("DeltaReplica", app_name="deltazip").options(multiplexed_model_id="d1")
     deadline = time.monotonic() + 60
-    while 'deltazip_requests_cancelled_total{model="d1"}' not in replica.render_metrics.remote().result():
+    while True:  # the cancel is counted, and the row freed, on the same replica
+        text = replica.render_metrics.remote().result()
+        if 'deltazip_requests_cancelled_total{model="d1"}' in text and "deltazip_running_requests 0" in text:
+            break
         assert time.monotonic() < deadline, "the replica did not see the client leave"
         time.sleep(0.2)
-    assert replica.gauges.remote().result()["running"] == 0

@@ -139,7 +139,8 @@ class Metrics:
             for name, table, text in (("deltazip_prompt_tokens_total", self.prompt_tokens, "Prompt tokens of finished requests."),
                                       ("deltazip_generation_tokens_total", self.generation_tokens, "Tokens generated."),
                                       ("deltazip_cold_loads_total", self.cold_loads,
-                                       "Requests whose delta was not on the device when they arrived."),
+                                       "Delta loads: requests that found their delta off the device, none "
+                                       "for it in flight."),
                                       ("deltazip_requests_cancelled_total", self.cancelled,
                                        "Requests stopped early (client gone, stop string)."),):
                 family(name, "counter", text, [f'{name}{{model="{_escape(m)}"}} {n}' for m, n in sorted(table.items())])
@@ -269,11 +270,13 @@ class OpenAIService:
         return {"id": name, "object": "model", "deleted": True}
 
     def submit(self, job: _Job, on_token) -> tuple:
-        """Queue a validated job on the server: ``(future, cold)``, ``cold`` when its delta is not on the
-        device yet. Every :meth:`submit` is matched by one :meth:`release`."""
+        """Queue a validated job on the server: ``(future, cold)``, ``cold`` when it makes its delta load
+        (not on the device, and no other request for it in flight that loads it already). Every
+        :meth:`submit` is matched by one :meth:`release`."""
         with self._in_flight_lock:  # counted as it is queued: unload() must not pull its delta from under it
             try:
-                cold = job.delta is not None and self.model.cache.state(job.delta) is not Residency.DEVICE
+                cold = (job.delta is not None and self.model.cache.state(job.delta) is not Residency.DEVICE
+                        and not self._in_flight.get(job.delta))
             except DeltaZipError:  # unloaded since the request was validated
                 raise APIError(404, f"The model '{job.model}' does not exist (it was just unloaded)", param="model",
                                code="model_not_found") from None

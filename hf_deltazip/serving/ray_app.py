@@ -257,4 +257,6 @@ def deployments(max_deltas_per_replica: int, deltas: dict, base_name: str, api_k
             self.replica = replica
 
     return (serve.deployment(name=REPLICA)(Replica),
-            serve.deployment(name="OpenAIIngress", num_replicas=1, ray_actor_options={"num_cpus": 0})(Ingress))
+            # the ingress only forwards: let it hold many requests (Serve's default is a handful)
+            serve.deployment(name="OpenAIIngress", num_replicas=1, ray_actor_options={"num_cpus": 0},
+                             max_ongoing_requests=4096)(Ingress))

@@ -94,9 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_more_commands(sub) -> None:
     """Subcommands that live with the code they drive."""
+    from ..serving import openai_app
     from . import bench, compress, demo, push
 
-    for mod in (compress, demo, push, bench):
+    for mod in (compress, demo, push, bench, openai_app):
         mod.add_parser(sub)
 
 

@@ -6,6 +6,6 @@ Both drive a :class:`~hf_deltazip.DeltaModel` through its public API only: ``mod
 """
 
 from .engine import DecodeEngine, Finished
-from .server import DeltaServer, RequestStats
+from .server import DeltaServer, QueueFullError, RequestStats, TokenStream
 
-__all__ = ["DecodeEngine", "Finished", "DeltaServer", "RequestStats"]
+__all__ = ["DecodeEngine", "Finished", "DeltaServer", "QueueFullError", "RequestStats", "TokenStream"]

@@ -51,7 +51,8 @@ _MODEL_DEFAULT = object()  # eos_token_id not given: the model's generation conf
 
 @dataclass
 class Finished:
-    """A request that finished: its handle, the new tokens and why it stopped (``"eos"``/``"length"``)."""
+    """A request that finished: its handle, the new tokens and why it stopped (``"eos"``, ``"length"``,
+    ``"cancelled"`` or ``"aborted"``)."""
 
     handle: int
     tokens: list
@@ -185,12 +186,22 @@ class DecodeEngine:
         """Rows decoding now."""
         return self.max_batch_size - self.free
 
-    def tokens(self, handle: int) -> list:
-        """New tokens of an active request so far."""
-        for r in self._rows:
-            if r is not None and r.handle == handle:
-                return list(r.tokens)
-        raise DeltaZipError(f"no active request with handle {handle}")
+    def tokens(self, handle: int, start: int = 0) -> list:
+        """New tokens of an active request so far (from index ``start``: what a streaming caller has not seen)."""
+        return list(self._row_of(handle).tokens[start:])
+
+    def cancel(self, handle: int) -> bool:
+        """Stop an active request now and free its row (and its hold on its delta).
+
+        It is reported by the next :meth:`step` as finished with reason ``"cancelled"`` and the tokens it
+        had. Returns ``False`` when no active request has this handle (it finished already).
+        """
+        with self._lock:
+            for row, r in enumerate(self._rows):
+                if r is not None and r.handle == handle:
+                    self._release(row, "cancelled")
+                    return True
+            return False
 
     def can_add(self, prompt_len: int, delta_names: Sequence = ()) -> bool:
         """Whether prompts of up to ``prompt_len`` tokens naming ``delta_names`` can be admitted now: a
@@ -293,6 +304,12 @@ class DecodeEngine:
         return [results[h] for h in order]
 
     # ------------------------------------------------------------------ internals
+    def _row_of(self, handle: int) -> _Row:
+        for r in self._rows:
+            if r is not None and r.handle == handle:
+                return r
+        raise DeltaZipError(f"no active request with handle {handle}")
+
     @property
     def _neg(self) -> float:
         return torch.finfo(self.dtype).min

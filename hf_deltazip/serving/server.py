@@ -8,10 +8,19 @@ side stream). Requests with generation options the engine does not implement (be
 processors, ...) run through :meth:`DeltaModel.generate` as their own batch between decode steps;
 ``continuous=False`` runs every request that way (dynamic batching per batch).
 
+Streaming: :meth:`DeltaServer.stream` gives a :class:`TokenStream` that yields token ids as they are
+decoded, and ``submit(..., on_token=callback)`` calls ``callback(new_ids, finish_reason)`` from the
+worker thread (the form an event loop wants). Cancelling a request's Future (``future.cancel()``, or
+:meth:`TokenStream.cancel`) drops it from the queue or frees its row before the next decode step.
+``max_queue`` bounds the requests waiting for a row: :meth:`submit` raises :class:`QueueFullError`
+past it.
+
 Example:
     >>> server = DeltaServer(model, tokenizer, max_batch_size=16)
     >>> futures = [server.submit("reverse: a b c", delta_name=n, max_new_tokens=8) for n in ("chat", "code", None)]
     >>> [f.result() for f in futures]
+    >>> for token_id in server.stream("reverse: a b c", delta_name="chat", max_new_tokens=8):
+    ...     print(tokenizer.decode([token_id]), end="")
     >>> server.close()
 """
 
@@ -21,14 +30,24 @@ import queue
 import threading
 import time
 import warnings
-from concurrent.futures import Future
+from collections import deque
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
 from ..errors import DeltaZipError
 from ..modeling.cache import CacheFullError, Residency
+
+
+class QueueFullError(DeltaZipError):
+    """The server's queue of waiting requests is full (``max_queue``): retry later or raise the limit."""
+
+
+#: ``on_token(new_ids, finish_reason)``: ``finish_reason`` is ``None`` while the request decodes, then one of
+#: ``"eos"``, ``"length"``, ``"cancelled"`` or ``"error"`` (the Future holds the exception) in the last call.
+TokenCallback = Callable[[list, Optional[str]], None]
 
 
 @dataclass
@@ -38,7 +57,48 @@ class _Request:
     kwargs: dict
     text: bool
     future: Future
+    on_token: Optional[TokenCallback] = None
+    sent: int = 0  # tokens handed to on_token so far
     submitted: float = field(default_factory=time.perf_counter)
+
+
+class TokenStream:
+    """The tokens of one request as they are decoded: iterate it for token ids (it blocks while the
+    request decodes and ends when it finishes). Made by :meth:`DeltaServer.stream`.
+
+    Attributes:
+        future: the request's Future (all new tokens, or a string for a text prompt, once finished).
+        finish_reason: ``None`` until the iteration ends, then ``"eos"``, ``"length"`` or ``"cancelled"``.
+    """
+
+    def __init__(self):
+        self.future: Optional[Future] = None
+        self.finish_reason: Optional[str] = None
+        self._parts: "queue.Queue[tuple]" = queue.Queue()
+        self._ready: deque = deque()
+
+    def push(self, tokens: list, finish_reason: Optional[str]) -> None:
+        """The :data:`TokenCallback` the server calls (from its worker thread)."""
+        self._parts.put((list(tokens), finish_reason))
+
+    def __iter__(self) -> Iterator[int]:
+        return self
+
+    def __next__(self) -> int:
+        while not self._ready:
+            if self.finish_reason is not None:
+                raise StopIteration
+            tokens, reason = self._parts.get()
+            self._ready.extend(tokens)
+            if reason == "error":
+                self.finish_reason = reason
+                raise self.future.exception()
+            self.finish_reason = reason
+        return self._ready.popleft()
+
+    def cancel(self) -> None:
+        """Stop the request: its row is freed before the next decode step; the iteration ends."""
+        self.future.cancel()
 
 
 @dataclass
@@ -50,6 +110,7 @@ class RequestStats:
     batch_size: int  # rows decoding when it was admitted (continuous) or its batch's size
     new_tokens: int
     first_token: float = float("nan")  # until its first token (continuous admission)
+    finish_reason: str = ""  # "eos", "length" or "cancelled"
 
 
 # generate() options the engine implements; others take the generate() path
@@ -70,13 +131,19 @@ class DeltaServer:
         cuda_graphs: capture decode steps as CUDA graphs (default: on CUDA).
         max_deltas: most distinct deltas decoding at once (continuous mode; ``None``: no limit). Each
             step reads every delta its rows use: a limit trades some latency for throughput.
+        max_queue: most requests waiting for a row (``None``: no limit); :meth:`submit` raises
+            :class:`QueueFullError` beyond it, so an overloaded server answers at once instead of late.
+        max_stats: most :class:`RequestStats` kept in :attr:`stats` (the latest ones; ``None``: all).
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch_size: int = 32, max_wait_s: float = 0.002,
                  pad_token_id: Optional[int] = None, continuous: bool = True, max_length: int = 1024,
-                 cuda_graphs: Optional[bool] = None, max_deltas: Optional[int] = None):
+                 cuda_graphs: Optional[bool] = None, max_deltas: Optional[int] = None,
+                 max_queue: Optional[int] = None, max_stats: Optional[int] = 100_000):
         if max_batch_size < 1:
             raise DeltaZipError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        if max_queue is not None and max_queue < 1:
+            raise DeltaZipError(f"max_queue must be a positive integer or None, got {max_queue}")
         from ..modeling import DeltaModel
 
         self.model = model
@@ -87,7 +154,9 @@ class DeltaServer:
         if pad_token_id is None and tokenizer is not None:
             pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_token_id = 0 if pad_token_id is None else pad_token_id
-        self.stats: list[RequestStats] = []
+        self.stats: "deque[RequestStats]" = deque(maxlen=max_stats)
+        self.max_queue = max_queue
+        self._submit_lock = threading.Lock()
         self._queue: "queue.Queue[Optional[_Request]]" = queue.Queue()
         self._held: list[_Request] = []
         self._closed = False
@@ -108,14 +177,26 @@ class DeltaServer:
         self._worker.start()
 
     # ------------------------------------------------------------------ public
-    def submit(self, prompt, delta_name: Optional[str] = None, **generate_kwargs) -> Future:
+    def submit(self, prompt, delta_name: Optional[str] = None, *, on_token: Optional[TokenCallback] = None,
+               **generate_kwargs) -> Future:
         """Queue one request; the Future gives the new tokens (a string for a text prompt, else ids).
 
         Args:
             prompt: text (needs the tokenizer) or a list / 1-D tensor of token ids.
             delta_name: the delta to answer with; ``None`` for the plain base.
+            on_token: called from the worker thread as ``on_token(new_ids, finish_reason)`` each time
+                the request has new tokens (one per decode step; all at once for requests that take
+                the ``generate()`` path) and a last time with its finish reason (see :data:`TokenCallback`).
+                Keep it short: it runs between decode steps. If it raises, the request is cancelled.
             generate_kwargs: ``max_new_tokens``, ``do_sample``, ``temperature``, ... (requests batch
                 together only with requests of equal settings).
+
+        Cancelling the returned Future (``future.cancel()``) stops the request: it leaves the queue, or
+        its row is freed before the next decode step.
+
+        Raises:
+            QueueFullError: ``max_queue`` requests are waiting already.
+            DeltaZipError: the server is closed, the delta is not loaded, the prompt is empty or too long.
         """
         if self._closed:
             raise DeltaZipError("this DeltaServer is closed")
@@ -138,8 +219,27 @@ class DeltaServer:
                     "raise DeltaServer(max_length=...) or ask for fewer tokens"
                 )
         future: Future = Future()
-        self._queue.put(_Request(ids, delta_name, dict(generate_kwargs), text, future))
+        with self._submit_lock:
+            if self.max_queue is not None and self.waiting >= self.max_queue:
+                raise QueueFullError(f"{self.waiting} requests are waiting (max_queue={self.max_queue}): retry later")
+            self._queue.put(_Request(ids, delta_name, dict(generate_kwargs), text, future, on_token))
         return future
+
+    def stream(self, prompt, delta_name: Optional[str] = None, **generate_kwargs) -> TokenStream:
+        """Queue one request and get its tokens as they are decoded (see :class:`TokenStream`)."""
+        stream = TokenStream()
+        stream.future = self.submit(prompt, delta_name, on_token=stream.push, **generate_kwargs)
+        return stream
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued and not decoding yet."""
+        return self._queue.qsize() + len(self._held)
+
+    @property
+    def running(self) -> int:
+        """Requests decoding now (continuous admission)."""
+        return len(self._running)
 
     def generate(self, prompts: Sequence, delta_names: Sequence, **generate_kwargs) -> list:
         """Submit several requests and wait for all of them."""
@@ -183,6 +283,11 @@ class DeltaServer:
                 stop = True
                 break
             pending.append(item)
+        pending = self._drop_cancelled(pending)
+        if not pending:
+            if stop:
+                self._queue.put(None)
+            return self._take() if not stop else []
         key = _settings_key(pending[0].kwargs)
         batch = [r for r in pending if _settings_key(r.kwargs) == key][: self.max_batch_size]
         chosen = set(map(id, batch))
@@ -212,7 +317,7 @@ class DeltaServer:
         stop = False
         while True:
             # wait for work only when nothing runs
-            block = not engine.active and not self._held and not stop
+            block = not self._running and not self._held and not stop
             try:
                 item = self._queue.get(timeout=None) if block else self._queue.get_nowait()
                 while True:
@@ -223,7 +328,8 @@ class DeltaServer:
                     item = self._queue.get_nowait()
             except queue.Empty:
                 pass
-            if stop and not self._held and not engine.active:
+            self._held = self._drop_cancelled(self._held)
+            if stop and not self._held and not self._running:
                 return
             other = [r for r in self._held if not set(r.kwargs) <= _ENGINE_OPTIONS]
             if other:  # options only generate() has: their own batch, between two decode steps
@@ -231,22 +337,79 @@ class DeltaServer:
                 for key in dict.fromkeys(_settings_key(r.kwargs) for r in other):
                     self._finish_batch([r for r in other if _settings_key(r.kwargs) == key])
             self._admit()
+            self._stream_progress()  # first tokens come out of add()'s prefill
             self._prefetch_waiting()
-            if engine.active:
-                try:
-                    finished = engine.step()
-                except BaseException as e:  # the running requests see the error; the server keeps going
-                    for handle, (r, *_rest) in list(self._running.items()):
-                        r.future.set_exception(e)
-                    self._running.clear()
-                    engine.reset()
+            self._cancel_running()
+            if not self._running:
+                continue
+            try:
+                finished = engine.step()  # also reports rows that finished inside add()
+            except BaseException as e:  # the running requests see the error; the server keeps going
+                for r, *_rest in list(self._running.values()):
+                    self._fail(r, e)
+                self._running.clear()
+                engine.reset()
+                continue
+            done = time.perf_counter()
+            for f in finished:
+                entry = self._running.pop(f.handle, None)
+                if entry is None:  # cancelled by us: settled already
                     continue
-                done = time.perf_counter()
-                for f in finished:
-                    r, admitted, rows, first = self._running.pop(f.handle)
-                    self.stats.append(RequestStats(admitted - r.submitted, done - r.submitted, rows, len(f.tokens),
-                                                   first - r.submitted))
-                    self._resolve(r, f.tokens)
+                r, admitted, rows, first = entry
+                self.stats.append(RequestStats(admitted - r.submitted, done - r.submitted, rows, len(f.tokens),
+                                               first - r.submitted, f.reason))
+                self._resolve(r, f.tokens, f.reason)
+            self._stream_progress()
+
+    def _drop_cancelled(self, requests: list) -> list:
+        """Requests whose caller has not cancelled them; the cancelled ones hear so."""
+        keep = []
+        for r in requests:
+            if r.future.cancelled():
+                self._notify(r, [], "cancelled")
+            else:
+                keep.append(r)
+        return keep
+
+    def _cancel_running(self) -> None:
+        """Free the rows of running requests whose caller cancelled them."""
+        for handle, (r, admitted, rows, first) in list(self._running.items()):
+            if r.future.cancelled():
+                try:
+                    tokens = self.engine.tokens(handle)
+                except DeltaZipError:  # finished inside add(); the next step() reports it, unclaimed
+                    tokens = []
+                self.engine.cancel(handle)
+                del self._running[handle]
+                now = time.perf_counter()
+                self.stats.append(RequestStats(admitted - r.submitted, now - r.submitted, rows, len(tokens),
+                                               first - r.submitted, "cancelled"))
+                self._notify(r, tokens[r.sent:], "cancelled")
+
+    def _stream_progress(self) -> None:
+        """Hand the tokens decoded since the last call to the running requests that stream."""
+        for handle, (r, *_rest) in list(self._running.items()):
+            if r.on_token is None:
+                continue
+            try:
+                new = self.engine.tokens(handle, r.sent)
+            except DeltaZipError:  # finished inside add(): the next step() reports it whole
+                continue
+            if new and not self._notify(r, new, None):
+                r.future.cancel()  # a callback that fails: stop decoding for it
+
+    def _notify(self, r: _Request, tokens: list, reason: Optional[str]) -> bool:
+        """Call the request's ``on_token``; False when it raised (it is called no more)."""
+        if r.on_token is None:
+            return True
+        r.sent += len(tokens)
+        try:
+            r.on_token(tokens, reason)
+            return True
+        except Exception as e:  # the caller's bug must not stop the worker
+            warnings.warn(f"DeltaServer: on_token raised {e!r}; cancelling that request")
+            r.on_token = None
+            return False
 
     def _admit(self) -> None:
         """Put waiting requests into free rows, oldest first, grouped by their sampling settings."""
@@ -272,12 +435,12 @@ class DeltaServer:
                 if engine.active:
                     break  # the deltas in use fill the resident budget: wait for rows to finish
                 for r in group:
-                    r.future.set_exception(e)
+                    self._fail(r, e)
                     admitted.add(id(r))
                 continue
             except DeltaZipError as e:
                 for r in group:
-                    r.future.set_exception(e)
+                    self._fail(r, e)
                     admitted.add(id(r))
                 continue
             first = time.perf_counter()
@@ -303,25 +466,38 @@ class DeltaServer:
                 self._prefetched.difference_update(names)
 
     def _finish_batch(self, batch: list) -> None:
+        batch = self._drop_cancelled(batch)
+        if not batch:
+            return
         started = time.perf_counter()
         try:
             outputs = self._run_batch(batch)
         except BaseException as e:  # the callers see the error; the server keeps going
             for r in batch:
-                r.future.set_exception(e)
+                self._fail(r, e)
             return
         done = time.perf_counter()
-        for r, out in zip(batch, outputs):
-            self.stats.append(RequestStats(started - r.submitted, done - r.submitted, len(batch), len(out)))
-            self._resolve(r, out)
+        for r, (out, reason) in zip(batch, outputs):
+            self.stats.append(RequestStats(started - r.submitted, done - r.submitted, len(batch), len(out),
+                                           finish_reason=reason))
+            self._resolve(r, out, reason)
 
-    def _resolve(self, r: _Request, out: list) -> None:
-        if r.text:
-            r.future.set_result(self.tokenizer.decode(out, skip_special_tokens=True))
-        else:
-            r.future.set_result(out)
+    def _resolve(self, r: _Request, out: list, reason: str) -> None:
+        self._notify(r, out[r.sent:], reason)
+        try:
+            r.future.set_result(self.tokenizer.decode(out, skip_special_tokens=True) if r.text else out)
+        except InvalidStateError:  # cancelled by its caller meanwhile
+            pass
+
+    def _fail(self, r: _Request, error: BaseException) -> None:
+        try:
+            r.future.set_exception(error)
+        except InvalidStateError:
+            return
+        self._notify(r, [], "error")
 
     def _run_batch(self, batch: list) -> list:
+        """``generate()`` for one batch: per request its new tokens (up to end-of-sequence) and why it stopped."""
         device = next(self.model.parameters()).device
         width = max(len(r.ids) for r in batch)
         ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
@@ -341,7 +517,7 @@ class DeltaServer:
         results = []
         for row in out[:, width:].tolist():  # the tokens before end-of-sequence, as the engine returns them
             ends = [i for i, t in enumerate(row) if t in stops]
-            results.append(row[: ends[0]] if ends else row)
+            results.append((row[: ends[0]], "eos") if ends else (row, "length"))
         return results
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import os
 import re
+import dataclasses
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional, Union
@@ -16,7 +18,7 @@ from . import __version__
 from .config import CONFIG_NAME, DeltaZipConfig
 from .display import delta_table_html, format_bytes, format_ratio, html_section
 from .errors import BaseMismatchError, DeltaZipFormatError
-from .format import DZ_FILENAME, DeltaZipFile, ModuleRecord, write_dz
+from .format import DZ_FILENAME, DeltaHeader, DeltaZipFile, ModuleRecord, write_dz
 # re-exported: what a delta folder on disk holds (read by CLI, hub and loaders through this module too)
 from .format.folder import BYTE_CATEGORIES, categorize_bytes, delta_bytes_report, load_folder_config  # noqa: F401
 from .packing import (
@@ -211,10 +213,13 @@ class CompressedDelta:
     config: DeltaZipConfig
     modules: dict = field(default_factory=dict)  # name -> PackedModule
     params: dict = field(default_factory=dict)  # name -> tensor (the fine-tune's exact value)
-    header: dict = field(default_factory=dict)  # base_model, base_fingerprint, model_config, ...
+    header: DeltaHeader = field(default_factory=DeltaHeader)  # base, fingerprint, architecture, ... (a dict is typed)
     tokenizer: object = None
     generation_config: object = None
     summary: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.header = DeltaHeader.from_dict(self.header)  # a dict (older code, tests) becomes the typed record
 
     # ------------------------------------------------------------------ saving
     def save_pretrained(self, save_directory: Union[str, os.PathLike], num_threads: Optional[int] = None) -> Path:
@@ -234,10 +239,8 @@ class CompressedDelta:
         for name, t in self.params.items():
             tensors[f"param::{name}"] = t
             params[name] = f"param::{name}"
-        header = dict(self.header)
-        header.setdefault("library_version", __version__)
-        header["config"] = self.config.to_dict()
-        header["extra"] = {**header.get("extra", {}), **self._summary_to_save()}
+        header = dataclasses.replace(self.header, library_version=self.header.library_version or __version__,
+                                     config=self.config.to_dict(), extra={**self.header.extra, **self._summary_to_save()})
         dz_bytes = write_dz(directory / DZ_FILENAME, tensors, records, params, header, self.config.zstd_level,
                             num_threads)
         config_path = self.config.save_pretrained(directory)
@@ -275,7 +278,7 @@ class CompressedDelta:
 
     def _restore_summary(self, folder: Path) -> None:
         """Fill ``summary`` of a delta read from ``folder``: what the compressor saved, what the records give."""
-        saved = self.header.get("extra", {}).get("summary", {})
+        saved = self.header.extra.get("summary", {})
         self.summary.update({key: saved[key] for key in _SAVED_SUMMARY_KEYS if key in saved})
         self._note_stored_bytes((folder / DZ_FILENAME).stat().st_size + (folder / CONFIG_NAME).stat().st_size)
 
@@ -283,7 +286,7 @@ class CompressedDelta:
         """The parts of ``summary`` that the modules, params and header determine."""
         packed = sum(m.nbytes for m in self.modules.values())
         exact = sum(_tensor_bytes(t) for t in self.params.values())
-        n_params = int(self.header.get("extra", {}).get("finetune_num_params", 0))
+        n_params = self.header.finetune_num_params
         return {
             "packed_bytes": packed,
             "exact_param_bytes": exact,
@@ -303,12 +306,12 @@ class CompressedDelta:
     # ------------------------------------------------------------------ display
     def _overview(self) -> list:
         s = self.summary
-        base = self.header.get("base_model") or "?"
+        base = self.header.base_model or "?"
         total = s["packed_bytes"] + s["exact_param_bytes"]
         ratio = format_ratio(s["ratio_before_zstd"]) + " before zstd"
         if s.get("stored_bytes"):
             ratio += f", {format_ratio(s.get('ratio'))} on disk ({format_bytes(s['stored_bytes'])})"
-        rows = [("base", base), ("model type", self.header.get("model_type") or "?"),
+        rows = [("base", base), ("model type", self.header.model_type or "?"),
                 ("contents", f"{len(self.modules)} modules, {len(self.params)} exact parameters"),
                 ("bytes", f"{format_bytes(total)} in memory"), ("ratio", ratio)]
         errors = s.get("relative_error") or {}
@@ -373,8 +376,8 @@ def _set_summary(self, value: dict) -> None:
 CompressedDelta.summary = property(_get_summary, _set_summary, doc=(
     "What the compression did: bytes (``packed_bytes``, ``exact_param_bytes``, ``ratio_before_zstd``; after a "
     "save or load ``stored_bytes`` and ``ratio``), ``modules`` (name -> :meth:`PackedModule.info`) and the "
-    "compressor's ``seconds``, ``device`` and per-module ``relative_error`` (kept in the file since "
-    "hf-deltazip 0.1; older files give ``{}``)."
+    "compressor's ``seconds``, ``steps`` and ``layers`` (timings, in memory only), ``device`` and per-module "
+    "``relative_error`` (kept in the file since hf-deltazip 0.1; older files give ``{}``)."
 ))
 
 
@@ -389,6 +392,9 @@ def read_packed(dz: DeltaZipFile, *, num_threads: Optional[int] = None, pin_memo
         ``(modules, params)``: module name -> :class:`PackedModule`, parameter name -> tensor.
     """
     names = list(dz.tensors)
+    if (not sys.stderr.isatty()) if progress is None else not progress:  # no bar: one read, file order, all threads
+        tensors = dz.read_tensors(names, num_threads=num_threads, pin_memory=pin_memory)
+        return _packed_from(dz, tensors)
     step = max(16, math.ceil(len(names) / 20))
     tensors = {}
     total = sum(rec.nbytes for rec in dz.tensors.values())
@@ -398,6 +404,10 @@ def read_packed(dz: DeltaZipFile, *, num_threads: Optional[int] = None, pin_memo
             got = dz.read_tensors(names[i : i + step], num_threads=num_threads, pin_memory=pin_memory)
             tensors.update(got)
             bar.update(sum(dz.tensors[n].nbytes for n in got))
+    return _packed_from(dz, tensors)
+
+
+def _packed_from(dz: DeltaZipFile, tensors: dict) -> tuple[dict, dict]:
     modules = {name: PackedModule.from_record(rec, {role: tensors[t] for role, t in rec.tensors.items()})
                for name, rec in dz.modules.items()}
     params = {name: tensors[t] for name, t in dz.params.items()}
@@ -435,10 +445,11 @@ def resolve_recorded_base(header: Mapping) -> str:
         BaseMismatchError: the delta records no base, or its local base is missing; the message says
             to pass ``base=``.
     """
-    name = header.get("base_model")
+    header = DeltaHeader.from_dict(header)
+    name = header.base_model
     if not name or not isinstance(name, str):
         raise BaseMismatchError("the delta records no base model: pass base= (the base model, its folder or its Hub id)")
-    source = header.get("base_source")
+    source = header.base_source
     if source == "hub":
         return str(name)
     path = Path(name).expanduser()

@@ -604,16 +604,16 @@ def delta_card_data(folder: str | os.PathLike, repo_id: str, quality: Mapping[st
     config = load_folder_config(folder, header)  # the card shows what the .dz holds, never a contradicting JSON
     return {
         "repo_id": repo_id,
-        "base_model": header.get("base_model") or "unknown",
-        "base_revision": header.get("base_revision"),
-        "finetuned_model": header.get("finetuned_model"),
+        "base_model": header.base_model or "unknown",
+        "base_revision": header.base_revision,
+        "finetuned_model": header.finetuned_model,
         "bits": config.bits,
         "sparsity": config.sparsity,
         "group_size": None if config.group_size == -1 else config.group_size,
         "total_bytes": report["total_bytes"],
         "ratio": report["ratio"],
         "quality": dict(quality) if quality else None,
-        "library_version": header.get("library_version"),
+        "library_version": header.library_version,
     }
 
 

@@ -40,16 +40,16 @@ def cmd_info(args) -> int:
             report["verified_tensors"] = dz.verify()
     if args.json:
         report = dict(report)
-        report["header"] = {k: v for k, v in report["header"].items() if k not in ("base_fingerprint", "model_config")}
+        report["header"] = {k: v for k, v in report["header"].to_dict().items() if k not in ("base_fingerprint", "model_config")}
         print(json.dumps(report, indent=2, default=str))
         return 0
     h = report["header"]
     print(f"delta file:      {report['path']}")
-    print(f"base model:      {h.get('base_model')}" + (f" @ {h['base_revision']}" if h.get("base_revision") else ""))
-    print(f"fine-tune:       {h.get('finetuned_model')}")
-    print(f"architecture:    {h.get('model_type')} {h.get('architectures') or ''}")
-    print(f"library version: {h.get('library_version')}")
-    cfg = h.get("config", {})
+    print(f"base model:      {h.base_model}" + (f" @ {h.base_revision}" if h.base_revision else ""))
+    print(f"fine-tune:       {h.finetuned_model}")
+    print(f"architecture:    {h.model_type} {h.architectures or ''}")
+    print(f"library version: {h.library_version}")
+    cfg = h.config
     keys = ("bits", "sparsity", "group_size", "symmetric", "embeddings", "embedding_bits", "zstd_level", "overrides")
     print("config:          " + ", ".join(f"{k}={cfg.get(k)!r}" for k in keys if k in cfg))
     print("bytes:")

@@ -13,6 +13,7 @@ from typing import Mapping, Union
 from ..config import CONFIG_NAME, DeltaZipConfig, read_config_json
 from ..errors import DeltaZipError, DeltaZipFormatError
 from .container import DZ_FILENAME, DeltaZipFile
+from .header import DeltaHeader
 
 __all__ = ["BYTE_CATEGORIES", "categorize_bytes", "load_folder_config", "delta_bytes_report"]
 
@@ -57,7 +58,7 @@ def load_folder_config(folder: Union[str, os.PathLike], header: Mapping) -> Delt
     config_path = folder / CONFIG_NAME
     data = read_config_json(config_path)
     in_json = DeltaZipConfig.from_dict(data)
-    recorded = header.get("config")
+    recorded = DeltaHeader.from_dict(header).config or None
     if recorded is None:
         return in_json
     try:
@@ -94,9 +95,9 @@ def delta_bytes_report(folder: Union[str, os.PathLike]) -> dict:
                  "bits_per_weight": 8 * sum(stored.values()) / (rec.shape[0] * rec.shape[1])}
             )
         cats = categorize_bytes(stored_by_module, [dz.stored_bytes(t) for t in dz.params.values()])
-        header = dict(dz.header)
+        header = dz.header
     overhead = total - sum(cats.values())
-    n_params = int(header.get("extra", {}).get("finetune_num_params", 0))
+    n_params = header.finetune_num_params
     fp16_bytes = 2 * n_params
     return {
         "path": str(dz_path),

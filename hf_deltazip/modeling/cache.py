@@ -38,7 +38,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..delta import PackedModule
+from ..delta import read_packed
 from ..errors import DeltaNotFoundError, DeltaZipError
 from ..format import DZ_FILENAME, DeltaHeader, DeltaZipFile
 from .layers import map_packed
@@ -381,12 +381,8 @@ class DeltaCache:
         folder = Path(e.path)
         with DeltaZipFile(folder / DZ_FILENAME) as dz:
             pin = self.placer.device.type == "cuda"  # page-locked: uploads go asynchronously
-            tensors = dz.read_tensors(num_threads=e.num_threads, pin_memory=pin)
-            modules = {
-                mname: PackedModule.from_record(rec, {role: tensors[t] for role, t in rec.tensors.items()})
-                for mname, rec in dz.modules.items()
-            }
-            params = {pname: tensors[t] for pname, t in dz.params.items()}
+            # a tqdm bar on a terminal; otherwise one read of the whole file in file order
+            modules, params = read_packed(dz, num_threads=e.num_threads, pin_memory=pin, desc=f"loading {e.name}")
         if not e.validated:
             self.placer.validate(modules, params, e.header, folder)
             e.validated = True

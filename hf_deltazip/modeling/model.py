@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from contextlib import contextmanager
 from concurrent.futures import Future
 from pathlib import Path
@@ -15,6 +13,7 @@ from torch import nn
 
 from ..delta import CompressedDelta, PackedModule, load_folder_config, resolve_delta_folder, resolve_recorded_base
 from ..errors import DeltaZipError
+from ..fileio import atomic_copy
 from ..format import DZ_FILENAME, DeltaHeader, DeltaZipFile
 from .cache import CacheEntry, DeltaCache, Residency, to_host
 from .placement import DeltaPlacer
@@ -331,7 +330,7 @@ class DeltaModel(nn.Module):
                 if src.resolve() != folder.resolve():
                     for f in sorted(src.iterdir()):
                         if f.is_file():
-                            _copy_atomic(f, folder / f.name)
+                            atomic_copy(f, folder / f.name)
                 return
             if e.config is None:
                 raise DeltaZipError(
@@ -405,21 +404,6 @@ class DeltaModel(nn.Module):
                 f"({fp['base'] / 2**20:.1f} MiB base, {sum(fp['deltas'].values()) / 2**20:.1f} MiB deltas on the device)</p>"
                 "<table><thead><tr><th>delta</th><th>setting</th><th>where</th><th>source</th><th>active</th></tr></thead>"
                 f"<tbody>{body}</tbody></table>")
-
-
-def _copy_atomic(src: Path, dst: Path) -> None:
-    """Copy ``src`` to ``dst`` through a temporary file in ``dst``'s folder (never a half-written ``dst``)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", dir=dst.parent)
-    os.close(fd)
-    try:
-        shutil.copyfile(src, tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, dst)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _check_rows(delta_names, args, kwargs):

@@ -203,12 +203,14 @@ class DeltaPlacer:
             copies = {}  # one device copy per stream, shared by the embedding and a tied head
             for wrapper in targets:
                 if wrapper.can_override_in_place(slot, attr, t):
-                    value = copies["side"] = copies.get("side") if "side" in copies else move(t)
+                    if "side" not in copies:
+                        copies["side"] = move(t)
                     with on_side:
-                        wrapper.add_override(slot, attr, value)  # in place: a row of the per-slot table
+                        wrapper.add_override(slot, attr, copies["side"])  # in place: a row of the per-slot table
                 else:
-                    value = copies["main"] = copies.get("main") if "main" in copies else t.to(device)
-                    wrapper.add_override(slot, attr, value)
+                    if "main" not in copies:
+                        copies["main"] = t.to(device)
+                    wrapper.add_override(slot, attr, copies["main"])
                 touched.append(wrapper)
         if name is not None:
             for w in touched:

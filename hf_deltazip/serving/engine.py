@@ -197,11 +197,11 @@ class DecodeEngine:
         had. Returns ``False`` when no active request has this handle (it finished already).
         """
         with self._lock:
-            for row, r in enumerate(self._rows):
-                if r is not None and r.handle == handle:
-                    self._release(row, "cancelled")
-                    return True
-            return False
+            row = self._row_index(handle)
+            if row is None:
+                return False
+            self._release(row, "cancelled")
+            return True
 
     def can_add(self, prompt_len: int, delta_names: Sequence = ()) -> bool:
         """Whether prompts of up to ``prompt_len`` tokens naming ``delta_names`` can be admitted now: a
@@ -304,11 +304,17 @@ class DecodeEngine:
         return [results[h] for h in order]
 
     # ------------------------------------------------------------------ internals
-    def _row_of(self, handle: int) -> _Row:
-        for r in self._rows:
+    def _row_index(self, handle: int) -> Optional[int]:
+        for row, r in enumerate(self._rows):
             if r is not None and r.handle == handle:
-                return r
-        raise DeltaZipError(f"no active request with handle {handle}")
+                return row
+        return None
+
+    def _row_of(self, handle: int) -> _Row:
+        row = self._row_index(handle)
+        if row is None:
+            raise DeltaZipError(f"no active request with handle {handle}")
+        return self._rows[row]
 
     @property
     def _neg(self) -> float:

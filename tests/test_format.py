@@ -362,3 +362,37 @@ def test_info_reports_bytes_and_ratio(saved, capsys):
     assert "tests/base" in out and "model.layers.0.mlp.up_proj" in out and "ratio" in out
     assert main(["info", str(folder / "missing")]) == 2
     assert capsys.readouterr().err == f"deltazip: error: {folder / 'missing'}: no such delta folder or .dz file\n"
+
+
+def test_the_header_is_typed_on_read_and_keeps_what_it_does_not_know(tmp_path):
+    from hf_deltazip.format import DeltaHeader
+
+    delta = small_delta()
+    delta.header = DeltaHeader.from_dict({**delta.header.to_dict(), "written_by_a_newer_version": {"x": 1}})
+    delta.save_pretrained(tmp_path / "d")
+    with DeltaZipFile(tmp_path / "d" / DZ_FILENAME) as dz:
+        header = dz.header
+    assert isinstance(header, DeltaHeader)
+    assert header.base_model == delta.header.base_model and header.tied_embeddings == delta.header.tied_embeddings
+    assert header.unknown == {"written_by_a_newer_version": {"x": 1}}  # survives a save and a read
+    assert header.config == delta.config.to_dict()
+    assert dict(header) == header.to_dict()  # the read-only mapping is the JSON form
+    for field_name, bad in (("base_model", 5), ("extra", []), ("architectures", "LlamaForCausalLM"),
+                            ("base_source", "ftp")):
+        with pytest.raises(ValueError, match=field_name):
+            DeltaHeader.from_dict({field_name: bad})
+    # a header field of the wrong type in a file is a format error, not a crash later
+    path = tmp_path / "d" / DZ_FILENAME
+    data = path.read_bytes()
+    (hlen,) = struct.unpack("<Q", data[:8])
+    st = json.loads(data[8 : 8 + hlen])
+    dz_header = json.loads(st["__metadata__"]["dz_header"])
+    dz_header["base_model"] = 5
+    text = json.dumps(dz_header, sort_keys=True, separators=(",", ":"))
+    st["__metadata__"]["dz_header"] = text
+    st["__metadata__"]["dz_header_crc32"] = str(zlib.crc32(text.encode()))
+    hb = json.dumps(st, separators=(",", ":")).encode()
+    hb += b" " * ((-len(hb)) % 8)
+    path.write_bytes(struct.pack("<Q", len(hb)) + hb + data[8 + hlen :])
+    with pytest.raises(DeltaZipFormatError, match="base_model"):
+        DeltaZipFile(path)

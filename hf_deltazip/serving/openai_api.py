@@ -529,6 +529,8 @@ class _Run:
         self.first: Optional[float] = None
         self.reason: Optional[str] = None
         self.finished = False
+        self.text = ""  # the answer's text so far, decoded incrementally
+        self._window = (0, 0)  # tokens [a, b) already turned into text, decoded again as the context of the next ones
         self.future, self.cold = service.submit(job, self._on_token)
 
     def _on_token(self, tokens: list, reason: Optional[str]) -> None:  # worker thread
@@ -545,7 +547,7 @@ class _Run:
             if reason == "error":
                 self.finish("error")
                 raise self.future.exception()
-            text = self.job.tokenizer.decode(self.tokens, skip_special_tokens=True)
+            text = self._full_text() if reason is not None else self._decoded()
             cut = _first_stop(text, self.job.stop, len(sent))
             if cut is not None:
                 text, reason = text[:cut], "stop"
@@ -558,6 +560,23 @@ class _Run:
                 yield text[len(sent):], None
                 sent = text
         yield None, self.reason
+
+    def _decoded(self) -> str:
+        """The text of the tokens so far, decoding only the newest ones (with a few before them as context,
+        so a tokenizer that drops a word's leading space at the start of a text still spaces them right)."""
+        a, b = self._window
+        decode = self.job.tokenizer.decode
+        before = decode(self.tokens[a:b], skip_special_tokens=True)
+        now = decode(self.tokens[a:], skip_special_tokens=True)
+        if len(now) > len(before) and not now.endswith("\ufffd") and now.startswith(before):
+            self.text += now[len(before):]
+            self._window = (b, len(self.tokens))
+        return self.text
+
+    def _full_text(self) -> str:
+        """The whole answer decoded at once: the final text is exactly what ``tokenizer.decode`` gives."""
+        self.text = self.job.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        return self.text
 
     async def collect(self):
         pieces = []

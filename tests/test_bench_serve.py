@@ -393,3 +393,12 @@ def test_real_deltas_mode_refuses_bad_arguments(real_pair, capsys):
     with pytest.raises(SystemExit):
         serve.main(["--base", str(real_pair / "base"), "--delta", f"a={real_pair}", "--device", "cpu"])
     assert "holds no delta.dz" in capsys.readouterr().err
+
+
+def test_max_deltas_flag_takes_a_number_auto_or_none():
+    parse = serve.build_parser().parse_args
+    assert parse([]).max_deltas == "auto"
+    assert parse(["--max-deltas", "none"]).max_deltas is None
+    assert parse(["--max-deltas", "4"]).max_deltas == 4
+    with pytest.raises(SystemExit):
+        parse(["--max-deltas", "0"])

@@ -673,7 +673,8 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
             skipped[s] = (f"{args.deltas - resident} deltas that do not fit on the GPU need {host / _GIB:.1f} GiB of host "
                           f"memory, {avail / _GIB:.1f} GiB are free: use --bits 2 or fewer --deltas")
         return
-    cap = "" if args.max_deltas is None else f"at most {args.max_deltas} distinct deltas decoding at once; "
+    cap = {None: "", "auto": "distinct deltas per step capped from measured step costs (max_deltas='auto'); "}.get(
+        args.max_deltas, f"at most {args.max_deltas} distinct deltas decoding at once; ")
     tier = cap + ("all deltas resident" if resident == args.deltas else
             f"{resident} of {args.deltas} deltas resident on the GPU (LRU), the others in pinned host memory, "
             "uploaded when a request needs them")
@@ -1060,6 +1061,18 @@ def _environment(args, argv) -> dict:
             "command": "deltazip bench serve " + " ".join(argv)}
 
 
+def _max_deltas_arg(text: str):
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive number, 'auto' or 'none'")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deltazip bench serve", description=__doc__.split("``: ", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1082,7 +1095,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=32, help="most rows decoding at once (default 32)")
     p.add_argument("--bits", type=int, default=4, help="delta bits (default 4)")
     p.add_argument("--group-size", type=int, default=128, help="delta quantization group (default 128)")
-    p.add_argument("--max-deltas", type=int, help="deltazip: most distinct deltas among the decoding rows (default: no limit)")
+    p.add_argument("--max-deltas", type=_max_deltas_arg, default="auto",
+                   help="deltazip: most distinct deltas among the decoding rows: a number, 'none' (no limit) or "
+                        "'auto' (default: the engine picks it from measured step costs)")
     p.add_argument("--max-resident", type=int, help="deltas kept on the GPU (default: as many as fit; the others wait in pinned host memory)")
     p.add_argument("--lora-rank", type=int, default=16, help="peft: LoRA rank of each fine-tune's adapter (default 16)")
     p.add_argument("--host-buffers", type=int, default=2, help="swap-cpu: full host copies reused (default 2)")

@@ -433,30 +433,28 @@ class DecodeEngine:
             return [waiting[i] for i in sorted(chosen)]
 
     def _next_pick(self, waiting, chosen, taken, running, bound, budget) -> Optional[int]:
-        """The next request to admit this round, or ``None``."""
+        """The next request to admit this round, or ``None`` (one pass over ``waiting``)."""
         width = max((waiting[i].prompt_len for i in chosen), default=0)
         names = [waiting[i].delta for i in chosen]
-        later = [0] * len(waiting)  # per waiting request: chosen ones that arrived after it
-        for i in chosen:
-            for j in range(i):
-                later[j] += 1
+        later_chosen = len(chosen)  # chosen requests after the current position
+        worst = -1  # the most bypasses an earlier, unchosen request would have
         first_other = None
+        prefer = self.admission.prefer_running
         for j, w in enumerate(waiting):
             if j in taken:
+                later_chosen -= 1
                 continue
-            # admitting j passes over every earlier unchosen request: none may exceed the bound
-            blocked = any(waiting[e].bypassed + later[e] + 1 > bound for e in range(j) if e not in taken)
-            if blocked:
+            # admitting j passes over every earlier unchosen request: none may go over the bound
+            if worst + 1 > bound:
                 break
-            wide = max(width, w.prompt_len)
-            if chosen and budget is not None and wide * (len(chosen) + 1) > budget:
-                continue
-            if not self.can_add(wide, names + [w.delta]):
-                continue
-            if w.delta in running or not self.admission.prefer_running:
-                return j
-            if first_other is None:
-                first_other = j
+            if first_other is None or (prefer and w.delta in running):
+                wide = max(width, w.prompt_len)
+                fits = not (chosen and budget is not None and wide * (len(chosen) + 1) > budget)
+                if fits and self.can_add(wide, names + [w.delta]):
+                    if w.delta in running or not prefer:
+                        return j
+                    first_other = j
+            worst = max(worst, w.bypassed + later_chosen)
         return first_other
 
     def add(self, prompts: Sequence, delta_names: Optional[Sequence] = None, *,

@@ -8,4 +8,5 @@ Both drive a :class:`~hf_deltazip.DeltaModel` through its public API only: ``mod
 from .engine import AdmissionPolicy, DecodeEngine, EngineStats, Finished, Pending, auto_max_deltas
 from .server import DeltaServer, QueueFullError, RequestStats, TokenStream
 
-__all__ = ["AdmissionPolicy", "DecodeEngine", "EngineStats", "Finished", "Pending", "auto_max_deltas", "DeltaServer", "QueueFullError", "RequestStats", "TokenStream"]
+__all__ = ["AdmissionPolicy", "DecodeEngine", "EngineStats", "Finished", "Pending", "auto_max_deltas",
+           "DeltaServer", "QueueFullError", "RequestStats", "TokenStream"]

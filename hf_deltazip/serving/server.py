@@ -15,6 +15,13 @@ worker thread (the form an event loop wants). Cancelling a request's Future (``f
 ``max_queue`` bounds the requests waiting for a row: :meth:`submit` raises :class:`QueueFullError`
 past it.
 
+Admission (continuous mode) follows the engine's :class:`~hf_deltazip.serving.AdmissionPolicy`:
+waiting requests whose delta is already decoding go first (they add rows, not bytes, to a step), but
+no request is passed over by more than ``max_bypass`` later ones (default ``4 * max_batch_size``);
+one round prefills at most ``max_prefill_tokens`` prompt tokens, so a burst of arrivals does not stall
+the decoding rows for long. :attr:`DeltaServer.engine_stats` says where the time went (prefill,
+loads, decode steps, idle rows; distinct deltas and bytes per step).
+
 Example:
     >>> server = DeltaServer(model, tokenizer, max_batch_size=16)
     >>> futures = [server.submit("reverse: a b c", delta_name=n, max_new_tokens=8) for n in ("chat", "code", None)]

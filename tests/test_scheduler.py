@@ -4,7 +4,6 @@ the prefill budget; ``max_deltas="auto"`` from measured step costs; the engine's
 import random
 
 import pytest
-import torch
 
 from hf_deltazip import DeltaZipError
 from hf_deltazip.serving import AdmissionPolicy, DecodeEngine, Pending, auto_max_deltas

@@ -269,7 +269,7 @@ def test_every_system_serves_the_whole_trace_on_cpu(tmp_path, capsys):
     assert rc == 0
     report = json.loads(out.read_text())
     printed = capsys.readouterr().out
-    assert "| system |" in printed and "Zipf a=1" in printed
+    assert "| system |" in printed and "Zipf a=1" in printed and "| prefill s |" in printed
 
     assert report["trace"]["zipf_convention"] == serve.ZIPF_CONVENTION
     assert report["trace"]["requests"] == 6 and report["model"]["shape"] == "tiny"
@@ -280,7 +280,7 @@ def test_every_system_serves_the_whole_trace_on_cpu(tmp_path, capsys):
         assert not r["truncated"]
         assert r["output_tokens"] == 6 * 4
         for key in ("tokens_per_s", "latency_mean_s", "latency_p99_s", "ttft_mean_s", "ttft_p99_s",
-                    "switches", "switch_s", "peak_gpu_gib"):
+                    "switches", "switch_s", "peak_gpu_gib", "time_split"):
             assert key in r, (name, key)
         assert all(q["tokens"] == 4 for q in report["requests"][name])
         # throughput from the per-request times: tokens / (last finish - first arrival)
@@ -325,3 +325,80 @@ def test_deltazip_answers_match_each_request_served_alone():
             alone = dict(engine.step()).get(h)
         assert o.tokens == list(alone), o.id
     assert not math.isnan(serve.summarize(run, trace)["tokens_per_s"])
+
+
+# ---------------------------------------------------------------------------------------------- time split, real deltas
+def test_time_split_adds_up_to_the_wall_time():
+    """The split of a replay through a real engine: prefill + loads + decode + other = wall."""
+    from hf_deltazip.modeling import DeltaModel
+    from hf_deltazip.serving import DecodeEngine
+
+    base = serve.build_base("tiny", "cpu")
+    dm = DeltaModel(base)
+    dm.configure_cache(max_resident=2)
+    names = [f"d{i}" for i in range(3)]
+    for i, n in enumerate(names):
+        dm.add_delta(serve.random_delta(base, 4, 64, seed=i), n, resident=i < 2)
+    trace = make_trace(num_deltas=3, requests=6, rate=100.0, zipf=0.0, prompt_len=4, vocab_size=1024, seed=2)
+    engine = DecodeEngine(dm, max_batch_size=4, max_length=16)
+    run = replay(engine, trace, names, new_tokens=3, max_seconds=60)
+    split = serve.time_split(engine.stats, run)
+    parts = split["prefill_s"] + split["load_s"] + split["decode_s"] + split["other_s"]
+    assert parts == pytest.approx(split["wall_s"])
+    assert split["decode_steps"] > 0 and 0 < split["mean_distinct_deltas"] <= 2
+    assert split["floor_bytes_per_step"] <= split["bytes_per_step"]
+    assert "| deltazip |" in serve.split_table({"deltazip": {"time_split": split}})
+
+
+@pytest.fixture(scope="module")
+def real_pair(tmp_path_factory):
+    """A saved tiny base and two real compressed deltas of it."""
+    from hf_deltazip import DeltaZipConfig, compress
+
+    from model_factory import base_model, calibration_ids, finetune
+
+    root = tmp_path_factory.mktemp("real")
+    base_model("llama").save_pretrained(root / "base")
+    for i, name in ((1, "chat"), (2, "code")):
+        cfg = DeltaZipConfig(n_samples=4, seq_len=16, bits=4, group_size=32)
+        compress(base_model("llama"), finetune("llama", i), cfg, calibration=calibration_ids(n=4, length=16),
+                 progress=False).save_pretrained(root / "deltas" / name)
+    return root
+
+
+def test_real_deltas_mode_serves_compressed_finetunes(real_pair, tmp_path):
+    out = tmp_path / "real.json"
+    rc = serve.main(["--base", str(real_pair / "base"), "--delta-dir", str(real_pair / "deltas"),
+                     "--device", "cpu", "--systems", "deltazip,swap-cpu,peft", "--requests", "5", "--rate", "50",
+                     "--prompt-len", "6", "--new-tokens", "3", "--batch", "4", "--max-seconds", "60",
+                     "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["trace"]["deltas"] == 2
+    assert "real compressed deltas: chat=" in report["model"]["delta_format"]
+    assert list(report["systems"]) == ["deltazip", "swap-cpu", "peft"], report["skipped"]
+    for name, r in report["systems"].items():
+        assert r["completed"] == 5 and r["output_tokens"] == 15, name
+        assert r["time_split"]["wall_s"] > 0
+    assert report["systems"]["deltazip"]["time_split"]["mean_distinct_deltas"] > 0
+
+
+def test_real_deltas_mode_refuses_bad_arguments(real_pair, capsys):
+    with pytest.raises(SystemExit):
+        serve.main(["--delta", f"a={real_pair / 'deltas' / 'chat'}", "--device", "cpu"])
+    assert "need --base" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        serve.main(["--base", str(real_pair / "base"), "--delta", "no-equals-sign", "--device", "cpu"])
+    assert "NAME=DIR" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        serve.main(["--base", str(real_pair / "base"), "--delta", f"a={real_pair}", "--device", "cpu"])
+    assert "holds no delta.dz" in capsys.readouterr().err
+
+
+def test_max_deltas_flag_takes_a_number_auto_or_none():
+    parse = serve.build_parser().parse_args
+    assert parse([]).max_deltas == "auto"
+    assert parse(["--max-deltas", "none"]).max_deltas is None
+    assert parse(["--max-deltas", "4"]).max_deltas == 4
+    with pytest.raises(SystemExit):
+        parse(["--max-deltas", "0"])

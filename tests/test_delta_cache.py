@@ -163,3 +163,39 @@ def test_prefetch_uploads_into_free_room_ahead_of_use(folders, reference, device
     full.configure_cache(max_resident=1)
     assert full.prefetch(["d2"]).result(timeout=120) == ["d2"]
     assert full.resident_deltas == ["d1"], "a prefetch must not evict"
+
+
+@pytest.mark.parametrize("piece_bytes", [1, 1 << 30])  # one module per piece; the whole delta in one piece
+def test_pipelined_cold_load_equals_a_whole_file_load_and_a_warm_delta(folders, reference, piece_bytes):
+    """A delta only on disk, read a piece at a time while earlier pieces are placed, answers exactly as
+    the same delta read whole, and as one loaded up front."""
+    piped = DeltaModel(copy.deepcopy(base_model("llama")))
+    piped.cache.pipeline_piece_bytes = piece_bytes
+    whole = DeltaModel(copy.deepcopy(base_model("llama")))
+    whole.cache.pipeline_loads = False
+    for model in (piped, whole):
+        for name, folder in folders.items():
+            model.load_delta(folder, delta_name=name, resident=False)
+    rows = ["d1", "d3"]
+    out = logits(piped, rows)
+    assert sorted(piped.resident_deltas) == ["d1", "d3"]
+    assert torch.equal(out, logits(whole, rows))
+    assert torch.equal(out, logits(reference, rows))
+    e = piped.cache.entry("d1")
+    assert e.nbytes == whole.cache.entry("d1").nbytes > 0
+
+
+def test_pipelined_load_of_a_delta_for_another_base_places_nothing(folders, tmp_path):
+    """The check runs piece by piece: a mismatch midway takes the pieces placed so far out again."""
+    from hf_deltazip.errors import BaseMismatchError
+
+    small = base_model("llama")
+    model = DeltaModel(copy.deepcopy(small))
+    model.cache.pipeline_piece_bytes = 1
+    model.load_delta(folders["d1"], delta_name="d1", resident=False)
+    # the base loses its last decoder layer's MLP after registration: later pieces no longer fit it
+    model.base_model.model.layers[-1].mlp.down_proj = torch.nn.Linear(3, 3, bias=False)
+    with pytest.raises((BaseMismatchError, DeltaZipError)):
+        logits(model, ["d1", None])
+    assert model.resident_deltas == []
+    assert model.cache.slot_of("d1") is None

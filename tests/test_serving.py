@@ -47,6 +47,13 @@ def test_requests_from_many_threads_match_one_at_a_time(model, continuous):
     assert results == want
     assert len(stats) == 9 and max(s.batch_size for s in stats) == 2
     assert all(s.total >= s.queued >= 0 for s in stats)
+    split = server.engine_stats
+    if not continuous:
+        assert split is None
+    else:  # 9 requests admitted; a budget of 2 resident deltas over 3 named: some had to be loaded
+        assert split.prefill_rows == 9 and split.decode_steps > 0 and split.prefill_s > 0 and split.decode_s > 0
+        assert split.loads >= 1 and split.load_s > 0
+        assert 0 < split.mean_distinct_deltas <= 2
 
 
 def test_settings_split_batches_and_errors_reach_the_caller(model):

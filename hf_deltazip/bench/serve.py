@@ -29,6 +29,25 @@ continuous batching, CUDA-graph decode steps on CUDA) with at most ``--batch`` r
    load, so the disk is read.
 5. ``all-resident`` (the upper bound): N full copies on the GPU next to the model; switching is a
    device-to-device copy into the live parameters. Skipped when they do not fit.
+6. ``peft``: what Hugging Face users run for many tunes today: transformers + PEFT, one LoRA adapter
+   (rank ``--lora-rank``, default 16, on every linear layer) per fine-tune, waiting requests batched
+   through ``generate(adapter_names=[...])`` (mixed adapters in one batch), a batch at a time
+   (:class:`PeftBatcher`). Its TTFT is its batch's end: ``generate`` does not stream.
+
+Systems 1-2 admit through :meth:`DecodeEngine.pick` (deltas already in the step first, no request
+bypassed by more than K later ones; see :class:`~hf_deltazip.serving.AdmissionPolicy`).
+
+**Where the time goes.** Per system, a second table splits the replay's wall time into prefill, loads
+(deltas becoming resident; whole fine-tunes copied in for the swap systems), decode steps (and the
+share of them spent on idle rows), and the rest (waiting for arrivals, host work between steps), with
+the mean distinct deltas per decode step, bytes read per step against the floor (base weights + each
+distinct delta once + only the KV entries rows attend to), and CUDA-graph captures
+(:func:`time_split`, from the engine's :class:`~hf_deltazip.serving.EngineStats`).
+
+**Real deltas.** ``--base DIR`` with ``--delta NAME=DIR`` (repeatable) or ``--delta-dir DIR`` (every
+delta folder in it) serves real compressed fine-tunes of a pretrained base instead of random 8B-shaped
+deltas; ``--deltas`` is then their number and popularity rank follows the order given. The swap
+baselines move the same number of bytes (the base's size) with noise in place of the fine-tunes' weights.
 
 Each system stops admitting after ``--max-seconds``; rows already running finish and the run is
 reported as truncated. Per system: requests completed, output tokens/s (all output tokens / (last
@@ -67,9 +86,10 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..serving.engine import Pending
 from .decode import SHAPES, build_base, drop_page_cache, evict_file, random_delta
 
-SYSTEMS = ("deltazip", "one-delta-loop", "swap-cpu", "swap-disk", "all-resident")
+SYSTEMS = ("deltazip", "one-delta-loop", "swap-cpu", "swap-disk", "all-resident", "peft")
 ZIPF_CONVENTION = "P(rank i) = i^-a / sum_j j^-a, i = 1..N (rank i is delta d{i-1})"
 _GIB = 2**30
 
@@ -162,7 +182,8 @@ def replay(engine, trace: Sequence[Request], names: Sequence, *, new_tokens: int
     """Serve ``trace`` in real time through ``engine``; return every request's timings and tokens.
 
     Args:
-        engine: a :class:`~hf_deltazip.serving.DecodeEngine` (or anything with ``add``, ``step``, ``free``).
+        engine: a :class:`~hf_deltazip.serving.DecodeEngine` (or anything with ``add``, ``step``, ``free``
+            and ``can_add``; with ``pick``, mixed admission follows the engine's admission policy).
         trace: the requests, sorted by arrival.
         names: ``names[r.delta]`` is the delta name the engine gets for request ``r`` (``None``: the
             model as it is, for systems that switch weights instead).
@@ -178,6 +199,7 @@ def replay(engine, trace: Sequence[Request], names: Sequence, *, new_tokens: int
     live: dict = {}  # engine handle -> Outcome
     done: list = []
     current = None  # the fine-tune whose rows run (one_at_a_time)
+    pend: dict = {}  # request id -> its Pending (bypass counts carry over between rounds)
     result = Replay(outcomes=done, submitted=len(trace), truncated=False, wall_s=0.0)
     t0 = clock()
     while True:
@@ -200,6 +222,11 @@ def replay(engine, trace: Sequence[Request], names: Sequence, *, new_tokens: int
                             result.switch_log.append(switch(current))
                             result.switch_s += clock() - s
                     batch = [r for r in waiting if r.delta == current][: engine.free]
+            elif hasattr(engine, "pick"):  # the engine's admission policy (deltas in the step first, bounded bypass)
+                for r in waiting:
+                    if r.id not in pend:
+                        pend[r.id] = Pending(len(r.prompt), names[r.delta], item=r)
+                batch = [p.item for p in engine.pick([pend[r.id] for r in waiting])]
             else:  # first come, first served; a request whose delta cannot be resident yet lets others by
                 batch = []
                 for r in waiting:
@@ -209,6 +236,8 @@ def replay(engine, trace: Sequence[Request], names: Sequence, *, new_tokens: int
                         batch.append(r)
             if batch:
                 chosen = {r.id for r in batch}
+                for i in chosen:
+                    pend.pop(i, None)
                 waiting = [r for r in waiting if r.id not in chosen]
                 handles = engine.add([r.prompt for r in batch], [names[r.delta] for r in batch],
                                      max_new_tokens=new_tokens, eos_token_id=None)
@@ -235,6 +264,28 @@ def replay(engine, trace: Sequence[Request], names: Sequence, *, new_tokens: int
     result.wall_s = clock() - t0
     result.left_waiting = waiting
     return result
+
+
+def time_split(engine_stats, run: Replay) -> dict:
+    """Where a replay's wall time went: prefill, loads (deltas becoming resident, or whole fine-tunes
+    copied in by ``switch``), decode steps (of which idle rows), and the rest (waiting for arrivals,
+    scheduling, host work between steps); plus distinct deltas and bytes per decode step.
+
+    ``engine_stats`` is the engine's :class:`~hf_deltazip.serving.EngineStats` for this replay alone
+    (``None`` for an engine without one: only the switch time and the rest are known).
+    """
+    split = {"wall_s": run.wall_s, "switch_s": run.switch_s}
+    if engine_stats is None:
+        split.update(load_s=run.switch_s, other_s=run.wall_s - run.switch_s)
+        return split
+    st = engine_stats.as_dict()
+    load = st["load_s"] + run.switch_s
+    split.update({k: st[k] for k in ("prefill_s", "decode_s", "idle_row_s", "prefills", "decode_steps", "loads",
+                                      "mean_distinct_deltas", "bytes_per_step", "floor_bytes_per_step", "step_ms",
+                                      "floor_GBps", "captures", "max_deltas_auto")})
+    split["load_s"] = load
+    split["other_s"] = run.wall_s - load - st["prefill_s"] - st["decode_s"]
+    return split
 
 
 class PausableClock:
@@ -580,11 +631,14 @@ def _run(name: str, engine, trace, names, args, *, one_at_a_time: bool, switch=N
         switch(0)  # warm the copy path once; the replay's first switch is still timed
     if torch.device(device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    if hasattr(engine, "reset_stats"):
+        engine.reset_stats()  # the warm-up is not part of the split
     print(f"[{name}] replaying {len(trace)} requests ...", flush=True)
     run = replay(engine, trace, names, new_tokens=args.new_tokens, max_seconds=args.max_seconds,
                  one_at_a_time=one_at_a_time, switch=switch, clock=clock or PausableClock())
     stats = summarize(run, trace)
     stats["peak_gpu_gib"] = _peak_gib(device)
+    stats["time_split"] = time_split(getattr(engine, "stats", None), run)
     print(f"[{name}] {stats['completed']}/{stats['requests']} requests, "
           f"{_fmt(stats['tokens_per_s'], '.1f')} tokens/s, mean latency {_fmt(stats['latency_mean_s'], '.2f')} s"
           + (" (truncated)" if run.truncated else ""), flush=True)
@@ -595,7 +649,13 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
     """``deltazip`` and ``one-delta-loop``: one DeltaModel with all N deltas, one engine."""
     from ..modeling import DeltaModel
 
-    one = delta_bytes(base, args.bits, args.group_size)
+    real = getattr(args, "real_deltas", None)
+    if real:  # a compressed file is smaller than its tensors once decompressed: twice its size as the estimate
+        from ..format import DZ_FILENAME
+
+        one = 2 * max((path / DZ_FILENAME).stat().st_size for path in real.values())
+    else:
+        one = delta_bytes(base, args.bits, args.group_size)
     kv = kv_cache_bytes(base.config, args.batch, _cache_length(args))
     free = device_free_bytes(args.device)
     resident = args.deltas if args.max_resident is None else min(args.max_resident, args.deltas)
@@ -613,7 +673,8 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
             skipped[s] = (f"{args.deltas - resident} deltas that do not fit on the GPU need {host / _GIB:.1f} GiB of host "
                           f"memory, {avail / _GIB:.1f} GiB are free: use --bits 2 or fewer --deltas")
         return
-    cap = "" if args.max_deltas is None else f"at most {args.max_deltas} distinct deltas decoding at once; "
+    cap = {None: "", "auto": "distinct deltas per step capped from measured step costs (max_deltas='auto'); "}.get(
+        args.max_deltas, f"at most {args.max_deltas} distinct deltas decoding at once; ")
     tier = cap + ("all deltas resident" if resident == args.deltas else
             f"{resident} of {args.deltas} deltas resident on the GPU (LRU), the others in pinned host memory, "
             "uploaded when a request needs them")
@@ -623,9 +684,14 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
     try:
         dm = DeltaModel(base)
         dm.configure_cache(max_resident=resident)  # before adding: the kernel stacks are sized once
-        names = [f"d{i}" for i in range(args.deltas)]
-        for i, n in enumerate(names):  # the most popular ones start resident
-            dm.add_delta(random_delta(base, args.bits, args.group_size, seed=i), n, resident=i < resident)
+        if real:
+            names = list(real)
+            for i, (n, path) in enumerate(real.items()):  # popularity follows the order given
+                dm.load_delta(path, delta_name=n, resident=i < resident)
+        else:
+            names = [f"d{i}" for i in range(args.deltas)]
+            for i, n in enumerate(names):  # the most popular ones start resident
+                dm.add_delta(random_delta(base, args.bits, args.group_size, seed=i), n, resident=i < resident)
         engine = _make_engine(dm, args)
         for system in wanted:
             results[system], run = _run(system, engine, trace, names, args, one_at_a_time=system == "one-delta-loop",
@@ -645,7 +711,7 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
 
 def run_swap_systems(trace, args, wanted: Sequence[str], results: dict, skipped: dict, outcomes: dict) -> None:
     """``swap-cpu``, ``swap-disk`` and ``all-resident`` on a fresh plain model, one engine."""
-    model = build_base(args.shape, args.device, args.layers)
+    model = _base_model(args)
     weights = FlatWeights(model)
     names = [None] * args.deltas
     engine = _make_engine(model, args)
@@ -677,6 +743,143 @@ def run_swap_systems(trace, args, wanted: Sequence[str], results: dict, skipped:
     finally:
         del engine, model
         _free_memory(args.device)
+
+
+class PeftBatcher:
+    """transformers + PEFT the way its users serve many LoRA fine-tunes: one model carrying every adapter,
+    batches of waiting requests run through ``generate(adapter_names=[...])`` (PEFT's per-row mixed-adapter
+    inference), a new batch once the last one is done (dynamic batching: no continuous admission).
+
+    It has the engine interface :func:`replay` drives: :meth:`add` runs the whole batch (so a request's
+    first token is known only when its batch ends: ``generate`` does not stream), :meth:`step` hands
+    the answers back.
+    """
+
+    def __init__(self, model, max_batch_size: int, pad_token_id: int = 0):
+        self.model, self.max_batch_size, self.pad_token_id = model, max_batch_size, pad_token_id
+        self._done: list = []
+        self._next = 0
+
+    @property
+    def free(self) -> int:
+        return 0 if self._done else self.max_batch_size
+
+    @property
+    def active(self) -> int:
+        return len(self._done)
+
+    def can_add(self, prompt_len: int, delta_names: Sequence = ()) -> bool:
+        return len(delta_names) <= self.free
+
+    @torch.no_grad()
+    def add(self, prompts, delta_names, max_new_tokens: int, eos_token_id=None) -> list:
+        device = next(self.model.parameters()).device
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                  adapter_names=list(delta_names), max_new_tokens=max_new_tokens,
+                                  min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.pad_token_id,
+                                  eos_token_id=eos_token_id)
+        handles = list(range(self._next, self._next + len(prompts)))
+        self._next += len(prompts)
+        self._done = list(zip(handles, out[:, width:].tolist()))
+        return handles
+
+    def step(self) -> list:
+        done, self._done = self._done, []
+        return done
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def run_peft_system(trace, args, results: dict, skipped: dict, outcomes: dict) -> None:
+    """``peft``: one LoRA adapter (rank ``--lora-rank``, every linear layer of every block) per fine-tune."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        skipped["peft"] = "peft is not installed: pip install peft"
+        print(f"[peft] skipped: {skipped['peft']}", flush=True)
+        return
+    model = _base_model(args)
+    try:
+        lora = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules=LORA_TARGETS,
+                          init_lora_weights=False)  # random A and B: every adapter changes the output
+        names = [f"d{i}" for i in range(args.deltas)]
+        torch.manual_seed(0)
+        pm = get_peft_model(model, lora, adapter_name=names[0])
+        for n in names[1:]:
+            pm.add_adapter(n, lora)
+        pm.to(dtype=next(model.parameters()).dtype).eval()
+        batcher = PeftBatcher(pm, args.batch)
+        batcher.add([[1] * args.prompt_len], [names[0]], max_new_tokens=2)  # warm-up
+        batcher.step()
+        if torch.device(args.device).type == "cuda":
+            torch.cuda.reset_peak_memory_stats(args.device)
+        print(f"[peft] replaying {len(trace)} requests ...", flush=True)
+        run = replay(batcher, trace, names, new_tokens=args.new_tokens, max_seconds=args.max_seconds)
+        stats = summarize(run, trace)
+        stats["peak_gpu_gib"] = _peak_gib(args.device)
+        stats["time_split"] = time_split(None, run)
+        stats["how"] = (f"transformers + PEFT, {args.deltas} LoRA adapters of rank {args.lora_rank} on "
+                        f"{', '.join(LORA_TARGETS)}; batches of up to {args.batch} waiting requests through "
+                        "generate(adapter_names=...) (mixed adapters per batch), a new batch when the last ends; "
+                        "TTFT is the batch's end (generate does not stream)")
+        results["peft"], outcomes["peft"] = stats, run.outcomes
+        print(f"[peft] {stats['completed']}/{stats['requests']} requests, {_fmt(stats['tokens_per_s'], '.1f')} tokens/s",
+              flush=True)
+    except torch.cuda.OutOfMemoryError as e:
+        skipped["peft"] = f"out of GPU memory ({str(e).splitlines()[0]}): use fewer --deltas or --batch"
+        print(f"[peft] skipped: {skipped['peft']}", flush=True)
+    finally:
+        del model
+        _free_memory(args.device)
+
+
+def parse_real_deltas(specs: Sequence[str], folders: Sequence[str]) -> dict:
+    """``NAME=DIR`` specs plus every delta folder inside each of ``folders`` -> ``{name: Path}``.
+
+    Raises:
+        ValueError: a spec without ``=``, a folder that is not a delta folder, or a name given twice.
+    """
+    from ..format import DZ_FILENAME
+
+    out: dict = {}
+
+    def put(name, path):
+        path = Path(path)
+        if not (path / DZ_FILENAME).is_file():
+            raise ValueError(f"{path} holds no {DZ_FILENAME}: pass a folder made by save_pretrained of a compressed delta")
+        if name in out:
+            raise ValueError(f"two deltas named {name!r}: give each --delta a different NAME")
+        out[name] = path
+
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--delta {spec!r}: write it as NAME=DIR")
+        put(name, path)
+    for folder in folders:
+        subs = sorted(d for d in Path(folder).iterdir() if (d / DZ_FILENAME).is_file()) if Path(folder).is_dir() else []
+        if not subs:
+            raise ValueError(f"--delta-dir {folder}: no delta folders (each with {DZ_FILENAME}) inside it")
+        for d in subs:
+            put(d.name, d)
+    return out
+
+
+def _base_model(args):
+    """The base every system runs: a random Llama of ``--shape``, or the pretrained ``--base`` folder in bf16."""
+    if args.base is None:
+        return build_base(args.shape, args.device, args.layers)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.bfloat16)
+    return model.to(args.device).eval()
 
 
 def _setup_swap_cpu(model, weights: FlatWeights, args, clock):
@@ -821,6 +1024,23 @@ def markdown_table(results: dict) -> str:
     return "\n".join(rows)
 
 
+def split_table(results: dict) -> str:
+    """Markdown: where each system's wall time went (see :func:`time_split`)."""
+    rows = ["| system | wall s | prefill s | loads s | decode s | of which idle rows s | other s | decode steps "
+            "| step ms | distinct deltas / step | MB read / step | MB floor / step | floor GB/s | graph captures |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    mb = (lambda x: None if x is None else x / 1e6)
+    for name, r in results.items():
+        t = r.get("time_split", {})
+        rows.append(f"| {name} | {_fmt(t.get('wall_s'), '.2f')} | {_fmt(t.get('prefill_s'), '.2f')} "
+                    f"| {_fmt(t.get('load_s'), '.2f')} | {_fmt(t.get('decode_s'), '.2f')} | {_fmt(t.get('idle_row_s'), '.2f')} "
+                    f"| {_fmt(t.get('other_s'), '.2f')} | {_fmt(t.get('decode_steps'), 'd')} | {_fmt(t.get('step_ms'), '.2f')} "
+                    f"| {_fmt(t.get('mean_distinct_deltas'), '.2f')} | {_fmt(mb(t.get('bytes_per_step')), '.1f')} "
+                    f"| {_fmt(mb(t.get('floor_bytes_per_step')), '.1f')} | {_fmt(t.get('floor_GBps'), '.0f')} "
+                    f"| {_fmt(t.get('captures'), 'd')} |")
+    return "\n".join(rows)
+
+
 def _environment(args, argv) -> dict:
     import transformers
 
@@ -841,11 +1061,28 @@ def _environment(args, argv) -> dict:
             "command": "deltazip bench serve " + " ".join(argv)}
 
 
+def _max_deltas_arg(text: str):
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive number, 'auto' or 'none'")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deltazip bench serve", description=__doc__.split("``: ", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="8b", help="random Llama shape of the base (default 8b)")
     p.add_argument("--layers", type=int, help="fewer decoder layers than the shape has (quick runs)")
+    p.add_argument("--base", help="real mode: a pretrained base model folder (instead of a random --shape)")
+    p.add_argument("--delta", action="append", default=[], metavar="NAME=DIR",
+                   help="real mode: a compressed delta of --base (repeat; popularity rank follows the order)")
+    p.add_argument("--delta-dir", action="append", default=[], metavar="DIR",
+                   help="real mode: every delta folder inside DIR (sorted by name)")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (a smoke test with --shape tiny)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)} (default: all that fit)")
     p.add_argument("--deltas", type=int, default=32, help="number of fine-tunes N (default 32)")
@@ -858,8 +1095,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=32, help="most rows decoding at once (default 32)")
     p.add_argument("--bits", type=int, default=4, help="delta bits (default 4)")
     p.add_argument("--group-size", type=int, default=128, help="delta quantization group (default 128)")
-    p.add_argument("--max-deltas", type=int, help="deltazip: most distinct deltas among the decoding rows (default: no limit)")
+    p.add_argument("--max-deltas", type=_max_deltas_arg, default="auto",
+                   help="deltazip: most distinct deltas among the decoding rows: a number, 'none' (no limit) or "
+                        "'auto' (default: the engine picks it from measured step costs)")
     p.add_argument("--max-resident", type=int, help="deltas kept on the GPU (default: as many as fit; the others wait in pinned host memory)")
+    p.add_argument("--lora-rank", type=int, default=16, help="peft: LoRA rank of each fine-tune's adapter (default 16)")
     p.add_argument("--host-buffers", type=int, default=2, help="swap-cpu: full host copies reused (default 2)")
     p.add_argument("--disk-files", type=int, default=2, help="swap-disk: safetensors files reused (default 2)")
     p.add_argument("--workdir", help="swap-disk: folder on a local disk for the files (default: a temporary folder)")
@@ -886,6 +1126,25 @@ def main(argv=None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("no CUDA GPU here: this benchmark is meant for one (--shape tiny --device cpu is a smoke test)")
     cfg = dict(SHAPES[args.shape])
+    args.real_deltas = None
+    if args.delta or args.delta_dir:
+        if args.base is None:
+            p.error("--delta and --delta-dir need --base: the folder of the model the deltas were compressed from")
+        try:
+            args.real_deltas = parse_real_deltas(args.delta, args.delta_dir)
+        except (ValueError, OSError) as e:
+            p.error(str(e))
+        args.deltas = len(args.real_deltas)
+    elif args.base is not None:
+        p.error("--base needs deltas of it: add --delta NAME=DIR (repeatable) or --delta-dir DIR")
+    if args.base is not None:
+        from transformers import AutoConfig
+
+        try:
+            base_cfg = AutoConfig.from_pretrained(args.base)
+        except (OSError, ValueError) as e:
+            p.error(f"--base {args.base}: not a model folder ({e})")
+        cfg = {"vocab_size": base_cfg.vocab_size, "num_hidden_layers": base_cfg.num_hidden_layers}
     args.vocab_size = cfg["vocab_size"]
     try:
         trace = make_trace(num_deltas=args.deltas, requests=args.requests, rate=args.rate, zipf=args.zipf,
@@ -900,15 +1159,18 @@ def main(argv=None) -> int:
         "trace": {"deltas": args.deltas, "zipf_a": args.zipf, "zipf_convention": ZIPF_CONVENTION, "rate_per_s": args.rate,
                   "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "eos": "disabled", "seed": args.seed,
                   **summary},
-        "model": {"shape": args.shape, "layers": args.layers or cfg["num_hidden_layers"], "dtype": "bfloat16",
-                  "delta_format": f"{args.bits}-bit, group {args.group_size}, dense", "batch": args.batch,
+        "model": {"shape": args.shape if args.base is None else f"pretrained {args.base}",
+                  "layers": args.layers or cfg["num_hidden_layers"], "dtype": "bfloat16",
+                  "delta_format": f"{args.bits}-bit, group {args.group_size}, dense" if not args.real_deltas else
+                  "real compressed deltas: " + ", ".join(f"{n}={d}" for n, d in args.real_deltas.items()),
+                  "batch": args.batch,
                   "kv_cache_length": _cache_length(args),
                   "max_seconds": args.max_seconds, "cuda_graphs": not args.eager and args.device.startswith("cuda")},
         "systems": {}, "skipped": {},
     }
     print(f"# deltazip bench serve: {env['device']}, torch {env['torch']}, transformers {env['transformers']}, "
           f"commit {env['commit']}, {env['date']}")
-    print(f"# model: random Llama {args.shape} ({report['model']['layers']} layers) in bf16; deltas "
+    print(f"# model: {'random Llama ' if args.base is None else ''}{report['model']['shape']} ({report['model']['layers']} layers) in bf16; deltas "
           f"{report['model']['delta_format']}; up to {args.batch} rows; cap {args.max_seconds:g} s per system")
     print(f"# trace: {args.requests} requests over {args.deltas} deltas, Zipf a={args.zipf:g} ({ZIPF_CONVENTION}); "
           f"Poisson {args.rate:g}/s over {summary['duration_s']:.1f} s (offered load {args.rate * args.new_tokens:g} "
@@ -918,9 +1180,9 @@ def main(argv=None) -> int:
 
     results, skipped, outcomes = {}, report["skipped"], {}
     delta_systems = [s for s in SYSTEMS if s in systems and s in ("deltazip", "one-delta-loop")]
-    swap_systems = [s for s in SYSTEMS if s in systems and s not in delta_systems]
+    swap_systems = [s for s in SYSTEMS if s in systems and s in ("swap-cpu", "swap-disk", "all-resident")]
     if delta_systems:
-        base = build_base(args.shape, args.device, args.layers)
+        base = _base_model(args)
         try:
             run_delta_systems(base, trace, args, delta_systems, results, skipped, outcomes)
         finally:
@@ -928,6 +1190,8 @@ def main(argv=None) -> int:
             _free_memory(args.device)
     if swap_systems:
         run_swap_systems(trace, args, swap_systems, results, skipped, outcomes)
+    if "peft" in systems:
+        run_peft_system(trace, args, results, skipped, outcomes)
 
     ordered = {s: results[s] for s in SYSTEMS if s in results}
     ours = ordered.get("deltazip", {}).get("tokens_per_s")
@@ -940,6 +1204,10 @@ def main(argv=None) -> int:
 
     print()
     print(markdown_table(ordered))
+    print()
+    print("Where the time goes (loads: deltas becoming resident, or whole fine-tunes copied in; other: waiting "
+          "for arrivals and host work between steps):")
+    print(split_table(ordered))
     for name, r in ordered.items():
         if name != "deltazip":
             disk = (f"; {r['workdir']} ({r['filesystem']}); {r['page_cache']}; {r['disk_GBps_mean']:.2f} GB/s mean, "

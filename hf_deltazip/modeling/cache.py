@@ -38,7 +38,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..delta import read_packed
+from ..delta import PackedModule, read_packed
 from ..errors import DeltaNotFoundError, DeltaZipError
 from ..format import DZ_FILENAME, DeltaHeader, DeltaZipFile
 from .layers import map_packed
@@ -116,6 +116,11 @@ class DeltaCache:
         self.max_host_bytes: int = 0
         self._prefetcher: Optional[ThreadPoolExecutor] = None
         self._side_stream = None
+        #: read a delta that is only on disk a piece at a time, placing each piece while the next is read
+        #: (``False``: read the whole file, then place it)
+        self.pipeline_loads: bool = True
+        #: decoded bytes per piece of a pipelined load
+        self.pipeline_piece_bytes: int = 64 << 20
 
     # ------------------------------------------------------------------ looking
     def __contains__(self, name) -> bool:
@@ -281,15 +286,18 @@ class DeltaCache:
                 if e.slot is not None:
                     self._wait_ready(e)
                     continue
-                modules, params = e.host if e.host is not None else self._read(e)
-                nbytes = delta_nbytes(modules, params)
-                self._make_room(needed=needed, incoming=nbytes)
-                slot = self._free_slot()
-                try:
-                    self.placer.attach(slot, modules, params, e.header, name=n)
-                except BaseException:
-                    self.placer.detach(slot)
-                    raise
+                if e.host is None and self.pipeline_loads and e.path is not None:
+                    modules, params, nbytes, slot = self._load_pipelined(e, needed)
+                else:
+                    modules, params = e.host if e.host is not None else self._read(e)
+                    nbytes = delta_nbytes(modules, params)
+                    self._make_room(needed=needed, incoming=nbytes)
+                    slot = self._free_slot()
+                    try:
+                        self.placer.attach(slot, modules, params, e.header, name=n)
+                    except BaseException:
+                        self.placer.detach(slot)
+                        raise
                 e.slot, e.nbytes = slot, nbytes
                 if e.host_is_only_copy and _on_device(modules, params):
                     e.host, e.host_is_only_copy = None, False  # given on the device: the stack holds it now
@@ -387,6 +395,61 @@ class DeltaCache:
             self.placer.validate(modules, params, e.header, folder)
             e.validated = True
         return modules, params
+
+    def _load_pipelined(self, e: CacheEntry, needed) -> tuple:
+        """Read a delta from its file a piece at a time and place each piece while the next one is read
+        and decoded on a side thread (the read, the CRC check and zstd release the GIL), so the file's
+        read overlaps the uploads instead of preceding them. Returns ``(modules, params, nbytes, slot)``.
+
+        Pieces are about :attr:`pipeline_piece_bytes` of decoded tensors, modules in file order (a
+        decoder layer or so each), the exactly stored parameters last. Each piece is checked against
+        the base before it is placed; a failure takes the partly placed delta out again.
+        """
+        folder = Path(e.path)
+        pin = self.placer.device.type == "cuda"
+        with DeltaZipFile(folder / DZ_FILENAME) as dz:
+            pieces, piece, size = [], [], 0
+            for mname, rec in dz.modules.items():
+                piece.append(mname)
+                size += sum(dz.tensors[t].nbytes for t in rec.tensors.values())
+                if size >= self.pipeline_piece_bytes:
+                    pieces.append(piece)
+                    piece, size = [], 0
+            if piece:
+                pieces.append(piece)
+            pieces.append(None)  # the parameters
+            total = sum(rec.nbytes for rec in dz.tensors.values())
+            self._make_room(needed=needed, incoming=total)
+            slot = self._free_slot()
+
+            def read(names):
+                if names is None:
+                    tensors = dz.read_tensors(list(dz.params.values()), num_threads=e.num_threads, pin_memory=pin)
+                    return {}, {p: tensors[t] for p, t in dz.params.items()}
+                wanted = [t for m in names for t in dz.modules[m].tensors.values()]
+                tensors = dz.read_tensors(wanted, num_threads=e.num_threads, pin_memory=pin)
+                return {m: PackedModule.from_record(dz.modules[m], {role: tensors[t] for role, t in dz.modules[m].tensors.items()})
+                        for m in names}, {}
+
+            modules, params = {}, {}
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltazip-load") as reader:
+                ahead = reader.submit(read, pieces[0])
+                try:
+                    for i in range(len(pieces)):
+                        got_modules, got_params = ahead.result()
+                        if i + 1 < len(pieces):
+                            ahead = reader.submit(read, pieces[i + 1])
+                        modules.update(got_modules)
+                        params.update(got_params)
+                        if not e.validated:  # the parameters' check needs every module (vocabulary rows)
+                            self.placer.validate(got_modules if got_modules else modules, got_params, e.header, folder)
+                        self.placer.attach(slot, got_modules, got_params, e.header, name=e.name)
+                except BaseException:
+                    ahead.cancel()
+                    self.placer.detach(slot)
+                    raise
+        e.validated = True
+        return modules, params, delta_nbytes(modules, params), slot
 
     def _free_slot(self) -> int:
         used = {e.slot for e in self._entries.values() if e.slot is not None}

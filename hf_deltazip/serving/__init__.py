@@ -5,7 +5,8 @@ Both drive a :class:`~hf_deltazip.DeltaModel` through its public API only: ``mod
 ``model.route_static``, ``model.layout_version`` and ``model.graph_safe()``.
 """
 
-from .engine import DecodeEngine, Finished
+from .engine import AdmissionPolicy, DecodeEngine, EngineStats, Finished, Pending, auto_max_deltas
 from .server import DeltaServer, QueueFullError, RequestStats, TokenStream
 
-__all__ = ["DecodeEngine", "Finished", "DeltaServer", "QueueFullError", "RequestStats", "TokenStream"]
+__all__ = ["AdmissionPolicy", "DecodeEngine", "EngineStats", "Finished", "Pending", "auto_max_deltas",
+           "DeltaServer", "QueueFullError", "RequestStats", "TokenStream"]

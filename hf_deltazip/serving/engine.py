@@ -22,6 +22,15 @@ How it stays static (so one captured CUDA graph serves every step):
 On a CPU, or for models whose deltas cannot run in a captured step (fine-tunes that add tokens or
 replace norms), steps run eagerly with the same cache. Prefill always runs eagerly.
 
+Where the time goes: :attr:`DecodeEngine.stats` (an :class:`EngineStats`) splits the engine's wall
+time into prefill, waiting for deltas to become resident, and decode steps, with the share of decode
+row-steps that were idle, the mean number of distinct deltas per step, and bytes read per step against
+the floor the step cannot go below.
+
+Admission: :meth:`DecodeEngine.pick` chooses which waiting requests to admit (see
+:class:`AdmissionPolicy` for the fairness rule), and ``max_deltas="auto"`` (the default) caps the
+distinct deltas per step from measured step costs.
+
 Example:
     >>> engine = DecodeEngine(model, max_batch_size=16, max_length=512)
     >>> handles = engine.add([ids_a, ids_b], ["chat", None], max_new_tokens=32)
@@ -33,7 +42,9 @@ Example:
 from __future__ import annotations
 
 import inspect
+import math
 import threading
+import time
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -42,9 +53,10 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..errors import DeltaZipError
+from ..modeling.cache import Residency
 from ..modeling.routing import BatchRouting
 
-__all__ = ["DecodeEngine", "Finished"]
+__all__ = ["AdmissionPolicy", "DecodeEngine", "EngineStats", "Finished", "Pending", "auto_max_deltas"]
 
 _MODEL_DEFAULT = object()  # eos_token_id not given: the model's generation config decides
 
@@ -60,6 +72,154 @@ class Finished:
 
     def __iter__(self):  # ``for handle, tokens in engine.step()``
         return iter((self.handle, self.tokens))
+
+
+@dataclass
+class EngineStats:
+    """Where a :class:`DecodeEngine`'s time went since it was made (or since :meth:`DecodeEngine.reset_stats`).
+
+    Wall times are measured on the host around work that ends in a device sync (the tokens are read
+    back), so on a GPU they include the device's time.
+
+    Attributes:
+        prefill_s: seconds in prefill (batched forward passes over new prompts), loads excluded.
+        load_s: seconds waiting for the deltas of new requests to become resident (read, decompress,
+            upload) before their prefill could start.
+        decode_s: seconds in decode steps.
+        prefills, prefill_rows, prefill_tokens: prefill passes, requests admitted, padded prompt tokens.
+        loads: admissions that had to bring at least one delta onto the device.
+        decode_steps: decode steps run.
+        row_steps: rows computed by decode steps (``max_batch_size`` per step).
+        idle_row_steps: of those, rows with no request (computed and thrown away).
+        distinct_deltas: summed over steps, the distinct deltas the active rows used.
+        bytes_read: summed over steps, bytes a step reads as implemented: the base's weights, each
+            distinct delta once and the whole static KV cache of every row.
+        floor_bytes: summed over steps, the bytes a step cannot avoid: the base's weights, each distinct
+            delta once, and only the KV entries the active rows attend to.
+        captures: decode steps captured as CUDA graphs (a delta layout change costs one).
+        max_deltas_auto: the cap ``max_deltas="auto"`` has chosen so far (``None``: not measured yet).
+    """
+
+    prefill_s: float = 0.0
+    load_s: float = 0.0
+    decode_s: float = 0.0
+    prefills: int = 0
+    prefill_rows: int = 0
+    prefill_tokens: int = 0
+    loads: int = 0
+    decode_steps: int = 0
+    row_steps: int = 0
+    idle_row_steps: int = 0
+    distinct_deltas: int = 0
+    bytes_read: int = 0
+    floor_bytes: int = 0
+    captures: int = 0
+    max_deltas_auto: Optional[int] = None
+
+    @property
+    def idle_row_s(self) -> float:
+        """Decode time spent on idle rows: ``decode_s`` times the idle share of row-steps."""
+        return self.decode_s * self.idle_row_steps / self.row_steps if self.row_steps else 0.0
+
+    @property
+    def mean_distinct_deltas(self) -> float:
+        """Distinct deltas per decode step, on average."""
+        return self.distinct_deltas / self.decode_steps if self.decode_steps else 0.0
+
+    @property
+    def bytes_per_step(self) -> float:
+        return self.bytes_read / self.decode_steps if self.decode_steps else 0.0
+
+    @property
+    def floor_bytes_per_step(self) -> float:
+        return self.floor_bytes / self.decode_steps if self.decode_steps else 0.0
+
+    @property
+    def step_ms(self) -> float:
+        """Mean decode step time in milliseconds."""
+        return 1e3 * self.decode_s / self.decode_steps if self.decode_steps else 0.0
+
+    @property
+    def floor_GBps(self) -> float:
+        """Floor bytes per second of decode: compare with the device's copy bandwidth (an H200: ~4 TB/s)."""
+        return self.floor_bytes / self.decode_s / 1e9 if self.decode_s else 0.0
+
+    def as_dict(self) -> dict:
+        """Every field and derived figure, for a JSON report."""
+        out = dict(self.__dict__)
+        for name in ("idle_row_s", "mean_distinct_deltas", "bytes_per_step", "floor_bytes_per_step", "step_ms", "floor_GBps"):
+            out[name] = getattr(self, name)
+        return out
+
+
+@dataclass(eq=False)  # compared by identity: two requests with equal fields are still two
+class Pending:
+    """A request waiting for a row, as :meth:`DecodeEngine.pick` sees it.
+
+    Attributes:
+        prompt_len: its prompt's tokens.
+        delta: its delta name (``None``: the base).
+        item: the caller's own object (returned untouched).
+        bypassed: later requests admitted before it so far (kept up to date by ``pick``).
+    """
+
+    prompt_len: int
+    delta: Optional[str]
+    item: object = None
+    bypassed: int = 0
+
+
+@dataclass
+class AdmissionPolicy:
+    """How :meth:`DecodeEngine.pick` fills free rows from the waiting requests.
+
+    Every admission round walks the waiting requests and repeatedly takes the oldest one whose delta
+    is already in the step (a running row's, or one picked this round), else the oldest one at all;
+    a request that does not fit (rows, KV cache, the resident budget, ``max_deltas``) is passed over.
+    Preferring deltas already in the step adds rows without adding bytes to the step.
+
+    **Fairness rule:** no request is passed over by more than ``max_bypass`` requests that arrived
+    after it. Once a request has been bypassed ``max_bypass`` times, no later request is admitted
+    before it: the rows that free up wait for it. ``max_bypass=0`` is strict first come, first served.
+
+    **Prefill budget:** one round admits at most ``max_prefill_tokens`` padded prompt tokens (at least
+    one request), so a burst of arrivals is prefilled over several rounds with decode steps between
+    them and the running rows are never stalled by more than one bounded prefill.
+
+    Attributes:
+        max_bypass: the bound K above (``None``: ``4 * max_batch_size`` of the engine).
+        prefer_running: prefer requests whose delta is already in the step (``False``: arrival order).
+        max_prefill_tokens: padded prompt tokens per round (``None``: no limit).
+    """
+
+    max_bypass: Optional[int] = None
+    prefer_running: bool = True
+    max_prefill_tokens: Optional[int] = 4096
+
+
+def auto_max_deltas(step_costs: dict, *, min_steps: int = 8) -> Optional[int]:
+    """The distinct-delta cap ``max_deltas="auto"`` uses, from measured decode step times.
+
+    Fits ``t(U) = a + b * U`` by least squares to the mean step time at each number ``U`` of distinct
+    deltas seen in at least ``min_steps`` steps, and returns ``max(1, floor(a / b))``: the most
+    deltas whose reads together cost no more than the rest of the step (the base's weights, the KV
+    cache, launch overhead), so a step is at most about twice a single-delta step. ``None`` (no cap)
+    until two different ``U`` have been measured, or when deltas measure as free (``b <= 0``).
+
+    Args:
+        step_costs: ``U -> (steps, summed seconds)``.
+    """
+    points = [(u, total / n) for u, (n, total) in step_costs.items() if n >= min_steps]
+    if len({u for u, _ in points}) < 2:
+        return None
+    mu = sum(u for u, _ in points) / len(points)
+    mt = sum(t for _, t in points) / len(points)
+    var = sum((u - mu) ** 2 for u, _ in points)
+    b = sum((u - mu) * (t - mt) for u, t in points) / var
+    a = mt - b * mu
+    if b <= 0:
+        return None
+    return max(1, math.floor(a / b + 1e-9)) if a > 0 else 1  # the tolerance: a/b = 5 computed as 4.999...
 
 
 @dataclass
@@ -116,14 +276,19 @@ class DecodeEngine:
         max_length: cache length; a request needs ``prompt + max_new_tokens <= max_length``.
         cuda_graphs: capture decode steps as CUDA graphs (default: on CUDA devices).
         pad_token_id: token id fed to idle rows.
-        max_deltas: most distinct deltas among the active rows (``None``: no limit). A decode step
-            reads every delta its rows use, so its time grows with their number; :meth:`can_add`
-            holds back requests for other deltas while the limit is reached, and they get in (oldest
-            first, when the caller admits in arrival order) as rows of running deltas finish.
+        max_deltas: most distinct deltas among the active rows. A decode step reads every delta its
+            rows use, so its time grows with their number; :meth:`can_add` holds back requests for
+            other deltas while the limit is reached, and they get in as rows of running deltas
+            finish. ``"auto"`` (default): chosen by :func:`auto_max_deltas` from the decode step
+            times measured so far (no cap until two different delta counts have been timed; see
+            ``stats.max_deltas_auto``); ``None``: no limit; an integer: that limit.
+        admission: the :class:`AdmissionPolicy` :meth:`pick` follows (default: prefer deltas in the
+            step, ``max_bypass = 4 * max_batch_size``, 4096 prefill tokens per round).
     """
 
     def __init__(self, model, *, max_batch_size: int = 32, max_length: int = 1024,
-                 cuda_graphs: Optional[bool] = None, pad_token_id: int = 0, max_deltas: Optional[int] = None):
+                 cuda_graphs: Optional[bool] = None, pad_token_id: int = 0,
+                 max_deltas: Union[int, str, None] = "auto", admission: Optional[AdmissionPolicy] = None):
         from ..modeling import DeltaModel
 
         if max_batch_size < 1 or max_length < 2:
@@ -149,9 +314,15 @@ class DecodeEngine:
         if self.cuda_graphs and self.device.type != "cuda":
             raise DeltaZipError("cuda_graphs=True needs the model on a CUDA device")
         self.pad_token_id = pad_token_id
-        if max_deltas is not None and max_deltas < 1:
-            raise DeltaZipError(f"max_deltas must be a positive integer or None, got {max_deltas}")
+        if max_deltas != "auto" and max_deltas is not None and (not isinstance(max_deltas, int) or max_deltas < 1):
+            raise DeltaZipError(f"max_deltas must be a positive integer, 'auto' or None (no limit), got {max_deltas!r}")
         self.max_deltas = max_deltas
+        self.admission = admission if admission is not None else AdmissionPolicy()
+        if self.admission.max_bypass is not None and self.admission.max_bypass < 0:
+            raise DeltaZipError(f"AdmissionPolicy.max_bypass must be >= 0 or None, got {self.admission.max_bypass}")
+        self.stats = EngineStats()
+        self._step_costs: dict = {}  # distinct deltas -> (steps, seconds), for max_deltas="auto"
+        self._base_bytes = _weight_bytes(self.lm)
         params = inspect.signature(self.lm.forward).parameters
         self._cache_kw = "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
         self._keep_kw = "logits_to_keep" in params
@@ -213,13 +384,78 @@ class DecodeEngine:
         if self.delta_model is not None and any(n is not None for n in delta_names):
             if not self.delta_model.cache.fits(delta_names):
                 return False
-            if self.max_deltas is not None:
+            limit = self.delta_limit
+            if limit is not None:
                 running = {r.delta for r in rows} | set(delta_names)
-                if len(running - {None}) > self.max_deltas:
+                if len(running - {None}) > limit:
                     return False
         shift = min(r.start for r in rows) if rows else self._ptr
         ptr = max(self._ptr - shift, prompt_len)
         return all(ptr - (r.start - shift) + (r.max_new - len(r.tokens)) <= self.max_length for r in rows)
+
+    @property
+    def delta_limit(self) -> Optional[int]:
+        """The distinct-delta cap in force now (``max_deltas``, or what ``"auto"`` has measured; ``None``: none)."""
+        return self.stats.max_deltas_auto if self.max_deltas == "auto" else self.max_deltas
+
+    def reset_stats(self) -> EngineStats:
+        """Start :attr:`stats` afresh (e.g. after a warm-up); returns the old one. Step-cost samples for
+        ``max_deltas="auto"`` and the chosen cap are kept."""
+        with self._lock:
+            old, self.stats = self.stats, EngineStats(max_deltas_auto=self.stats.max_deltas_auto)
+            return old
+
+    def pick(self, waiting: Sequence[Pending]) -> list:
+        """Choose which of ``waiting`` (oldest first) to admit now, following :attr:`admission`.
+
+        Returns the chosen ones, oldest first; pass their prompts to :meth:`add`. Updates each
+        unchosen request's ``bypassed`` count, so give the same :class:`Pending` objects again next
+        round (minus the admitted ones). See :class:`AdmissionPolicy` for the rule and its bound.
+        """
+        policy = self.admission
+        bound = 4 * self.max_batch_size if policy.max_bypass is None else policy.max_bypass
+        budget = policy.max_prefill_tokens
+        with self._lock:
+            running = {r.delta for r in self._rows if r is not None}
+            chosen: list = []  # indices into waiting
+            taken = set()
+            free = self.free
+            while len(chosen) < free:
+                pick = self._next_pick(waiting, chosen, taken, running, bound, budget)
+                if pick is None:
+                    break
+                chosen.append(pick)
+                taken.add(pick)
+                running.add(waiting[pick].delta)
+            for j, w in enumerate(waiting):
+                if j not in taken:
+                    w.bypassed += sum(1 for i in chosen if i > j)
+            return [waiting[i] for i in sorted(chosen)]
+
+    def _next_pick(self, waiting, chosen, taken, running, bound, budget) -> Optional[int]:
+        """The next request to admit this round, or ``None`` (one pass over ``waiting``)."""
+        width = max((waiting[i].prompt_len for i in chosen), default=0)
+        names = [waiting[i].delta for i in chosen]
+        later_chosen = len(chosen)  # chosen requests after the current position
+        worst = -1  # the most bypasses an earlier, unchosen request would have
+        first_other = None
+        prefer = self.admission.prefer_running
+        for j, w in enumerate(waiting):
+            if j in taken:
+                later_chosen -= 1
+                continue
+            # admitting j passes over every earlier unchosen request: none may go over the bound
+            if worst + 1 > bound:
+                break
+            if first_other is None or (prefer and w.delta in running):
+                wide = max(width, w.prompt_len)
+                fits = not (chosen and budget is not None and wide * (len(chosen) + 1) > budget)
+                if fits and self.can_add(wide, names + [w.delta]):
+                    if w.delta in running or not prefer:
+                        return j
+                    first_other = j
+            worst = max(worst, w.bypassed + later_chosen)
+        return first_other
 
     def add(self, prompts: Sequence, delta_names: Optional[Sequence] = None, *,
             max_new_tokens: Union[int, Sequence[int]] = 32, eos_token_id=_MODEL_DEFAULT, do_sample: bool = False,
@@ -348,8 +584,17 @@ class DecodeEngine:
         allowed = causal[None] & real[:, None, :]
         mask = torch.full((n, 1, width, width), self._neg, dtype=self.dtype, device=self.device)
         mask.masked_fill_(allowed[:, None], 0.0)
+        t0 = time.perf_counter()
         if self.delta_model is not None:  # held deltas stay resident (and keep their slots) until released
-            slots = self.delta_model.cache.acquire(names)
+            cache = self.delta_model.cache
+            moved = any(x is not None and cache.state(x) is not Residency.DEVICE for x in names)
+            slots = cache.acquire(names)
+            if moved:
+                if self.device.type == "cuda":  # uploads on a side stream count as loading, not prefill
+                    torch.cuda.synchronize(self.device)
+                self.stats.loads += 1
+                self.stats.load_s += time.perf_counter() - t0
+                t0 = time.perf_counter()
         route = self.delta_model.router.use(BatchRouting.per_row(slots)) if self.delta_model is not None else nullcontext()
         self._cache.prefill = [None] * self._cache.layers
         try:
@@ -380,7 +625,11 @@ class DecodeEngine:
             self._mask[index] = row_mask
         handles = []
         generators = [self._generator(seed, i) for i in range(n)]
-        firsts = self._choose(logits, [sample] * n, generators)
+        firsts = self._choose(logits, [sample] * n, generators)  # reads the tokens back: the prefill is done
+        self.stats.prefill_s += time.perf_counter() - t0
+        self.stats.prefills += 1
+        self.stats.prefill_rows += n
+        self.stats.prefill_tokens += n * width
         for i, (row, p) in enumerate(zip(rows, prompts)):
             handle = self._next_handle
             self._next_handle += 1
@@ -451,6 +700,43 @@ class DecodeEngine:
             self._compact()
             if self._ptr >= self.max_length:  # cannot happen: admission checks prompt + max_new <= max_length
                 raise DeltaZipError("the KV cache is full")
+        t0 = time.perf_counter()
+        used = self._step_usage()
+        self._decode_step()
+        self._after_step()  # reads the tokens back: the step is done
+        self._count_step(used, time.perf_counter() - t0)
+
+    def _step_usage(self) -> tuple:
+        """What the coming step works on: active rows, distinct deltas, their bytes, KV entries attended."""
+        rows = [r for r in self._rows if r is not None]
+        deltas = {r.delta for r in rows} - {None}
+        nbytes = 0
+        if self.delta_model is not None:
+            cache = self.delta_model.cache
+            nbytes = sum(cache.entry(n).nbytes or 0 for n in deltas if n in cache)
+        entries = sum(self._ptr + 1 - r.start for r in rows)
+        return len(rows), len(deltas), nbytes, entries
+
+    def _count_step(self, used: tuple, seconds: float) -> None:
+        rows, deltas, delta_bytes, entries = used
+        st = self.stats
+        st.decode_s += seconds
+        st.decode_steps += 1
+        st.row_steps += self.max_batch_size
+        st.idle_row_steps += self.max_batch_size - rows
+        st.distinct_deltas += deltas
+        kv = sum(t.numel() * t.element_size() for t in self._cache.keys + self._cache.values)
+        kv_per_entry = kv / (self.max_batch_size * self.max_length)
+        st.bytes_read += self._base_bytes + delta_bytes + kv
+        st.floor_bytes += self._base_bytes + delta_bytes + int(kv_per_entry * entries)
+        st.captures = self.captures
+        if self.max_deltas == "auto" and deltas:
+            n, total = self._step_costs.get(deltas, (0, 0.0))
+            self._step_costs[deltas] = (n + 1, total + seconds)
+            if st.decode_steps % 16 == 0:
+                st.max_deltas_auto = auto_max_deltas(self._step_costs)
+
+    def _decode_step(self) -> None:
         if self.cuda_graphs and not self._graph_failed and self._graph_safe():
             version = self._layout_version()
             if self._graph is None or self._graph_version != version:
@@ -461,7 +747,6 @@ class DecodeEngine:
                 self._run_step()
         else:
             self._run_step()
-        self._after_step()
 
     def _run_step(self) -> None:
         """One eager decode step (CPU, or models a captured step cannot run)."""
@@ -559,3 +844,22 @@ class DecodeEngine:
             return
         self._graph, self._graph_version = graph, version
         self.captures += 1
+
+
+def _weight_bytes(model) -> int:
+    """Bytes of the weights one decode step reads: every parameter once, less the input embedding
+    table (a step gathers a row per token from it) unless the LM head shares it."""
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    skip = set()
+    if embed is not None and getattr(embed, "weight", None) is not None:
+        tied = head is not None and getattr(head, "weight", None) is embed.weight
+        if not tied:
+            skip.add(id(embed.weight))
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) in seen or id(p) in skip:
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size()
+    return total

@@ -15,6 +15,13 @@ worker thread (the form an event loop wants). Cancelling a request's Future (``f
 ``max_queue`` bounds the requests waiting for a row: :meth:`submit` raises :class:`QueueFullError`
 past it.
 
+Admission (continuous mode) follows the engine's :class:`~hf_deltazip.serving.AdmissionPolicy`:
+waiting requests whose delta is already decoding go first (they add rows, not bytes, to a step), but
+no request is passed over by more than ``max_bypass`` later ones (default ``4 * max_batch_size``);
+one round prefills at most ``max_prefill_tokens`` prompt tokens, so a burst of arrivals does not stall
+the decoding rows for long. :attr:`DeltaServer.engine_stats` says where the time went (prefill,
+loads, decode steps, idle rows; distinct deltas and bytes per step).
+
 Example:
     >>> server = DeltaServer(model, tokenizer, max_batch_size=16)
     >>> futures = [server.submit("reverse: a b c", delta_name=n, max_new_tokens=8) for n in ("chat", "code", None)]
@@ -39,6 +46,7 @@ import torch
 
 from ..errors import DeltaZipError
 from ..modeling.cache import CacheFullError, Residency
+from .engine import Pending
 
 
 class QueueFullError(DeltaZipError):
@@ -60,6 +68,7 @@ class _Request:
     on_token: Optional[TokenCallback] = None
     sent: int = 0  # tokens handed to on_token so far
     submitted: float = field(default_factory=time.perf_counter)
+    bypassed: int = 0  # later requests admitted before it (the engine's fairness bound applies)
 
 
 class TokenStream:
@@ -129,8 +138,12 @@ class DeltaServer:
         continuous: admit requests between decode steps (default) instead of per batch.
         max_length: KV-cache length per row in continuous mode (prompt + new tokens must fit).
         cuda_graphs: capture decode steps as CUDA graphs (default: on CUDA).
-        max_deltas: most distinct deltas decoding at once (continuous mode; ``None``: no limit). Each
-            step reads every delta its rows use: a limit trades some latency for throughput.
+        max_deltas: most distinct deltas decoding at once (continuous mode). Each step reads every
+            delta its rows use: a limit trades some latency for throughput. ``"auto"`` (default): the
+            engine picks it from measured step costs (see :func:`~hf_deltazip.serving.engine.auto_max_deltas`);
+            ``None``: no limit.
+        admission: the engine's :class:`~hf_deltazip.serving.engine.AdmissionPolicy` (which waiting
+            requests get free rows; the fairness bound); default: its defaults.
         max_queue: most requests waiting for a row (``None``: no limit); :meth:`submit` raises
             :class:`QueueFullError` beyond it, so an overloaded server answers at once instead of late.
         max_stats: most :class:`RequestStats` kept in :attr:`stats` (the latest ones; ``None``: all).
@@ -138,7 +151,7 @@ class DeltaServer:
 
     def __init__(self, model, tokenizer=None, *, max_batch_size: int = 32, max_wait_s: float = 0.002,
                  pad_token_id: Optional[int] = None, continuous: bool = True, max_length: int = 1024,
-                 cuda_graphs: Optional[bool] = None, max_deltas: Optional[int] = None,
+                 cuda_graphs: Optional[bool] = None, max_deltas="auto", admission=None,
                  max_queue: Optional[int] = None, max_stats: Optional[int] = 100_000):
         if max_batch_size < 1:
             raise DeltaZipError(f"max_batch_size must be at least 1, got {max_batch_size}")
@@ -166,7 +179,8 @@ class DeltaServer:
 
             try:
                 self.engine = DecodeEngine(model, max_batch_size=max_batch_size, max_length=max_length,
-                                           cuda_graphs=cuda_graphs, pad_token_id=self.pad_token_id, max_deltas=max_deltas)
+                                           cuda_graphs=cuda_graphs, pad_token_id=self.pad_token_id, max_deltas=max_deltas,
+                                           admission=admission)
             except DeltaZipError as e:  # an architecture the engine cannot run: batch per batch instead
                 warnings.warn(f"DeltaServer: {e}; admitting requests per batch (continuous=False)")
                 continuous = False
@@ -235,6 +249,13 @@ class DeltaServer:
     def waiting(self) -> int:
         """Requests queued and not decoding yet."""
         return self._queue.qsize() + len(self._held)
+
+    @property
+    def engine_stats(self):
+        """Where the decode engine's time went (an :class:`~hf_deltazip.serving.engine.EngineStats`:
+        prefill, loads, decode steps, idle rows, distinct deltas and bytes per step); ``None`` when
+        requests are admitted per batch (``continuous=False``)."""
+        return None if self.engine is None else self.engine.stats
 
     @property
     def running(self) -> int:
@@ -412,14 +433,15 @@ class DeltaServer:
             return False
 
     def _admit(self) -> None:
-        """Put waiting requests into free rows, oldest first, grouped by their sampling settings."""
+        """Put waiting requests into free rows as the engine's admission policy picks them (deltas
+        already in the step first, no request bypassed more than a bounded number of times), grouped
+        by their sampling settings."""
         engine = self.engine
-        waiting = []
-        for r in self._held:  # oldest first; a request whose delta cannot be resident yet lets others by
-            if len(waiting) >= engine.free:
-                break
-            if engine.can_add(len(r.ids), [x.delta for x in waiting] + [r.delta]):
-                waiting.append(r)
+        pending = [Pending(len(r.ids), r.delta, r, r.bypassed) for r in self._held]
+        picked = engine.pick(pending)
+        for p in pending:
+            p.item.bypassed = p.bypassed
+        waiting = [p.item for p in picked]
         admitted = set()
         for key in dict.fromkeys(_settings_key(r.kwargs) for r in waiting):
             group = [r for r in waiting if _settings_key(r.kwargs) == key]

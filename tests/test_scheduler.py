@@ -1,0 +1,122 @@
+"""Admission: deltas already in the step go first, yet no request is bypassed more than K times;
+the prefill budget; ``max_deltas="auto"`` from measured step costs; the engine's time split."""
+
+import random
+
+import pytest
+
+from hf_deltazip import DeltaZipError
+from hf_deltazip.serving import AdmissionPolicy, DecodeEngine, Pending, auto_max_deltas
+
+from model_factory import base_model
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return base_model("llama")
+
+
+def engine(lm, rows=4, **kw):
+    return DecodeEngine(lm, max_batch_size=rows, max_length=64, **kw)
+
+
+def occupy(eng, rows):
+    """Fill ``rows`` rows with long-running requests for the base (delta ``None``): the delta in the step."""
+    return eng.add([[1, 2, 3]] * rows, None, max_new_tokens=40, eos_token_id=None)
+
+
+def test_pick_prefers_deltas_in_the_step(lm):
+    eng = engine(lm, rows=4)
+    occupy(eng, 2)
+    waiting = [Pending(3, "b"), Pending(3, None), Pending(3, "c"), Pending(3, None)]
+    picked = eng.pick(waiting)
+    # two free rows: both go to the delta already running, although "b" arrived first
+    assert [waiting.index(p) for p in picked] == [1, 3]
+    assert waiting[0].bypassed == 2 and waiting[2].bypassed == 1
+
+
+def test_arrival_order_when_preference_is_off(lm):
+    eng = engine(lm, rows=4, admission=AdmissionPolicy(prefer_running=False))
+    occupy(eng, 2)
+    waiting = [Pending(3, "b"), Pending(3, None), Pending(3, "c")]
+    assert [waiting.index(p) for p in eng.pick(waiting)] == [0, 1]
+
+
+def test_bypass_bound_holds_under_a_stream_of_popular_requests(lm):
+    """Rounds of arrivals for the running delta: the old request for another delta is admitted by
+    the time K later ones have gone before it, and no request is ever bypassed more than K times."""
+    k = 3
+    eng = engine(lm, rows=2, admission=AdmissionPolicy(max_bypass=k))
+    occupy(eng, 1)
+    waiting = [Pending(3, "cold", item="cold-0")]
+    rng = random.Random(0)
+    admitted_at = None
+    for round_ in range(12):
+        waiting += [Pending(3, None, item=f"hot-{round_}-{i}") for i in range(rng.randint(1, 3))]
+        picked = eng.pick(waiting)
+        assert all(w.bypassed <= k for w in waiting)
+        if any(p.item == "cold-0" for p in picked):
+            admitted_at = round_
+            break
+        waiting = [w for w in waiting if w not in picked]
+    assert admitted_at is not None and admitted_at <= k
+    assert all(w.bypassed <= k for w in waiting)
+
+
+def test_strict_fifo_with_zero_bypass(lm):
+    eng = engine(lm, rows=4, admission=AdmissionPolicy(max_bypass=0))
+    occupy(eng, 1)
+    waiting = [Pending(3, "b"), Pending(3, None)]
+    assert [waiting.index(p) for p in eng.pick(waiting)] == [0, 1]
+
+
+def test_a_request_that_does_not_fit_blocks_later_ones_at_the_bound(lm):
+    eng = engine(lm, rows=2, admission=AdmissionPolicy(max_bypass=1))
+    occupy(eng, 1)
+    # 70 tokens cannot fit max_length=64: it is passed over once, then nothing passes it
+    waiting = [Pending(70, "b"), Pending(3, None), Pending(3, None)]
+    assert [waiting.index(p) for p in eng.pick(waiting)] == [1]
+    assert waiting[0].bypassed == 1
+    assert eng.pick([waiting[0], waiting[2]]) == []
+
+
+def test_prefill_budget_splits_a_burst_but_admits_one_long_prompt(lm):
+    eng = engine(lm, rows=8, admission=AdmissionPolicy(max_prefill_tokens=12))
+    waiting = [Pending(5, None) for _ in range(6)]
+    assert len(eng.pick(waiting)) == 2  # 3 rows x 5 tokens would be 15 > 12
+    assert len(eng.pick([Pending(30, None)])) == 1  # alone over the budget: still admitted
+
+
+def test_auto_max_deltas_fits_step_costs():
+    # t(U) = 10 ms + 2 ms * U: deltas cost as much as the rest of the step at U = 5
+    costs = {u: (16, 16 * (0.010 + 0.002 * u)) for u in (1, 2, 4, 8)}
+    assert auto_max_deltas(costs) == 5
+    assert auto_max_deltas({1: (16, 0.2)}) is None  # one U measured: no cap yet
+    assert auto_max_deltas({1: (3, 0.1), 4: (3, 0.4)}) is None  # too few steps
+    assert auto_max_deltas({1: (16, 0.2), 4: (16, 0.2)}) is None  # deltas free: no cap
+
+
+def test_bad_settings_are_refused(lm):
+    with pytest.raises(DeltaZipError, match="max_deltas"):
+        DecodeEngine(lm, max_batch_size=2, max_length=16, max_deltas=0)
+    with pytest.raises(DeltaZipError, match="max_bypass"):
+        DecodeEngine(lm, max_batch_size=2, max_length=16, admission=AdmissionPolicy(max_bypass=-1))
+
+
+def test_stats_split_the_engine_time(lm):
+    eng = engine(lm, rows=4)
+    eng.add([[1, 2, 3], [4, 5]], max_new_tokens=5, eos_token_id=None)
+    while eng.active:
+        eng.step()
+    st = eng.stats
+    assert st.prefills == 1 and st.prefill_rows == 2 and st.prefill_tokens == 6
+    assert st.decode_steps == 4  # the first token comes from the prefill
+    assert st.row_steps == 16 and st.idle_row_steps == 8
+    assert st.prefill_s > 0 and st.decode_s > 0 and st.load_s == 0 and st.loads == 0
+    assert st.idle_row_s == pytest.approx(st.decode_s / 2)
+    assert st.mean_distinct_deltas == 0  # the plain base
+    weights = sum(p.numel() * p.element_size() for n, p in lm.named_parameters() if "embed_tokens" not in n)
+    assert st.bytes_per_step > st.floor_bytes_per_step >= weights
+    assert set(st.as_dict()) >= {"prefill_s", "decode_s", "load_s", "idle_row_s", "floor_GBps"}
+    old = eng.reset_stats()
+    assert old.decode_steps == 4 and eng.stats.decode_steps == 0

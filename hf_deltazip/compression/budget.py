@@ -35,6 +35,7 @@ __all__ = [
     "measure_module",
     "allocate",
     "token_row_weights",
+    "BudgetUnreachable",
 ]
 
 
@@ -152,7 +153,7 @@ def allocate(measured: dict, budget_bytes: float) -> dict:
         return {}
     cheapest = sum(f[0].nbytes for f in fronts.values())
     if cheapest > budget_bytes:
-        raise _Unreachable(cheapest)
+        raise BudgetUnreachable(cheapest)
 
     def pick(lam: float) -> dict:
         return {name: min(f, key=lambda o: o.error + lam * o.nbytes) for name, f in fronts.items()}
@@ -198,7 +199,7 @@ def allocate(measured: dict, budget_bytes: float) -> dict:
         best[name] = opt
 
 
-class _Unreachable(DeltaZipConfigError):
+class BudgetUnreachable(DeltaZipConfigError):
     """The cheapest candidates still exceed the budget (``cheapest`` bytes)."""
 
     def __init__(self, cheapest: int):

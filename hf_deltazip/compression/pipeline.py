@@ -437,7 +437,7 @@ class _Compression:
 
         try:
             chosen = bud.allocate(self.measured, module_bytes)
-        except bud._Unreachable as e:
+        except bud.BudgetUnreachable as e:
             if correcting:  # the first pass fitted: the cheapest settings are as close as it gets
                 chosen = bud.allocate(self.measured, e.cheapest)
             else:

@@ -33,6 +33,7 @@ __all__ = [
     "candidates",
     "Option",
     "measure_module",
+    "skeleton",
     "allocate",
     "token_row_weights",
     "BudgetUnreachable",
@@ -64,11 +65,25 @@ def candidates(config, kind: str) -> tuple:
 
 @dataclass(frozen=True)
 class Option:
-    """A measured candidate: ``nbytes`` in the file (packed + zstd), ``error`` as described above."""
+    """A measured candidate: ``nbytes`` in the file (packed + zstd), ``error`` as described above, and
+    ``layout`` (what :func:`skeleton` needs to rebuild its records without its codes)."""
 
     candidate: Candidate
     nbytes: int
     error: float
+    layout: tuple = ()
+
+
+def skeleton(option: Option) -> PackedModule:
+    """A module with ``option``'s layout, shapes and dtypes, all zeros: its records in a ``.dz`` header are
+    those the real module gets, so a folder of skeletons measures the header and config bytes of a choice."""
+    kind, shape, sparsity, nnz, symmetric, tensors = option.layout
+    zeros = {role: torch.zeros(t_shape, dtype=dtype) for role, t_shape, dtype in tensors}
+    c = option.candidate
+    return PackedModule(kind=kind, shape=shape, bits=c.bits, group_size=c.group_size, symmetric=symmetric,
+                        sparsity=sparsity, transposed=False, nnz=nnz, qweight=zeros["qweight"],
+                        scales=zeros["scales"], zeros=zeros["zeros"], positions=zeros.get("positions"),
+                        mask=zeros.get("mask"))
 
 
 def token_row_weights(ids: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -122,7 +137,9 @@ def measure_module(
         else:
             sq = (approx - delta.float()).pow(2).sum(dim=1)
             error = float((sq * row_weights.to(sq.device)).sum()) if row_weights is not None else float(sq.sum())
-        options.append(Option(cand, nbytes, error))
+        layout = (kind, tuple(packed.shape), packed.sparsity, packed.nnz, packed.symmetric,
+                  tuple((role, tuple(t.shape), t.dtype) for role, t in packed.tensors().items()))
+        options.append(Option(cand, nbytes, error, layout))
     return options
 
 

@@ -427,10 +427,30 @@ class _Compression:
         self.measured = measured
         self.fp16_bytes = 2 * sum(p.numel() for p in self.ft_m.parameters())
         self.target_bytes = self.fp16_bytes / self.target_ratio
-        # bytes that do not depend on the choice: exact parameters, header, config, module records
-        self.fixed_bytes = self._saved_bytes(self._package_with({})) + sum(
-            _RECORD_BYTES * len(opts[0].candidate.settings()) for opts in measured.values())
+        # bytes beside the modules' payloads: exact parameters, header, config, module records; the records
+        # and overrides depend on the choice, so choose, measure them on skeletons, and choose again
+        self.fixed_bytes = self._saved_bytes(self._package_with({}))
         self._choose(self.target_bytes - self.fixed_bytes)
+        for _ in range(3):
+            self.fixed_bytes = self._overhead_of(self.chosen)
+            spent = sum(opt.nbytes for opt in self.chosen.values())
+            if abs(self.fixed_bytes + spent - self.target_bytes) <= 0.005 * self.target_bytes:
+                break
+            self._choose(self.target_bytes - self.fixed_bytes)
+
+    def _overhead_of(self, chosen: dict) -> int:
+        """Bytes of the folder a choice gives, less its modules' payloads (measured on all-zero skeletons)."""
+        from . import budget as bud
+        from ..format.container import encoded_nbytes
+
+        skeletons = {name: bud.skeleton(opt) for name, opt in chosen.items()}
+        errors, self.layer_errors = self.layer_errors, dict.fromkeys(chosen, _TYPICAL_ERROR)
+        try:
+            size = self._saved_bytes(self._package_with(skeletons))
+        finally:
+            self.layer_errors = errors
+        payload = sum(encoded_nbytes(t, self.config.zstd_level) for m in skeletons.values() for t in m.tensors().values())
+        return size - payload
 
     def _choose(self, module_bytes: float, correcting: bool = False) -> None:
         from . import budget as bud
@@ -438,7 +458,8 @@ class _Compression:
         try:
             chosen = bud.allocate(self.measured, module_bytes)
         except bud.BudgetUnreachable as e:
-            if correcting:  # the first pass fitted: the cheapest settings are as close as it gets
+            near = e.cheapest + self.fixed_bytes <= self.target_bytes / (1 - BUDGET_TOLERANCE)
+            if correcting or near:  # the cheapest settings are as close as it gets, and close enough
                 chosen = bud.allocate(self.measured, e.cheapest)
             else:
                 self._unreachable(e.cheapest)
@@ -694,9 +715,8 @@ class _Compression:
         }
 
 
-# header + config bytes one module's record and its budget override take, per setting (an estimate the
-# budget's correction pass makes good)
-_RECORD_BYTES = 160
+# a relative error as the header's summary stores it: the width of a typical float's repr
+_TYPICAL_ERROR = 0.012345678901234567
 
 
 def _final_norm(model: nn.Module, layers_prefix: str) -> Optional[nn.Module]:

@@ -268,7 +268,10 @@ class DeltaZipConfig:
         return shown
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(" + ", ".join(f"{k}={v!r}" for k, v in self.key_settings().items()) + ")"
+        shown = {k: repr(v) for k, v in self.key_settings().items()}
+        if self.target_ratio is not None and len(self.overrides) > 3:  # one per module: the count says enough
+            shown["overrides"] = f"<{len(self.overrides)} modules>"
+        return f"{type(self).__name__}(" + ", ".join(f"{k}={v}" for k, v in shown.items()) + ")"
 
     def _repr_html_(self) -> str:
         changed = self._changed_settings()

@@ -361,6 +361,8 @@ class CompressedDelta:
         ratio = format_ratio(s["ratio_before_zstd"]) + " before zstd"
         if s.get("stored_bytes"):
             ratio += f", {format_ratio(s.get('ratio'))} on disk ({format_bytes(s['stored_bytes'])})"
+        if s.get("target_ratio"):
+            ratio += f" for a target of {format_ratio(s['target_ratio'])}"
         rows = [("base", base), ("model type", self.header.model_type or "?"),
                 ("contents", f"{len(self.modules)} modules, {len(self.params)} exact parameters"),
                 ("bytes", f"{format_bytes(total)} in memory"), ("ratio", ratio)]

@@ -264,7 +264,10 @@ def compress(
 
     Returns:
         :class:`~hf_deltazip.delta.CompressedDelta`; ``.summary`` has time, bytes, each step's and each
-        layer's seconds and per-module errors.
+        layer's seconds and per-module errors. With ``config.target_ratio`` (see
+        :mod:`hf_deltazip.compression.budget`) it also has ``target_ratio``, ``reached_ratio`` (fine-tune
+        in 16-bit over the bytes ``save_pretrained`` writes, measured by writing them), ``stored_bytes``
+        and ``budget_attempts``; ``delta.config.overrides`` holds the setting chosen for each module.
 
     Raises:
         DeltaZipError: incompatible models or bad calibration data.

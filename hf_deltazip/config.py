@@ -135,6 +135,19 @@ class DeltaZipConfig:
         metadata={"help": "Glob pattern -> partial settings (bits, sparsity, group_size, symmetric, block_size, damp)."},
     )
     seed: int = field(default=0, metadata={"help": "Seed for calibration sampling."})
+    target_ratio: Optional[float] = field(
+        default=None,
+        metadata={"help": "Whole-file compression ratio to reach (fine-tune in 16-bit / every byte of the saved "
+                          "delta); bits, sparsity and group size are then chosen per module (overrides ignored "
+                          "for the modules it decides). None = the fixed settings above."},
+    )
+    budget_bits: list = field(
+        default_factory=lambda: [2, 3, 4, 8], metadata={"help": "Bits the target_ratio budget may choose from."})
+    budget_sparsity: list = field(
+        default_factory=lambda: [None, "2:4", 0.5, 0.75, 0.9],
+        metadata={"help": 'Sparsities the budget may choose from (None = dense; "2:4" is not offered to input embeddings).'})
+    budget_group_sizes: list = field(
+        default_factory=lambda: [64, 128, -1], metadata={"help": "Group sizes the budget may choose from."})
     format_version: int = field(default=FORMAT_VERSION, metadata={"help": "Version of this config's JSON layout."})
 
     def __post_init__(self):
@@ -165,6 +178,22 @@ class DeltaZipConfig:
             raise DeltaZipConfigError(f"zstd_level must be an integer from 0 (off) to 22, got {self.zstd_level!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise DeltaZipConfigError(f"seed must be an integer, got {self.seed!r}")
+        if self.target_ratio is not None:
+            r = self.target_ratio
+            if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 1:
+                raise DeltaZipConfigError(
+                    f"target_ratio must be a number above 1 (e.g. 16 for a delta 1/16 of the fine-tune in 16-bit) "
+                    f"or None, got {r!r}"
+                )
+            self.target_ratio = float(r)
+        for name, check in (("budget_bits", _check_bits), ("budget_sparsity", _check_sparsity),
+                            ("budget_group_sizes", _check_group_size)):
+            values = getattr(self, name)
+            if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)) or not values:
+                raise DeltaZipConfigError(f"{name} must be a non-empty list, got {values!r}")
+            for v in values:
+                check(v, f"{name} entry")
+            setattr(self, name, list(values))
         if self.format_version != FORMAT_VERSION:
             raise DeltaZipConfigError(
                 f"format_version {self.format_version!r} is not supported by this hf-deltazip "
@@ -197,12 +226,22 @@ class DeltaZipConfig:
         _check_damp(values["damp"], f"{where}.damp")
         return ModuleSettings(**values)
 
-    def for_module(self, name: str) -> ModuleSettings:
-        """Settings of module ``name``: the defaults, then every matching override in order."""
+    def _matching_overrides(self, name: str) -> dict:
         extra: dict = {}
         for pattern, settings in self.overrides.items():
             if fnmatch.fnmatchcase(name, pattern):
                 extra.update(settings)
+        return extra
+
+    def for_module(self, name: str) -> ModuleSettings:
+        """Settings of module ``name``: the defaults, then every matching override in order."""
+        return self._resolve(self._matching_overrides(name), where=name)
+
+    def for_embedding(self, name: str) -> ModuleSettings:
+        """Settings of an embedding or LM-head delta: ``embedding_bits`` and ``embedding_group_size``
+        (dense), then every override matching ``name`` (how a byte budget records its choice)."""
+        extra = {"bits": self.embedding_bits, "group_size": self.embedding_group_size, "sparsity": None}
+        extra.update(self._matching_overrides(name))
         return self._resolve(extra, where=name)
 
     def is_target(self, name: str) -> Optional[bool]:
@@ -229,7 +268,10 @@ class DeltaZipConfig:
         return shown
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(" + ", ".join(f"{k}={v!r}" for k, v in self.key_settings().items()) + ")"
+        shown = {k: repr(v) for k, v in self.key_settings().items()}
+        if self.target_ratio is not None and len(self.overrides) > 3:  # one per module: the count says enough
+            shown["overrides"] = f"<{len(self.overrides)} modules>"
+        return f"{type(self).__name__}(" + ", ".join(f"{k}={v}" for k, v in shown.items()) + ")"
 
     def _repr_html_(self) -> str:
         changed = self._changed_settings()

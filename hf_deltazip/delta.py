@@ -28,6 +28,7 @@ from .packing import (
     expand_2of4,
     expand_groups,
     pack_bits,
+    packed_nbytes,
     pack_codes,
     unpack_bits,
     unpack_codes,
@@ -77,10 +78,13 @@ class PackedModule:
         two_four: bool = False,
         kind: str = "linear",
         transposed: bool = False,
+        skip_zero_rows: bool = False,
     ) -> "PackedModule":
         """Pack dense codes ``[N, K]`` (pruned entries hold the zero point) and their grid.
 
         ``mask`` (bool, True = kept) selects the sparse layout: 2:4 when ``two_four``, else a bitmask.
+        ``skip_zero_rows`` (dense only): when some rows decode to all zeros (embedding rows the fine-tune
+        did not change), store a row bitmap and only the other rows (the ``rows`` layout).
         """
         n, k = codes.shape
         codes = codes.to(torch.uint8).cpu()
@@ -89,6 +93,13 @@ class PackedModule:
         zeros = zeros.to(torch.uint8).cpu()
         common = dict(kind=kind, shape=(n, k), bits=bits, group_size=group_size, symmetric=symmetric,
                       transposed=transposed, scales=scales, zeros=zeros)
+        if mask is None and skip_zero_rows:
+            stored = (codes != expand_groups(zeros, k, group_size).to(torch.uint8)).any(dim=1)
+            if not bool(stored.all()):
+                idx = stored.nonzero().squeeze(1)
+                common.update(scales=scales[idx].contiguous(), zeros=zeros[idx].contiguous())
+                return cls(sparsity="rows", qweight=pack_codes(codes[idx], bits), mask=pack_bits(stored.to(torch.uint8), 1),
+                           nnz=int(idx.numel()), **common)
         if mask is None:
             return cls(sparsity="dense", qweight=pack_codes(codes, bits), **common)
         mask = mask.bool().cpu()
@@ -105,8 +116,31 @@ class PackedModule:
         )
 
     # ------------------------------------------------------------------ decoding
+    def stored_rows(self) -> Optional[torch.Tensor]:
+        """Rows layout: bool ``[N]``, True for the rows stored (the others decode to 0); else None."""
+        if self.sparsity != "rows":
+            return None
+        stored = unpack_bits(self.mask, 1, self.shape[0]).bool()
+        if int(stored.sum()) != self.nnz:
+            raise DeltaZipFormatError("<module>", f"row bitmap marks {int(stored.sum())} rows, nnz says {self.nnz}")
+        return stored
+
+    def _full_grid(self) -> tuple:
+        """``(codes, scales, zeros)`` for all ``N`` rows of a rows-layout delta (absent rows decode to 0)."""
+        n, k = self.shape
+        stored = self.stored_rows()
+        g = self.scales.shape[1]
+        scales = torch.zeros(n, g, dtype=self.scales.dtype, device=self.scales.device)
+        zeros = torch.full((n, g), 1 << (self.bits - 1), dtype=torch.uint8, device=self.zeros.device)
+        codes = torch.full((n, k), 1 << (self.bits - 1), dtype=torch.uint8, device=self.qweight.device)
+        scales[stored], zeros[stored] = self.scales, self.zeros
+        codes[stored.to(codes.device)] = unpack_codes(self.qweight, self.bits, k)
+        return codes, scales, zeros
+
     def kept_mask(self) -> Optional[torch.Tensor]:
         n, k = self.shape
+        if self.sparsity == "rows":
+            return None
         if self.sparsity == "bitmask":
             return unpack_bits(self.mask, 1, k).bool()
         if self.sparsity == "2:4":
@@ -119,6 +153,8 @@ class PackedModule:
         n, k = self.shape
         if self.sparsity == "dense":
             return unpack_codes(self.qweight, self.bits, k)
+        if self.sparsity == "rows":
+            return self._full_grid()[0]
         zero_codes = expand_groups(self.zeros, k, self.group_size).to(torch.uint8)
         if self.sparsity == "2:4":
             kept = unpack_codes(self.qweight, self.bits, k // 2)
@@ -135,17 +171,30 @@ class PackedModule:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The delta ``[N, K]`` this module stores."""
+        if self.sparsity == "rows":
+            return dequantize(*self._full_grid(), self.group_size, dtype)
         return dequantize(self.dense_codes(), self.scales, self.zeros, self.group_size, dtype)
 
     def to_dense_layout(self) -> "PackedModule":
-        """Bitmask layout -> dense layout (what kernels read); other layouts are returned as they are."""
-        if self.sparsity != "bitmask":
+        """Bitmask and rows layouts -> dense layout (what kernels read); 2:4 and dense are returned as they are."""
+        if self.sparsity not in ("bitmask", "rows"):
             return self
+        codes, scales, zeros = self._full_grid() if self.sparsity == "rows" else (self.dense_codes(), self.scales, self.zeros)
         return PackedModule(
             kind=self.kind, shape=self.shape, bits=self.bits, group_size=self.group_size, symmetric=self.symmetric,
-            sparsity="dense", transposed=self.transposed, qweight=pack_codes(self.dense_codes(), self.bits),
-            scales=self.scales, zeros=self.zeros,
+            sparsity="dense", transposed=self.transposed, qweight=pack_codes(codes, self.bits),
+            scales=scales, zeros=zeros,
         )
+
+    @property
+    def resident_nbytes(self) -> int:
+        """Bytes this delta occupies on a GPU once loaded for the kernels (bitmask and rows are expanded
+        to dense codes there; 2:4 stays 2:4): what a decode step reads, unlike the file's zstd bytes."""
+        n, k = self.shape
+        if self.sparsity not in ("bitmask", "rows"):
+            return self.nbytes
+        g = self.scales.shape[1]
+        return n * packed_nbytes(k, self.bits) + n * g * (self.scales.element_size() + 1)
 
     # ------------------------------------------------------------------ storage
     def tensors(self) -> dict:
@@ -181,6 +230,7 @@ class PackedModule:
         n, k = self.shape
         return {"kind": self.kind, "shape": [n, k], "bits": self.bits, "group_size": self.group_size,
                 "symmetric": self.symmetric, "sparsity": self.sparsity, "bytes": self.nbytes,
+                "resident_bytes": self.resident_nbytes,
                 "bits_per_weight": 8 * self.nbytes / (n * k)}
 
     def __repr__(self) -> str:
@@ -311,6 +361,8 @@ class CompressedDelta:
         ratio = format_ratio(s["ratio_before_zstd"]) + " before zstd"
         if s.get("stored_bytes"):
             ratio += f", {format_ratio(s.get('ratio'))} on disk ({format_bytes(s['stored_bytes'])})"
+        if s.get("target_ratio"):
+            ratio += f" for a target of {format_ratio(s['target_ratio'])}"
         rows = [("base", base), ("model type", self.header.model_type or "?"),
                 ("contents", f"{len(self.modules)} modules, {len(self.params)} exact parameters"),
                 ("bytes", f"{format_bytes(total)} in memory"), ("ratio", ratio)]

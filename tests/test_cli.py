@@ -179,3 +179,27 @@ def test_console_script_reports_bad_input_in_one_line(tmp_path):
     # other libraries may warn on stderr while importing; deltazip's own report is one line
     (line,) = [line for line in done.stderr.splitlines() if line.startswith("deltazip:")]
     assert line.startswith("deltazip: error: ") and "is a file, not a folder" in line
+
+
+def test_compress_with_a_target_ratio_and_info_shows_each_choice(tmp_path, capsys):
+    from hf_deltazip.format.folder import delta_bytes_report
+
+    from model_factory import base_model, finetune
+
+    base_model("llama").save_pretrained(tmp_path / "base")
+    finetune("llama", 1).save_pretrained(tmp_path / "ft")
+    (tmp_path / "cfg.json").write_text(json.dumps({"budget_bits": [2, 4], "budget_sparsity": [None, 0.75],
+                                                   "budget_group_sizes": [-1]}))
+    out = tmp_path / "delta"
+    assert main(["compress", "--base", str(tmp_path / "base"), "--finetuned", str(tmp_path / "ft"), "--out", str(out),
+                 "--config", str(tmp_path / "cfg.json"), "--target-ratio", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert "(target 3x)" in printed and "resident on a GPU" in printed
+    report = delta_bytes_report(out)
+    assert abs(report["ratio"] / 3 - 1) <= 0.05
+    assert main(["info", "--verbose", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "(target 3x)" in printed and "GPU bytes" in printed
+    for m in report["modules"]:  # one row per module with the chosen bits, group size, layout and bytes
+        row = next(line for line in printed.splitlines() if line.startswith(m["module"] + " "))
+        assert row.split()[3:7] == [str(m["bits"]), str(m["group_size"]), m["sparsity"], str(m["bytes"])]

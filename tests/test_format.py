@@ -242,10 +242,10 @@ def test_header_edits_are_caught(saved, tmp_path, edit, fragment):
 def test_unknown_version_and_stale_header_crc(saved, tmp_path):
     data = (saved[0] / DZ_FILENAME).read_bytes()
     st, payload = split(data)
-    st["__metadata__"]["dz_format_version"] = "2"
-    (tmp_path / "v2.dz").write_bytes(join(st, payload))
+    st["__metadata__"]["dz_format_version"] = "3"
+    (tmp_path / "v3.dz").write_bytes(join(st, payload))
     with pytest.raises(DeltaZipFormatError, match="upgrade hf-deltazip"):
-        DeltaZipFile(tmp_path / "v2.dz")
+        DeltaZipFile(tmp_path / "v3.dz")
     (tmp_path / "crc.dz").write_bytes(edit_dz(data, _set(["base_model"], "other"), fix_crc=False))
     with pytest.raises(DeltaZipFormatError, match="dz_header checksum"):
         DeltaZipFile(tmp_path / "crc.dz")
@@ -396,3 +396,43 @@ def test_the_header_is_typed_on_read_and_keeps_what_it_does_not_know(tmp_path):
     path.write_bytes(struct.pack("<Q", len(hb)) + hb + data[8 + hlen :])
     with pytest.raises(DeltaZipFormatError, match="base_model"):
         DeltaZipFile(path)
+
+
+def _rows_delta():
+    """small_delta with an embedding delta whose rows 0..39 are unchanged (stored in the rows layout)."""
+    from hf_deltazip.compression.solver import rtn_compress
+    from hf_deltazip.delta import PackedModule
+
+    delta = small_delta()
+    d = torch.zeros(50, 40)
+    d[40:] = torch.randn(10, 40, generator=torch.Generator().manual_seed(3)) * 0.01
+    res = rtn_compress(d, bits=4, group_size=-1)
+    delta.modules["model.embed_tokens"] = PackedModule.from_codes(res.codes, res.scales, res.zeros, None, bits=4,
+                                                                  group_size=-1, symmetric=True, kind="embedding",
+                                                                  skip_zero_rows=True)
+    return delta, res
+
+
+def test_rows_layout_round_trips_and_its_records_are_checked(tmp_path):
+    delta, res = _rows_delta()
+    emb = delta.modules["model.embed_tokens"]
+    assert emb.sparsity == "rows" and emb.nnz == 10 and emb.qweight.shape[0] == 10
+    delta.save_pretrained(tmp_path / "ok")
+    again = CompressedDelta.from_pretrained(tmp_path / "ok")
+    assert torch.equal(again.modules["model.embed_tokens"].dequantize(), res.dequantize())
+    report = delta_bytes_report(tmp_path / "ok")
+    row = next(m for m in report["modules"] if m["module"] == "model.embed_tokens")
+    assert row["sparsity"] == "rows" and row["resident_bytes"] == 50 * 20 + 50 * 3  # dense codes + scales + zeros on a GPU
+    data = (tmp_path / "ok" / DZ_FILENAME).read_bytes()
+    st, payload = split(data)
+    assert st["__metadata__"]["dz_format_version"] == "2"
+    cases = {
+        "v1.dz": (lambda dz, st: st["__metadata__"].update(dz_format_version="1"), "does not exist in format version 1"),
+        "nnz.dz": (_set(["modules", "model.embed_tokens", "nnz"], 11), "expected"),
+        "nnz_big.dz": (_set(["modules", "model.embed_tokens", "nnz"], 51), "bad nnz"),
+        "dense_nnz.dz": (_set(["modules", "model.layers.0.self_attn.q_proj", "nnz"], 3), "has none"),
+    }
+    for name, (fn, fragment) in cases.items():
+        (tmp_path / name).write_bytes(edit_dz(data, fn))
+        with pytest.raises(DeltaZipFormatError, match=fragment):
+            DeltaZipFile(tmp_path / name)

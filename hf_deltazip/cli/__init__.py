@@ -50,24 +50,33 @@ def cmd_info(args) -> int:
     print(f"architecture:    {h.model_type} {h.architectures or ''}")
     print(f"library version: {h.library_version}")
     cfg = h.config
-    keys = ("bits", "sparsity", "group_size", "symmetric", "embeddings", "embedding_bits", "zstd_level", "overrides")
-    print("config:          " + ", ".join(f"{k}={cfg.get(k)!r}" for k in keys if k in cfg))
+    budget = report["budget"]
+    keys = ("bits", "sparsity", "group_size", "symmetric", "embeddings", "embedding_bits", "zstd_level")
+    shown = [f"{k}={cfg.get(k)!r}" for k in keys if k in cfg]
+    if budget:  # the budget's per-module choices are in the --verbose table
+        shown = [f"target_ratio={budget.get('target_ratio')!r}", f"overrides: {len(cfg.get('overrides') or {})} modules"]
+    elif "overrides" in cfg:
+        shown.append(f"overrides={cfg['overrides']!r}")
+    print("config:          " + ", ".join(shown))
     print("bytes:")
     for cat, n in report["categories"].items():
         print(f"  {cat:<22} {_fmt_bytes(n):>12}")
     print(f"  {'container and config':<22} {_fmt_bytes(report['container_and_config_bytes']):>12}")
     print(f"  {'total':<22} {_fmt_bytes(report['total_bytes']):>12}")
+    print(f"  {'resident on a GPU':<22} {_fmt_bytes(report['resident_bytes']):>12}  (decoded layouts, no zstd)")
     if report["ratio"]:
-        print(f"fine-tune in 16-bit: {_fmt_bytes(report['finetune_fp16_bytes'])}; ratio {report['ratio']:.2f}x")
+        target = f" (target {budget['target_ratio']:g}x)" if budget.get("target_ratio") else ""
+        print(f"fine-tune in 16-bit: {_fmt_bytes(report['finetune_fp16_bytes'])}; ratio {report['ratio']:.2f}x{target}")
     else:
         print("ratio: unknown (the file does not record the fine-tune's parameter count)")
     if args.verbose:
-        print(f"\n{'module':<52} {'kind':<9} {'shape':<14} {'bits':>4} {'group':>5} {'sparsity':<8} {'bytes':>10} {'bits/w':>7}")
+        print(f"\n{'module':<52} {'kind':<9} {'shape':<14} {'bits':>4} {'group':>5} {'sparsity':<8} {'bytes':>10} "
+              f"{'bits/w':>7} {'GPU bytes':>10}")
         for m in report["modules"]:
             shape = "x".join(map(str, m["shape"]))
             print(
                 f"{m['module']:<52} {m['kind']:<9} {shape:<14} {m['bits']:>4} {m['group_size']:>5} "
-                f"{m['sparsity']:<8} {m['bytes']:>10} {m['bits_per_weight']:>7.3f}"
+                f"{m['sparsity']:<8} {m['bytes']:>10} {m['bits_per_weight']:>7.3f} {m['resident_bytes']:>10}"
             )
     if args.verify:
         print(f"verified: {report['verified_tensors']} tensors match their checksums; the config agrees with the header")

@@ -45,7 +45,7 @@ def cmd_compress(args) -> int:
     settings = read_config_json(args.config) if args.config else {}
     if not isinstance(settings, dict):
         raise DeltaZipError(f"--config {args.config} must hold a JSON object of settings, such as {{\"bits\": 4}}")
-    for key in ("bits", "group_size", "n_samples", "seq_len", "zstd_level"):
+    for key in ("bits", "group_size", "n_samples", "seq_len", "zstd_level", "target_ratio"):
         value = getattr(args, key)
         if value is not None:
             settings[key] = value
@@ -70,7 +70,9 @@ def cmd_compress(args) -> int:
     print(f"compressed in {s['seconds']:.1f} s on {s['device']}: {len(delta.modules)} modules, {len(delta.params)} exact parameters")
     for cat, n in report["categories"].items():
         print(f"  {cat:<22} {n:>12,d} bytes")
-    print(f"  {'total':<22} {report['total_bytes']:>12,d} bytes; ratio {report['ratio']:.2f}x to the fine-tune in 16-bit")
+    print(f"  {'total':<22} {report['total_bytes']:>12,d} bytes; ratio {report['ratio']:.2f}x to the fine-tune in 16-bit"
+          + (f" (target {config.target_ratio:g}x)" if config.target_ratio else ""))
+    print(f"  {'resident on a GPU':<22} {report['resident_bytes']:>12,d} bytes (decoded layouts, no zstd)")
     if errs:
         worst = max(errs, key=errs.get)
         print(f"relative error per module: mean {sum(errs.values()) / len(errs):.4f}, worst {errs[worst]:.4f} ({worst})")
@@ -91,6 +93,8 @@ def add_parser(sub) -> None:
     p.add_argument("--n-samples", dest="n_samples", type=int)
     p.add_argument("--seq-len", dest="seq_len", type=int)
     p.add_argument("--zstd-level", dest="zstd_level", type=int)
+    p.add_argument("--target-ratio", dest="target_ratio", type=float,
+                   help="whole-file ratio to reach (e.g. 16): bits, sparsity and group size are then chosen per module")
     p.add_argument("--config", help="a deltazip_config.json to start from")
     p.add_argument("--device", type=device_type, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="dtype to load the models in")

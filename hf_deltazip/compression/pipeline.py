@@ -15,7 +15,9 @@ import copy
 import dataclasses
 import logging
 import os
+import tempfile
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -24,11 +26,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .._version import __version__
-from ..config import DeltaZipConfig
+from ..config import CONFIG_NAME, DeltaZipConfig
 from ..delta import CompressedDelta, PackedModule, recorded_location
-from ..errors import DeltaZipError, UnsupportedModelError
+from ..errors import DeltaZipConfigError, DeltaZipError, UnsupportedModelError
 from ..fingerprint import base_fingerprint
-from ..format import DeltaHeader
+from ..format import DZ_FILENAME, DeltaHeader
 from ..modeling.arch import (
     conv1d_class,
     find_decoder_layers,
@@ -189,8 +191,15 @@ def _restore(model: nn.Module, saved: dict) -> None:
         tensors[name].data = data
 
 
-COMPRESSION_STEPS = ("load", "plan", "embeddings", "exact_params", "calibrate", "layers", "package")
-"""The named steps of :func:`compress`, in order (``on_step`` is called after each)."""
+COMPRESSION_STEPS = ("load", "plan", "exact_params", "budget", "embeddings", "calibrate", "layers", "head", "package")
+"""The named steps of :func:`compress`, in order (``on_step`` is called after each). ``budget`` does
+nothing without ``target_ratio``; with it, the steps from ``embeddings`` on may run again (at most
+:data:`BUDGET_ATTEMPTS` times in all) until the saved delta lands near the target."""
+
+BUDGET_ATTEMPTS = 4
+# an attempt this close to the target is kept at once (the promise is 5 %)
+BUDGET_TOLERANCE = 0.03
+_REDO_STEPS = ("embeddings", "calibrate", "layers", "head", "package")
 
 
 @dataclass
@@ -255,7 +264,10 @@ def compress(
 
     Returns:
         :class:`~hf_deltazip.delta.CompressedDelta`; ``.summary`` has time, bytes, each step's and each
-        layer's seconds and per-module errors.
+        layer's seconds and per-module errors. With ``config.target_ratio`` (see
+        :mod:`hf_deltazip.compression.budget`) it also has ``target_ratio``, ``reached_ratio`` (fine-tune
+        in 16-bit over the bytes ``save_pretrained`` writes, measured by writing them), ``stored_bytes``
+        and ``budget_attempts``; ``delta.config.overrides`` holds the setting chosen for each module.
 
     Raises:
         DeltaZipError: incompatible models or bad calibration data.
@@ -264,12 +276,20 @@ def compress(
     run = _Compression(base, finetuned, config or DeltaZipConfig(), calibration, tokenizer, device=device,
                        batch_size=batch_size, progress=progress, base_revision=base_revision,
                        on_layer=on_layer, load_kwargs=load_kwargs)
-    for step in COMPRESSION_STEPS:
+
+    def step(name):
         t = time.perf_counter()
-        getattr(run, step)()
-        run.step_seconds[step] = time.perf_counter() - t
+        getattr(run, name)()
+        run.step_seconds[name] = run.step_seconds.get(name, 0.0) + time.perf_counter() - t
         if on_step is not None:
-            on_step(step, run.step_seconds[step])
+            on_step(name, time.perf_counter() - t)
+
+    for name in COMPRESSION_STEPS:
+        step(name)
+    while run.budget_needs_another_attempt():
+        for name in _REDO_STEPS:
+            step(name)
+    run.finish_budget()
     run.delta.summary["steps"] = dict(run.step_seconds)
     run.delta.summary["seconds"] = sum(run.step_seconds.values())
     return run.delta
@@ -291,6 +311,9 @@ class _Compression:
         self.layer_reports: list[LayerReport] = []
         self.captured = None
         self.ids = None
+        self.warned_no_calibration = False
+        self.target_ratio = config.target_ratio
+        self.attempts: list = []  # (saved bytes, delta) of each budget attempt
 
     def load(self) -> None:
         self.base_m = _load(self.base, "base", **self.load_kwargs)
@@ -305,11 +328,17 @@ class _Compression:
         in_emb, out_emb = ft_m.get_input_embeddings(), ft_m.get_output_embeddings()
         names = {id(m): n for n, m in ft_m.named_modules()}
         self.emb_names = []
+        self.in_name = self.head_name = None
         if in_emb is not None and isinstance(getattr(in_emb, "weight", None), torch.Tensor):
-            self.emb_names.append(names[id(in_emb)])
+            self.in_name = names[id(in_emb)]
+            self.emb_names.append(self.in_name)
         self.tied = out_emb is not None and in_emb is not None and out_emb.weight is in_emb.weight
         if out_emb is not None and not self.tied and is_linear(out_emb):
-            self.emb_names.append(names[id(out_emb)])
+            self.head_name = names[id(out_emb)]
+            self.emb_names.append(self.head_name)
+        # tensors the embeddings / head steps compress (the exact_params step leaves them alone)
+        quantized = config.embeddings == "quantize"
+        self.emb_weight_names = {f"{n}.weight" for n in self.emb_names} if quantized else set()
         check_compatible(self.base_m, ft_m, {f"{n}.weight" for n in self.emb_names})
         self.layers_prefix, self.ft_layers = find_decoder_layers(ft_m)
         self.base_layers = self.base_m.get_submodule(self.layers_prefix)
@@ -320,27 +349,220 @@ class _Compression:
         self.covered = {f"{prefix}.{i}.{rel}.weight" for i, rels in self.targets.items() for rel in rels}
         _check_fused_experts(ft_m, self.base_params, prefix, config)
 
-    def embeddings(self) -> None:
-        """Round-to-nearest deltas of the input embeddings and the LM head (rows the fine-tune added included)."""
-        config = self.config
-        self.emb_weight_names = set()
-        if config.embeddings != "quantize":
+    def _vocab_delta(self, name: str) -> torch.Tensor:
+        """The delta of an embedding or LM head ``[V_ft, D]`` (rows the fine-tune added count from zero)."""
+        wname = f"{name}.weight"
+        w_ft = self.ft_m.get_parameter(wname).detach().float()
+        return w_ft - _pad_rows(self.base_params[wname].detach().float(), w_ft.shape[0])
+
+    def _compress_vocab(self, name: str, hessian: Optional[torch.Tensor]) -> None:
+        """One embedding or LM-head delta: the OBS solver when ``hessian`` is given, else round-to-nearest.
+        Rows that decode to zero (tokens the fine-tune did not change) are not stored (the rows layout)."""
+        delta = self._vocab_delta(name)
+        if not bool(delta.any()):
             return
-        for name in self.emb_names:
-            wname = f"{name}.weight"
-            self.emb_weight_names.add(wname)
-            w_ft = self.ft_m.get_parameter(wname).detach().float()
-            w_b = _pad_rows(self.base_params[wname].detach().float(), w_ft.shape[0])
-            delta = w_ft - w_b
-            if not bool(delta.any()):
-                continue
-            res = rtn_compress(delta, bits=config.embedding_bits, group_size=config.embedding_group_size,
-                               symmetric=config.symmetric)
-            self.modules[name] = PackedModule.from_codes(
-                res.codes, res.scales, res.zeros, None, bits=res.bits, group_size=res.group_size,
-                symmetric=res.symmetric, kind="embedding",
-            )
+        settings = self.config.for_embedding(name)
+        sparsity = settings.sparsity
+        if sparsity == "2:4" and delta.shape[1] % 4:
+            sparsity = None
+        if hessian is not None:
+            delta = delta.to(self.dev)
+            res = obs_compress(delta, hessian, bits=settings.bits, group_size=settings.group_size,
+                               symmetric=settings.symmetric, sparsity=sparsity, block_size=settings.block_size,
+                               damp=settings.damp)
+            self.layer_errors[name] = relative_objective(delta, res.dequantize(), hessian)
+        else:
+            res = rtn_compress(delta, bits=settings.bits, group_size=settings.group_size,
+                               symmetric=settings.symmetric, sparsity=sparsity)
             self.layer_errors[name] = float(((res.dequantize() - delta).norm() / delta.norm().clamp_min(1e-30)) ** 2)
+        self.modules[name] = PackedModule.from_codes(
+            res.codes, res.scales, res.zeros, res.mask, bits=res.bits, group_size=res.group_size,
+            symmetric=res.symmetric, two_four=sparsity == "2:4", kind="embedding", skip_zero_rows=True,
+        )
+
+    # ------------------------------------------------------------------ the byte budget
+    def budget(self) -> None:
+        """With ``target_ratio``: measure every candidate setting of every module on the fine-tune's own
+        activations, choose one per module for the byte budget, and record the choice as overrides."""
+        if self.target_ratio is None:
+            return
+        from . import budget as bud
+
+        cfg, dev = self.config, self.dev
+        ids = self._calibration_ids()
+        captured = None
+        if ids is not None:
+            captured = _capture_layer_inputs(self.ft_m, self.layers_prefix, self.ft_layers[0], ids, {}, self.base_params,
+                                             dev, self.batch_size)
+        common = dict(symmetric=cfg.symmetric, block_size=cfg.block_size, damp=cfg.damp, zstd_level=cfg.zstd_level)
+        measured = {}
+        quantized = bool(self.emb_weight_names)
+        if quantized and self.in_name is not None:
+            delta = self._vocab_delta(self.in_name)
+            if bool(delta.any()):
+                weights = bud.token_row_weights(ids, delta.shape[0]) if ids is not None else None
+                measured[self.in_name] = bud.measure_module(delta, candidates=bud.candidates(cfg, "embedding"), kind="embedding",
+                                                            row_weights=weights, **common)
+        bar = tqdm(total=len(self.ft_layers), desc="measuring settings", disable=not self.progress, unit="layer")
+        for i, ft_layer in enumerate(self.ft_layers):
+            work = copy.deepcopy(ft_layer).to(dev)
+            lin = linear_modules(work)
+            hess = _layer_hessians(work, lin, self.targets[i], captured) if captured is not None else {}
+            base_layer = self.base_layers[i]
+            for rel in self.targets[i]:
+                delta = weight_as_nk(lin[rel]).float() - weight_as_nk(base_layer.get_submodule(rel)).to(dev).float()
+                if bool(delta.any()):
+                    measured[f"{self.layers_prefix}.{i}.{rel}"] = bud.measure_module(
+                        delta, candidates=bud.candidates(cfg, "linear"), kind="linear", hessian=hess.get(rel), **common)
+            if captured is not None:
+                for c in captured:
+                    c.hidden = c.run(work, c.hidden)
+            del work, hess
+            bar.update(1)
+        bar.close()
+        if quantized and self.head_name is not None:
+            delta = self._vocab_delta(self.head_name)
+            if bool(delta.any()):
+                measured[self.head_name] = bud.measure_module(
+                    delta.to(dev), candidates=bud.candidates(cfg, "linear"), kind="embedding",
+                    hessian=self._head_hessian(captured), **common)
+        del captured
+        self.measured = measured
+        self.fp16_bytes = 2 * sum(p.numel() for p in self.ft_m.parameters())
+        self.target_bytes = self.fp16_bytes / self.target_ratio
+        # bytes beside the modules' payloads: exact parameters, header, config, module records; the records
+        # and overrides depend on the choice, so choose, measure them on skeletons, and choose again
+        self.fixed_bytes = self._saved_bytes(self._package_with({}))
+        self._choose(self.target_bytes - self.fixed_bytes)
+        for _ in range(3):
+            self.fixed_bytes = self._overhead_of(self.chosen)
+            spent = sum(opt.nbytes for opt in self.chosen.values())
+            if abs(self.fixed_bytes + spent - self.target_bytes) <= 0.005 * self.target_bytes:
+                break
+            self._choose(self.target_bytes - self.fixed_bytes)
+
+    def _overhead_of(self, chosen: dict) -> int:
+        """Bytes of the folder a choice gives, less its modules' payloads (measured on all-zero skeletons)."""
+        from . import budget as bud
+        from ..format.container import encoded_nbytes
+
+        skeletons = {name: bud.skeleton(opt) for name, opt in chosen.items()}
+        errors, self.layer_errors = self.layer_errors, dict.fromkeys(chosen, _TYPICAL_ERROR)
+        try:
+            size = self._saved_bytes(self._package_with(skeletons))
+        finally:
+            self.layer_errors = errors
+        payload = sum(encoded_nbytes(t, self.config.zstd_level) for m in skeletons.values() for t in m.tensors().values())
+        return size - payload
+
+    def _choose(self, module_bytes: float, correcting: bool = False) -> None:
+        from . import budget as bud
+
+        try:
+            chosen = bud.allocate(self.measured, module_bytes)
+        except bud.BudgetUnreachable as e:
+            near = e.cheapest + self.fixed_bytes <= self.target_bytes / (1 - BUDGET_TOLERANCE)
+            if correcting or near:  # the cheapest settings are as close as it gets, and close enough
+                chosen = bud.allocate(self.measured, e.cheapest)
+            else:
+                self._unreachable(e.cheapest)
+        self._record_choice(chosen)
+
+    def _unreachable(self, cheapest: int):
+        reachable = self.fp16_bytes / (cheapest + self.fixed_bytes)
+        raise DeltaZipConfigError(
+            f"target_ratio={self.target_ratio:g} is out of reach for this model: the smallest settings give "
+            f"about {reachable:.1f}x; choose a lower target_ratio, or offer smaller settings (budget_bits, "
+            f"budget_sparsity, budget_group_sizes)"
+        )
+
+    def _record_choice(self, chosen: dict) -> None:
+        most = sum(min(opts, key=lambda o: o.error).nbytes for opts in self.measured.values())
+        if self.fixed_bytes + most < self.target_bytes * (1 - 0.05):
+            reached = self.fp16_bytes / (self.fixed_bytes + most)
+            raise DeltaZipConfigError(
+                f"target_ratio={self.target_ratio:g} is below what the most accurate settings offered reach "
+                f"({reached:.1f}x): choose a target_ratio of at least {reached:.1f}, or compress without one"
+            )
+        self.chosen = chosen
+        overrides = {k: v for k, v in self.config.overrides.items() if k not in chosen}
+        overrides.update({name: opt.candidate.settings() for name, opt in chosen.items()})
+        self.config = dataclasses.replace(self.config, overrides=overrides)
+
+    def _package_with(self, modules: dict) -> CompressedDelta:
+        saved = self.modules
+        self.modules = modules
+        try:
+            self.package()
+            return self.delta
+        finally:
+            self.modules = saved
+
+    @staticmethod
+    def _saved_bytes(delta: CompressedDelta) -> int:
+        """Bytes of ``delta``'s folder as :meth:`CompressedDelta.save_pretrained` writes it (ratio bytes only)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            tokenizer, gen = delta.tokenizer, delta.generation_config
+            delta.tokenizer = delta.generation_config = None
+            try:
+                delta.save_pretrained(tmp)
+            finally:
+                delta.tokenizer, delta.generation_config = tokenizer, gen
+            return (Path(tmp) / DZ_FILENAME).stat().st_size + (Path(tmp) / CONFIG_NAME).stat().st_size
+
+    def budget_needs_another_attempt(self) -> bool:
+        """After a budgeted pass: keep it if it is near the target, else move the budget by the miss and redo."""
+        if self.target_ratio is None:
+            return False
+        saved = self._saved_bytes(self.delta)
+        self.attempts.append((saved, self.delta))
+        miss = self.target_bytes - saved
+        if abs(saved / self.target_bytes - 1) <= BUDGET_TOLERANCE or len(self.attempts) >= BUDGET_ATTEMPTS:
+            return False
+        spent = sum(opt.nbytes for opt in self.chosen.values())
+        self._choose(spent + miss, correcting=True)
+        self.modules, self.layer_errors, self.layer_reports = {}, {}, []
+        self.captured = None
+        return True
+
+    def finish_budget(self) -> None:
+        """Keep the budgeted attempt closest to the target and record what was asked and reached."""
+        if self.target_ratio is None:
+            return
+        saved, delta = min(self.attempts, key=lambda a: abs(a[0] - self.target_bytes))
+        reached = self.fp16_bytes / saved
+        if abs(reached / self.target_ratio - 1) > 0.05:
+            logger.warning("target_ratio %.3g: reached %.3gx after %d attempts (more than 5 %% off)",
+                           self.target_ratio, reached, len(self.attempts))
+        delta.summary.update(target_ratio=self.target_ratio, reached_ratio=reached, stored_bytes=saved,
+                             ratio=reached, budget_attempts=len(self.attempts))
+        self.delta = delta
+
+    def embeddings(self) -> None:
+        """Round-to-nearest delta of the input embeddings (rows the fine-tune added included; unchanged rows free)."""
+        if self.emb_weight_names and self.in_name is not None:
+            self._compress_vocab(self.in_name, None)
+
+    def head(self) -> None:
+        """The LM head's delta, with the OBS solver on its real inputs (the final norm's output on the
+        calibration activations through the compressed layers); round-to-nearest without calibration
+        or when the final norm cannot be found. A tied head is the input embedding: nothing to do."""
+        if not self.emb_weight_names or self.head_name is None:
+            return
+        self._compress_vocab(self.head_name, self._head_hessian(self.captured))
+
+    def _head_hessian(self, captured) -> Optional[torch.Tensor]:
+        if captured is None:
+            return None
+        norm = _final_norm(self.ft_m, self.layers_prefix)
+        if norm is None:
+            logger.info("no final norm found before %s: its delta is rounded to nearest", self.head_name)
+            return None
+        norm = copy.deepcopy(norm).to(self.dev)
+        acc = HessianAccumulator()
+        for c in captured:
+            acc.add(norm(c.hidden))
+        return acc.hessian
 
     def exact_params(self) -> None:
         """Everything else the fine-tune changed (norms, biases, skipped modules), stored as it is."""
@@ -356,9 +578,21 @@ class _Compression:
 
     def calibrate(self) -> None:
         """Tokenize the calibration data and capture the first decoder layer's inputs (compressed embeddings in)."""
-        if self.calibration is None:
-            logger.warning("no calibration data: compressing with round-to-nearest instead of the OBS solver")
+        ids = self._calibration_ids()
+        if ids is None:
             return
+        self.captured = _capture_layer_inputs(self.ft_m, self.layers_prefix, self.ft_layers[0], ids, self.modules,
+                                              self.base_params, self.dev, self.batch_size)
+
+    def _calibration_ids(self) -> Optional[torch.Tensor]:
+        """The calibration token ids ``[n_samples, seq_len]`` (tokenized once), or None without calibration."""
+        if self.ids is not None:
+            return self.ids
+        if self.calibration is None:
+            if not self.warned_no_calibration:
+                logger.warning("no calibration data: compressing with round-to-nearest instead of the OBS solver")
+            self.warned_no_calibration = True
+            return None
         tokenizer = self.tokenizer
         if tokenizer is None and isinstance(self.finetuned, (str, os.PathLike)) and not isinstance(self.calibration, torch.Tensor):
             from transformers import AutoTokenizer
@@ -371,8 +605,7 @@ class _Compression:
         if int(ids.max()) >= vocab or int(ids.min()) < 0:
             raise DeltaZipError(f"calibration token ids fall outside the fine-tune's vocabulary of {vocab}: wrong tokenizer?")
         self.ids = ids
-        self.captured = _capture_layer_inputs(self.ft_m, self.layers_prefix, self.ft_layers[0], ids, self.modules,
-                                              self.base_params, self.dev, self.batch_size)
+        return ids
 
     def layers(self) -> None:
         """The walk: one decoder layer at a time on the device, on inputs through the compressed layers before it."""
@@ -459,6 +692,7 @@ class _Compression:
             model_config=ft_m.config.to_dict(),
             config=self.config.to_dict(),
             extra={
+                **({"budget": {"target_ratio": self.target_ratio}} if self.target_ratio is not None else {}),
                 "finetune_num_params": n_params,
                 "vocab_size_base": int(base_m.get_input_embeddings().weight.shape[0]),
                 "vocab_size_finetune": int(ft_m.get_input_embeddings().weight.shape[0]),
@@ -482,6 +716,24 @@ class _Compression:
             "relative_error": self.layer_errors,
             "layers": [dataclasses.asdict(r) for r in self.layer_reports],
         }
+
+
+# a relative error as the header's summary stores it: the width of a typical float's repr
+_TYPICAL_ERROR = 0.012345678901234567
+
+
+def _final_norm(model: nn.Module, layers_prefix: str) -> Optional[nn.Module]:
+    """The norm between the last decoder layer and the LM head (``model.norm``, ``transformer.ln_f``, ...),
+    or None when the model has none or does more there (a projection)."""
+    parent_name = layers_prefix.rpartition(".")[0]
+    parent = model.get_submodule(parent_name) if parent_name else model
+    if getattr(parent, "project_out", None) is not None:
+        return None
+    for attr in ("norm", "ln_f", "final_layer_norm", "final_layernorm", "final_norm"):
+        mod = getattr(parent, attr, None)
+        if isinstance(mod, nn.Module):
+            return mod
+    return None
 
 
 def _capture_layer_inputs(model, layers_prefix, first_layer, ids, modules, base_params, dev, batch_size):

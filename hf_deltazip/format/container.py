@@ -26,8 +26,10 @@ from ..fileio import atomic_write_bytes
 from ..packing import CODE_BITS, num_groups, packed_nbytes
 from .header import HEADER_TABLES, DeltaHeader, HeaderError
 
-DZ_FORMAT_VERSION = 1
-SUPPORTED_FORMAT_VERSIONS = (1,)
+DZ_FORMAT_VERSION = 2  # 2 added the "rows" layout; a file without it is still written as version 1
+SUPPORTED_FORMAT_VERSIONS = (1, 2)
+# the first format version each layout exists in
+LAYOUT_SINCE = {"dense": 1, "2:4": 1, "bitmask": 1, "rows": 2}
 FORMAT_TAG = "hf-deltazip"
 DZ_FILENAME = "delta.dz"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -44,7 +46,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 ENCODINGS = ("raw", "zstd")
-SPARSITY_LAYOUTS = ("dense", "2:4", "bitmask")
+SPARSITY_LAYOUTS = ("dense", "2:4", "bitmask", "rows")
 MODULE_KINDS = ("linear", "embedding")
 SCALE_DTYPES = ("float16", "float32")
 
@@ -78,7 +80,7 @@ class ModuleRecord:
     sparsity: str
     transposed: bool
     tensors: dict  # role -> stored tensor name
-    nnz: Optional[int] = None  # bitmask layout only
+    nnz: Optional[int] = None  # bitmask layout: weights kept; rows layout: rows stored
 
     def to_json(self) -> dict:
         d = {
@@ -105,6 +107,11 @@ class ModuleRecord:
         elif self.sparsity == "2:4":
             out["qweight"] = ((n, packed_nbytes(k // 2, self.bits)), ("uint8",))
             out["positions"] = ((n, packed_nbytes(k // 2, 2)), ("uint8",))
+        elif self.sparsity == "rows":
+            r = self.nnz
+            out = {"scales": ((r, g), SCALE_DTYPES), "zeros": ((r, g), ("uint8",)),
+                   "qweight": ((r, packed_nbytes(k, self.bits)), ("uint8",)),
+                   "mask": ((math.ceil(n / 8),), ("uint8",))}
         else:
             out["qweight"] = ((packed_nbytes(self.nnz, self.bits),), ("uint8",))
             out["mask"] = ((n, math.ceil(k / 8)), ("uint8",))
@@ -119,6 +126,16 @@ def _encode(raw: bytes, level: int) -> tuple[str, bytes]:
     if len(comp) >= len(raw):
         return "raw", raw
     return "zstd", comp
+
+
+def format_version_for(records: Iterable[ModuleRecord]) -> int:
+    """The format version a file of these module records is written as: the oldest that has all their layouts."""
+    return max([1] + [LAYOUT_SINCE[r.sparsity] for r in records])
+
+
+def encoded_nbytes(t: torch.Tensor, zstd_level: int) -> int:
+    """Bytes ``t`` takes in a ``.dz`` file written with ``zstd_level`` (its payload, as :func:`write_dz` stores it)."""
+    return len(_encode(_tensor_bytes(t), zstd_level)[1])
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
@@ -179,7 +196,7 @@ def write_dz(
     st_header: dict[str, Any] = {
         "__metadata__": {
             "format": FORMAT_TAG,
-            "dz_format_version": str(DZ_FORMAT_VERSION),
+            "dz_format_version": str(format_version_for(modules.values())),
             "dz_header": dz_json,
             "dz_header_crc32": str(zlib.crc32(dz_json.encode())),
         }
@@ -262,6 +279,7 @@ class DeltaZipFile:
                 f"format version {version!r} is not supported (this hf-deltazip reads "
                 f"{list(SUPPORTED_FORMAT_VERSIONS)}); upgrade hf-deltazip"
             )
+        self.format_version = int(version)
         dz_json = meta.get("dz_header")
         if not isinstance(dz_json, str):
             self._fail("metadata lacks dz_header")
@@ -313,6 +331,9 @@ class DeltaZipFile:
             self._fail("dz_header.modules is not an object")
         for name, m in modules.items():
             self.modules[name] = self._check_module_record(name, m)
+        needed = format_version_for(self.modules.values())
+        if needed != self.format_version:  # writers stamp the version their layouts need, no other
+            self._fail(f"declares format version {self.format_version} but its layouts are version {needed}: the file is corrupt")
         params = dz.get("params", {})
         if not isinstance(params, dict):
             self._fail("dz_header.params is not an object")
@@ -379,9 +400,16 @@ class DeltaZipFile:
             self._fail(f"module {name!r}: unknown sparsity layout {rec.sparsity!r}")
         if rec.sparsity == "2:4" and rec.shape[1] % 4:
             self._fail(f"module {name!r}: 2:4 layout needs K divisible by 4")
+        if LAYOUT_SINCE[rec.sparsity] > self.format_version:
+            self._fail(f"module {name!r}: layout {rec.sparsity!r} does not exist in format version {self.format_version}")
         if rec.sparsity == "bitmask":
             if not (_is_int(rec.nnz) and 0 <= rec.nnz <= rec.shape[0] * rec.shape[1]):
                 self._fail(f"module {name!r}: bad nnz {rec.nnz!r}")
+        if rec.sparsity in ("dense", "2:4") and rec.nnz is not None:
+            self._fail(f"module {name!r}: nnz {rec.nnz!r} given for the {rec.sparsity} layout, which has none")
+        if rec.sparsity == "rows":
+            if not (_is_int(rec.nnz) and 0 <= rec.nnz <= rec.shape[0]):
+                self._fail(f"module {name!r}: bad nnz {rec.nnz!r} (rows stored)")
         expected = rec.expected_shapes()
         if set(rec.tensors) != set(expected):
             self._fail(f"module {name!r}: tensors {sorted(rec.tensors)} but layout {rec.sparsity} needs {sorted(expected)}")

@@ -12,10 +12,11 @@ from typing import Mapping, Union
 
 from ..config import CONFIG_NAME, DeltaZipConfig, read_config_json
 from ..errors import DeltaZipError, DeltaZipFormatError
+from ..packing import num_groups, packed_nbytes
 from .container import DZ_FILENAME, DeltaZipFile
 from .header import DeltaHeader
 
-__all__ = ["BYTE_CATEGORIES", "categorize_bytes", "load_folder_config", "delta_bytes_report"]
+__all__ = ["BYTE_CATEGORIES", "categorize_bytes", "load_folder_config", "delta_bytes_report", "resident_nbytes"]
 
 # How the bytes of a delta split up (docs/format.md, section 7).
 BYTE_CATEGORIES = ("linear deltas", "scales and zeros", "masks", "embeddings and head", "other parameters")
@@ -36,6 +37,18 @@ def categorize_bytes(modules, param_bytes) -> dict:
             cats["masks"] += stored.get("positions", 0) + stored.get("mask", 0)
     cats["other parameters"] += sum(param_bytes)
     return cats
+
+
+def resident_nbytes(rec, tensor_records: Mapping) -> int:
+    """Bytes module ``rec`` (a :class:`~.container.ModuleRecord`) occupies on a GPU once loaded for the
+    kernels: its tensors as they are, except bitmask and rows layouts, which are expanded to dense codes."""
+    raw = {role: tensor_records[name] for role, name in rec.tensors.items()}
+    if rec.sparsity not in ("bitmask", "rows"):
+        return sum(t.nbytes for t in raw.values())
+    n, k = rec.shape
+    g = num_groups(k, rec.group_size)
+    scale_bytes = 2 if raw["scales"].dtype == "float16" else 4
+    return n * packed_nbytes(k, rec.bits) + n * g * (scale_bytes + 1)
 
 
 def load_folder_config(folder: Union[str, os.PathLike], header: Mapping) -> DeltaZipConfig:
@@ -89,11 +102,14 @@ def delta_bytes_report(folder: Union[str, os.PathLike]) -> dict:
         for name, rec in dz.modules.items():
             stored = {role: dz.stored_bytes(t) for role, t in rec.tensors.items()}
             stored_by_module.append((rec.kind, stored))
+            resident = resident_nbytes(rec, dz.tensors)
             per_module.append(
                 {"module": name, "kind": rec.kind, "shape": list(rec.shape), "bits": rec.bits,
                  "group_size": rec.group_size, "sparsity": rec.sparsity, "bytes": sum(stored.values()),
-                 "bits_per_weight": 8 * sum(stored.values()) / (rec.shape[0] * rec.shape[1])}
+                 "bits_per_weight": 8 * sum(stored.values()) / (rec.shape[0] * rec.shape[1]),
+                 "resident_bytes": resident}
             )
+        param_resident = sum(t.nbytes for name, t in dz.tensors.items() if name in set(dz.params.values()))
         cats = categorize_bytes(stored_by_module, [dz.stored_bytes(t) for t in dz.params.values()])
         header = dz.header
     overhead = total - sum(cats.values())
@@ -108,4 +124,7 @@ def delta_bytes_report(folder: Union[str, os.PathLike]) -> dict:
         "finetune_fp16_bytes": fp16_bytes,
         "ratio": fp16_bytes / total if n_params else None,
         "modules": per_module,
+        # what the delta occupies on a GPU (dense codes where the file holds bitmask or rows layouts, no zstd)
+        "resident_bytes": sum(m["resident_bytes"] for m in per_module) + param_resident,
+        "budget": dict(header.extra.get("budget") or {}),
     }

@@ -1,0 +1,224 @@
+"""A byte budget: bits, sparsity and group size chosen per module to reach a whole-file ratio.
+
+``DeltaZipConfig(target_ratio=R)`` asks for a saved delta folder of ``fp16 bytes / R`` bytes. For every
+module the compressor tries each :class:`Candidate` on the module's real delta and calibration inputs
+(:func:`measure_module`): the cost is the candidate's packed tensors after zstd, byte for byte what the
+``.dz`` file would hold, and the error is the OBS objective ``trace((D - A) H (D - A)^T)`` (the output
+error the module would add on its calibration inputs), or, for an input embedding, the row errors
+weighted by how often calibration text uses each token. :func:`allocate` then picks one option per
+module with a Lagrange multiplier (minimise ``error + lambda * bytes``, bisection on ``lambda``) and
+spends what is left greedily on the upgrades that buy the most error per byte.
+
+The errors of all modules are in the same unit (a squared output error per calibration token), so
+one multiplier trades them against each other; without calibration data every error is the plain
+squared Frobenius error of the delta.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ..config import Sparsity
+from ..delta import PackedModule
+from ..errors import DeltaZipConfigError
+from ..format.container import encoded_nbytes
+from .solver import obs_compress, objective, rtn_compress
+
+__all__ = [
+    "Candidate",
+    "candidates",
+    "Option",
+    "measure_module",
+    "skeleton",
+    "allocate",
+    "token_row_weights",
+    "BudgetUnreachable",
+]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One setting the budget may give a module."""
+
+    bits: int
+    sparsity: Sparsity
+    group_size: int
+
+    def settings(self) -> dict:
+        """As a ``DeltaZipConfig.overrides`` entry."""
+        return {"bits": self.bits, "sparsity": self.sparsity, "group_size": self.group_size}
+
+
+def candidates(config, kind: str) -> tuple:
+    """The settings ``config.budget_bits`` x ``budget_sparsity`` x ``budget_group_sizes`` offer a module.
+
+    Linear layers (the LM head included) get every one (every layout the kernels serve). Input embeddings
+    (``kind="embedding"``) get no 2:4: the embedding lookup on the GPU reads dense rows.
+    """
+    sparsities = [s for s in config.budget_sparsity if kind == "linear" or s != "2:4"]
+    return tuple(Candidate(b, s, g) for b in config.budget_bits for s in sparsities for g in config.budget_group_sizes)
+
+
+@dataclass(frozen=True)
+class Option:
+    """A measured candidate: ``nbytes`` in the file (packed + zstd), ``error`` as described above, and
+    ``layout`` (what :func:`skeleton` needs to rebuild its records without its codes)."""
+
+    candidate: Candidate
+    nbytes: int
+    error: float
+    layout: tuple = ()
+
+
+def skeleton(option: Option) -> PackedModule:
+    """A module with ``option``'s layout, shapes and dtypes, all zeros: its records in a ``.dz`` header are
+    those the real module gets, so a folder of skeletons measures the header and config bytes of a choice."""
+    kind, shape, sparsity, nnz, symmetric, tensors = option.layout
+    zeros = {role: torch.zeros(t_shape, dtype=dtype) for role, t_shape, dtype in tensors}
+    c = option.candidate
+    return PackedModule(kind=kind, shape=shape, bits=c.bits, group_size=c.group_size, symmetric=symmetric,
+                        sparsity=sparsity, transposed=False, nnz=nnz, qweight=zeros["qweight"],
+                        scales=zeros["scales"], zeros=zeros["zeros"], positions=zeros.get("positions"),
+                        mask=zeros.get("mask"))
+
+
+def token_row_weights(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Weight of each embedding row in the error: twice its share of calibration tokens, smoothed by one
+    count per row so rows the calibration never uses still cost something (``H = 2 X^T X / n`` for one-hot X)."""
+    counts = torch.bincount(ids.reshape(-1).cpu(), minlength=vocab)[:vocab].double()
+    return (2.0 * (counts + 1.0) / (counts.sum() + vocab)).float()
+
+
+def measure_module(
+    delta: torch.Tensor,
+    *,
+    candidates: Sequence[Candidate],
+    kind: str,
+    hessian: Optional[torch.Tensor] = None,
+    row_weights: Optional[torch.Tensor] = None,
+    symmetric: bool = True,
+    block_size: int = 128,
+    damp: float = 0.01,
+    zstd_level: int = 9,
+) -> list:
+    """Every candidate applicable to ``delta [N, K]``, solved and packed, as :class:`Option` s.
+
+    Args:
+        delta: the module's weight delta.
+        candidates: settings to try; those the shape cannot take (2:4 with K not a multiple of 4) are skipped.
+        kind: ``"linear"`` or ``"embedding"`` (an embedding that stays dense is stored as its changed rows).
+        hessian: ``[K, K]`` from the module's calibration inputs: the OBS solver and its objective.
+            None: round-to-nearest, error weighted by ``row_weights`` (or plain Frobenius).
+        row_weights: ``[N]`` weights of the rows' squared errors (input embeddings).
+    """
+    k = delta.shape[1]
+    options = []
+    for cand in candidates:
+        if cand.sparsity == "2:4" and k % 4:
+            continue
+        if hessian is not None:
+            res = obs_compress(delta, hessian, bits=cand.bits, group_size=cand.group_size, symmetric=symmetric,
+                               sparsity=cand.sparsity, block_size=block_size, damp=damp)
+        else:
+            res = rtn_compress(delta, bits=cand.bits, group_size=cand.group_size, symmetric=symmetric,
+                               sparsity=cand.sparsity)
+        packed = PackedModule.from_codes(res.codes, res.scales, res.zeros, res.mask, bits=res.bits,
+                                         group_size=res.group_size, symmetric=res.symmetric,
+                                         two_four=cand.sparsity == "2:4", kind=kind,
+                                         skip_zero_rows=kind == "embedding")
+        nbytes = sum(encoded_nbytes(t, zstd_level) for t in packed.tensors().values())
+        approx = res.dequantize()
+        if hessian is not None:
+            error = objective(delta, approx, hessian)
+        else:
+            sq = (approx - delta.float()).pow(2).sum(dim=1)
+            error = float((sq * row_weights.to(sq.device)).sum()) if row_weights is not None else float(sq.sum())
+        layout = (kind, tuple(packed.shape), packed.sparsity, packed.nnz, packed.symmetric,
+                  tuple((role, tuple(t.shape), t.dtype) for role, t in packed.tensors().items()))
+        options.append(Option(cand, nbytes, error, layout))
+    return options
+
+
+def _frontier(options: list) -> list:
+    """The options no other option beats on both bytes and error, cheapest first."""
+    out: list = []
+    for opt in sorted(options, key=lambda o: (o.nbytes, o.error)):
+        if not out or opt.error < out[-1].error:
+            out.append(opt)
+    return out
+
+
+def allocate(measured: dict, budget_bytes: float) -> dict:
+    """One option per module with total bytes at most ``budget_bytes`` and the smallest total error found.
+
+    Args:
+        measured: module name -> list of :class:`Option`.
+        budget_bytes: bytes the modules may take together.
+
+    Returns:
+        module name -> the chosen :class:`Option`.
+
+    Raises:
+        DeltaZipConfigError: even the cheapest option of every module exceeds the budget.
+    """
+    fronts = {name: _frontier(opts) for name, opts in measured.items() if opts}
+    if not fronts:
+        return {}
+    cheapest = sum(f[0].nbytes for f in fronts.values())
+    if cheapest > budget_bytes:
+        raise BudgetUnreachable(cheapest)
+
+    def pick(lam: float) -> dict:
+        return {name: min(f, key=lambda o: o.error + lam * o.nbytes) for name, f in fronts.items()}
+
+    def total(choice: dict) -> int:
+        return sum(o.nbytes for o in choice.values())
+
+    best = pick(0.0)
+    if total(best) > budget_bytes:
+        lo, hi = 0.0, 1.0
+        while total(pick(hi)) > budget_bytes:
+            hi *= 10.0
+            if hi > 1e300:
+                best = {name: f[0] for name, f in fronts.items()}
+                break
+        else:
+            for _ in range(200):
+                mid = math.sqrt(lo * hi) if lo > 0 else hi / 1e6
+                if total(pick(mid)) > budget_bytes:
+                    lo = mid
+                else:
+                    hi = mid
+                if lo > 0 and hi / lo < 1 + 1e-9:
+                    break
+            best = pick(hi)
+    # spend what is left on the upgrades that remove the most error per byte
+    spare = budget_bytes - total(best)
+    while True:
+        step = None
+        for name, f in fronts.items():
+            cur = best[name]
+            for opt in f:
+                extra = opt.nbytes - cur.nbytes
+                if extra <= 0 or extra > spare or opt.error >= cur.error:
+                    continue
+                gain = (cur.error - opt.error) / extra
+                if step is None or gain > step[0]:
+                    step = (gain, name, opt)
+        if step is None:
+            return best
+        _, name, opt = step
+        spare -= opt.nbytes - best[name].nbytes
+        best[name] = opt
+
+
+class BudgetUnreachable(DeltaZipConfigError):
+    """The cheapest candidates still exceed the budget (``cheapest`` bytes)."""
+
+    def __init__(self, cheapest: int):
+        super().__init__(f"the cheapest settings need {cheapest} bytes")
+        self.cheapest = cheapest

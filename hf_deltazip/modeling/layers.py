@@ -28,7 +28,7 @@ from ..errors import DeltaZipError
 from ..packing import dequantize, unpack_codes
 from ..quantization import dequantize_module_weight, logical_weight_shape
 from .arch import conv1d_class
-from .quantized import base_runs_itself
+from .quantized import base_runs_itself, unhooked
 from .routing import KernelPolicy, LayoutVersion, Router
 
 
@@ -758,7 +758,7 @@ class DeltaOverride(DeltaModule):
             r_kwargs = {k: _take_rows(v, idx, batch) for k, v in kwargs.items()}
             if slot in self.overrides:
                 params = {k: v.to(dict(self.base_layer.named_parameters())[k].dtype) for k, v in self.overrides[slot].items()}
-                y = torch.func.functional_call(self.base_layer, params, (xr, *r_args), r_kwargs)
+                y = torch.func.functional_call(unhooked(self.base_layer, xr.device), params, (xr, *r_args), r_kwargs)
             else:
                 y = self.base_layer(xr, *r_args, **r_kwargs)
             out = _put_rows(out, rows, y, batch)

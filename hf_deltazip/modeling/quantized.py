@@ -9,6 +9,7 @@ weight that only exists while its accelerate hook runs), so it lets the layer co
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Optional
 
@@ -18,7 +19,7 @@ from torch import nn
 from ..quantization import bnb_kind, dequantize_module_weight
 
 __all__ = [
-    "base_runs_itself", "execution_device", "is_quantized_model", "dequantize_model", "device_map_problem",
+    "base_runs_itself", "execution_device", "unhooked", "is_quantized_model", "dequantize_model", "device_map_problem",
 ]
 
 
@@ -43,6 +44,24 @@ def execution_device(module: nn.Module) -> Optional[torch.device]:
         if p.device.type != "meta":
             return p.device
     return None
+
+
+def unhooked(module: nn.Module, device) -> nn.Module:
+    """``module`` itself, or, when an accelerate hook runs it, a shallow copy without the hook whose
+    offloaded parameters are read from the hook's weights map onto ``device``: what
+    ``torch.func.functional_call`` with a fine-tune's parameters needs (the hook would put the base's back)."""
+    hook = _hook(module)
+    if hook is None:
+        return module
+    clone = copy.copy(module)
+    clone.__dict__.pop("forward", None)  # accelerate's wrapper, set on the instance
+    clone.__dict__.pop("_hf_hook", None)
+    clone.__dict__["_parameters"] = dict(clone.__dict__["_parameters"])
+    weights = getattr(hook, "weights_map", None)
+    for name, p in list(clone.named_parameters(recurse=False)):
+        if p.device.type == "meta" and weights is not None:
+            setattr(clone, name, nn.Parameter(weights[name].to(device), requires_grad=False))
+    return clone
 
 
 def is_quantized_model(model: nn.Module) -> bool:

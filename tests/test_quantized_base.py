@@ -16,7 +16,7 @@ bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed 
 
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
 
-from hf_deltazip import BaseMismatchError, CompressedDelta, DeltaModel, DeltaZipConfig, compress  # noqa: E402
+from hf_deltazip import BaseMismatchError, CompressedDelta, DeltaModel, DeltaZipConfig, DeltaZipError, compress  # noqa: E402
 from hf_deltazip.fingerprint import base_fingerprint, check_fingerprint  # noqa: E402
 from hf_deltazip.modeling.quantized import dequantize_model, is_quantized_model  # noqa: E402
 
@@ -172,3 +172,27 @@ def test_warning_free_load(folders):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         quantized_base(folders, "int8")
+
+
+def test_compress_for_a_quantized_base_absorbs_part_of_its_rounding(folders, tmp_path):
+    """A delta made against the 4-bit base's round trip brings the 4-bit base closer to the fine-tune
+    than the ordinary delta does; it still loads onto the float checkpoint quantized."""
+    qc = qconfig("nf4-double")
+    cfg = DeltaZipConfig(n_samples=8, seq_len=24, bits=4, group_size=32)
+    made = compress(folders / "base", finetune("llama", 1), cfg, calibration=calibration_ids(), progress=False,
+                    base_quantization=qc, dtype=torch.float32)
+    assert made.header.extra["base_quantization"] == {"method": "bitsandbytes", "bits": 4, "quant_type": "nf4",
+                                                      "double_quant": True}
+    assert made.header.base_fingerprint == base_fingerprint(base_model("llama"))
+    made.save_pretrained(tmp_path / "q")
+    model = DeltaModel(quantized_base(folders, "nf4-double"))
+    model.load_delta(folders / "a", delta_name="plain")
+    model.load_delta(tmp_path / "q", delta_name="for_q")
+    x = ids()
+    with torch.no_grad():
+        want = finetune("llama", 1)(input_ids=x).logits
+        err = {n: (model(input_ids=x, delta_names=[n] * len(ROWS)).logits - want).pow(2).mean().item()
+               for n in ("plain", "for_q")}
+    assert err["for_q"] < err["plain"]
+    with pytest.raises(DeltaZipError, match="load_in_4bit=True or load_in_8bit=True"):
+        compress(folders / "base", finetune("llama", 1), cfg, progress=False, base_quantization={"x": 1})

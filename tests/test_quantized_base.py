@@ -196,3 +196,30 @@ def test_compress_for_a_quantized_base_absorbs_part_of_its_rounding(folders, tmp
     assert err["for_q"] < err["plain"]
     with pytest.raises(DeltaZipError, match="load_in_4bit=True or load_in_8bit=True"):
         compress(folders / "base", finetune("llama", 1), cfg, progress=False, base_quantization={"x": 1})
+
+
+def test_speed_benchmark_runs_on_tiny_shapes_and_checks_its_layer():
+    from hf_deltazip.bench.quantized_base import _table, run_speed
+
+    result = run_speed(shape="tiny", deltas=2, rows=2, prompt_len=8, new_tokens=2, engine_steps=4,
+                       bases=("bf16", "int8", "nf4"), device="cpu", log=lambda m: None)
+    rows = {r["base"]: r for r in result["rows_table"]}
+    assert set(rows) == {"bf16", "int8", "nf4"}
+    assert rows["bf16"]["check_rel_err"] < 1e-2 and rows["nf4"]["check_rel_err"] < 1e-2
+    assert rows["int8"]["check_rel_err"] < 5e-2  # LLM.int8 rounds the activations too
+    assert rows["nf4"]["base_gib"] < rows["int8"]["base_gib"] < rows["bf16"]["base_gib"]
+    assert all(r["engine_tokens_per_s"] > 0 for r in rows.values())
+    assert "| nf4 |" in _table(result)
+
+
+def test_quality_benchmark_scores_the_three_cases(folders):
+    from hf_deltazip.bench.quantized_base import run_quality
+
+    finetune("llama", 1).save_pretrained(folders / "ft1")
+    texts = calibration_ids(n=4, length=24, seed=7).tolist()
+    result = run_quality(str(folders / "base"), str(folders / "ft1"), texts, calibration=calibration_ids(),
+                         bits=4, group_size=32, device="cpu", log=lambda m: None)
+    cases = [r["case"] for r in result["rows"]]
+    assert cases == ["bf16 base + delta", "nf4 base alone", "nf4 base + delta", "nf4 base + delta for nf4"]
+    assert result["rows"][0]["of_bf16"] == pytest.approx(1.0)
+    assert all(r["nll"] > 0 for r in result["rows"])

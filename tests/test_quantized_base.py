@@ -223,3 +223,29 @@ def test_quality_benchmark_scores_the_three_cases(folders):
     assert cases == ["bf16 base + delta", "nf4 base alone", "nf4 base + delta", "nf4 base + delta for nf4"]
     assert result["rows"][0]["of_bf16"] == pytest.approx(1.0)
     assert all(r["nll"] > 0 for r in result["rows"])
+
+
+def test_decode_engine_on_a_quantized_base_decodes_what_generate_does(folders):
+    from hf_deltazip.serving import DecodeEngine
+
+    model = with_deltas(quantized_base(folders, "nf4-double"), folders)
+    x = ids()
+    want = model.generate(x, delta_names=ROWS, max_new_tokens=5, do_sample=False, pad_token_id=0)[:, x.shape[1]:]
+    engine = DecodeEngine(model, max_batch_size=len(ROWS), max_length=32)
+    done = engine.run([row.tolist() for row in x], ROWS, max_new_tokens=5)
+    assert [list(t) for t in done] == want.tolist()
+
+
+def test_cli_compress_for_a_quantized_base(folders, tmp_path):
+    from hf_deltazip.cli import main
+    from hf_deltazip.format import DZ_FILENAME, DeltaHeader, DeltaZipFile
+
+    finetune("llama", 1).save_pretrained(tmp_path / "ft")
+    out = tmp_path / "delta"
+    assert main(["compress", "--base", str(folders / "base"), "--finetuned", str(tmp_path / "ft"), "--out", str(out),
+                 "--bits", "4", "--group-size", "32", "--base-quantization", "fp4", "--dtype", "float32"]) == 0
+    with DeltaZipFile(out / DZ_FILENAME) as dz:
+        header = dz.header
+    assert isinstance(header, DeltaHeader)
+    assert header.extra["base_quantization"] == {"method": "bitsandbytes", "bits": 4, "quant_type": "fp4",
+                                                 "double_quant": True}

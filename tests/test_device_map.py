@@ -68,3 +68,19 @@ def test_decode_engine_refuses_an_offloaded_base_and_says_what_to_use(folders, t
 def test_decode_engine_accepts_a_base_mapped_to_one_device(folders, tmp_path):
     model = load(folders, tmp_path, device_map={"": "cpu"})
     DecodeEngine(model, max_batch_size=4, max_length=64)  # one device: nothing to refuse
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_with_cpu_offload_keeps_deltas_on_the_execution_device_and_matches_the_gpu_model(folders, tmp_path):
+    gpu_offload = {**{k: 0 for k in OFFLOAD}, "model.layers.1": "cpu"}
+    model = load(folders, tmp_path, device_map=gpu_offload)
+    whole = load(folders, tmp_path, device_map={"": 0})
+    down = model.base_model.model.layers[1].mlp.down_proj
+    assert execution_device(down.base_layer).type == "cuda"
+    assert all(t.device.type == "cuda" for t in down.packed[0].tensors().values())
+    x = ids().cuda()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=x, delta_names=ROWS).logits,
+                                   whole(input_ids=x, delta_names=ROWS).logits, atol=1e-4, rtol=1e-4)
+    kw = dict(delta_names=ROWS, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(x, **kw), whole.generate(x, **kw))

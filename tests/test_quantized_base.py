@@ -249,3 +249,19 @@ def test_cli_compress_for_a_quantized_base(folders, tmp_path):
     assert isinstance(header, DeltaHeader)
     assert header.extra["base_quantization"] == {"method": "bitsandbytes", "bits": 4, "quant_type": "fp4",
                                                  "double_quant": True}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["nf4-double", "int8"])
+def test_gpu_kernel_route_over_a_quantized_base_matches_the_reference_route(folders, kind):
+    def on_gpu(use_kernels):
+        base = AutoModelForCausalLM.from_pretrained(folders / "base", quantization_config=qconfig(kind),
+                                                    dtype=torch.float32, device_map={"": 0})
+        return with_deltas(base, folders, use_kernels=use_kernels)
+
+    ker, ref = on_gpu("auto"), on_gpu("never")
+    assert ker.uses_kernels()
+    x = ids().cuda()
+    with torch.no_grad():
+        torch.testing.assert_close(ker(input_ids=x, delta_names=ROWS).logits, ref(input_ids=x, delta_names=ROWS).logits,
+                                   atol=ATOL[kind], rtol=1e-3)

@@ -18,8 +18,8 @@ from torch import nn
 from ..errors import BaseMismatchError
 from ..fingerprint import check_fingerprint
 from ..format import DeltaHeader
-from .arch import is_linear
 from ..quantization import logical_weight_shape
+from .arch import is_linear
 from .layers import DeltaEmbedding, DeltaLinear, DeltaModule, DeltaOverride, map_packed
 from .quantized import execution_device
 from .routing import KernelPolicy, LayoutVersion, Router

@@ -61,6 +61,12 @@ def cmd_compress(args) -> int:
         load_kwargs["dtype"] = getattr(torch, args.dtype)
     if args.calibration is None:
         print("deltazip: no --calibration file: using round-to-nearest instead of the OBS solver (lower quality)")
+    if getattr(args, "base_quantization", None):  # nf4 / fp4 / int8: the delta is made for the quantized base
+        from transformers import BitsAndBytesConfig
+
+        q = args.base_quantization
+        load_kwargs["base_quantization"] = (BitsAndBytesConfig(load_in_8bit=True) if q == "int8" else BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=q, bnb_4bit_use_double_quant=True))
     delta = compress(args.base, args.finetuned, config, calibration=args.calibration, device=args.device,
                      batch_size=args.batch_size, **load_kwargs)
     delta.save_pretrained(out)
@@ -99,5 +105,7 @@ def add_parser(sub) -> None:
     p.add_argument("--device", type=device_type, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="dtype to load the models in")
     p.add_argument("--batch-size", dest="batch_size", type=int, default=8)
+    p.add_argument("--base-quantization", dest="base_quantization", choices=["nf4", "fp4", "int8"],
+                   help="make the delta for this bitsandbytes base (4-bit with double quantization, or 8-bit)")
     p.add_argument("--overwrite", action="store_true", help="replace the delta already in --out")
     p.set_defaults(func=cmd_compress)

@@ -238,6 +238,7 @@ def compress(
     base_revision: Optional[str] = None,
     on_layer: Optional[Callable[[LayerReport], None]] = None,
     on_step: Optional[Callable[[str, float], None]] = None,
+    base_quantization=None,
     **load_kwargs,
 ) -> CompressedDelta:
     """Compress the delta between a fine-tune and its base.
@@ -260,6 +261,8 @@ def compress(
         base_revision: recorded in the delta so loaders can fetch the same base.
         on_layer: called with a :class:`LayerReport` after each decoder layer.
         on_step: called with ``(step name, seconds)`` after each step.
+        base_quantization: a ``BitsAndBytesConfig`` the base will be served with: the delta is made
+            against the quantized base (see :mod:`.quantized_base`), so it absorbs part of its rounding.
         load_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` for ids and paths.
 
     Returns:
@@ -273,6 +276,13 @@ def compress(
         DeltaZipError: incompatible models or bad calibration data.
         UnsupportedModelError: no decoder layers or unsupported layer types.
     """
+    if base_quantization is not None:  # against the quantized base: hf_deltazip/compression/quantized_base.py
+        from .quantized_base import compress_for_quantized_base
+
+        return compress_for_quantized_base(
+            compress, base, finetuned, base_quantization, lambda m: _load(m, "base", **load_kwargs), config=config,
+            calibration=calibration, tokenizer=tokenizer, device=device, batch_size=batch_size, progress=progress,
+            base_revision=base_revision, on_layer=on_layer, on_step=on_step, **load_kwargs)
     run = _Compression(base, finetuned, config or DeltaZipConfig(), calibration, tokenizer, device=device,
                        batch_size=batch_size, progress=progress, base_revision=base_revision,
                        on_layer=on_layer, load_kwargs=load_kwargs)

@@ -26,7 +26,9 @@ from torch import nn
 from ..delta import PackedModule
 from ..errors import DeltaZipError
 from ..packing import dequantize, unpack_codes
+from ..quantization import dequantize_module_weight, logical_weight_shape
 from .arch import conv1d_class
+from .quantized import base_runs_itself, unhooked
 from .routing import KernelPolicy, LayoutVersion, Router
 
 
@@ -138,7 +140,12 @@ def map_packed(p: PackedModule, fn) -> PackedModule:
 
 
 class DeltaLinear(DeltaModule):
-    """A linear layer (``nn.Linear`` or transformers' ``Conv1D``) plus the packed deltas of every slot."""
+    """A linear layer (``nn.Linear`` or transformers' ``Conv1D``) plus the packed deltas of every slot.
+
+    Over a bitsandbytes layer (4-bit, 8-bit) or one run through an accelerate hook (device maps, CPU or
+    disk offload), the base computes itself (``base_layer(x)``) and each row's delta is added on top:
+    by the multi-delta kernel with an all-zero base (CUDA), or ``x · dequant(Δ)ᵀ`` per delta (CPU).
+    """
 
     def __init__(self, base_layer: nn.Module, router: Router, layout: LayoutVersion, policy: KernelPolicy, *,
                  is_output_embedding: bool = False):
@@ -160,11 +167,17 @@ class DeltaLinear(DeltaModule):
 
     @property
     def in_features(self) -> int:
+        shape = logical_weight_shape(self.base_layer)  # a 4-bit weight holds packed bytes
+        if shape is not None:
+            return shape[1]
         w = self.base_layer.weight
         return w.shape[0] if self.transposed else w.shape[1]
 
     @property
     def out_features(self) -> int:
+        shape = logical_weight_shape(self.base_layer)
+        if shape is not None:
+            return shape[0]
         w = self.base_layer.weight
         return w.shape[1] if self.transposed else w.shape[0]
 
@@ -179,6 +192,7 @@ class DeltaLinear(DeltaModule):
                 self._build_stacks(device)
 
     def _refresh(self) -> None:
+        self._through = base_runs_itself(self.base_layer)
         self._slot_set = self.slots()
         self._width = max([self.out_features] + [p.shape[0] for p in self.packed.values()])
         only_bias = all(set(ov) <= {"bias"} for ov in self.overrides.values())
@@ -247,6 +261,8 @@ class DeltaLinear(DeltaModule):
         return self._width
 
     def base_weight_nk(self) -> torch.Tensor:
+        if logical_weight_shape(self.base_layer) is not None:  # bitsandbytes: what it computes with
+            return dequantize_module_weight(self.base_layer)
         w = self.base_layer.weight
         return w.t() if self.transposed else w
 
@@ -287,7 +303,35 @@ class DeltaLinear(DeltaModule):
             return self._pad_out(y) if self._width != self.out_features else y
         if self.policy.wants_kernels(x.device) and self._kernel_route and x.dim() >= 2:
             return self._forward_kernel(x, batch, routing)
+        if self._through:
+            return self._forward_base_then_deltas(x, slots)
         return self._forward_reference(x, slots)
+
+    def _forward_base_then_deltas(self, x: torch.Tensor, slots: list) -> torch.Tensor:
+        """The base through its own module once for the batch (bitsandbytes, an accelerate hook), then
+        each slot's rows plus ``x · dequant(Δ)ᵀ`` (and its bias change)."""
+        y = self.base_layer(x)
+        out = self._pad_out(y) if self._width != self.out_features else y.clone()
+        n = self.out_features
+        for slot, rows in _groups(slots).items():
+            ov = self.overrides.get(slot, {})
+            p = self.packed.get(slot)
+            if p is None and not ov:
+                continue
+            idx = torch.tensor(rows, device=x.device)
+            xr = x.index_select(0, idx)
+            if "weight" in ov:  # replaced outright: the base is not needed
+                yr = F.linear(xr, self.merged_weight(slot, x.dtype), _cast(self.merged_bias(slot), x.dtype))
+            else:
+                width = p.shape[0] if p is not None else n
+                yr = y.new_zeros((*xr.shape[:-1], width))
+                yr[..., :n] = y.index_select(0, idx)
+                if p is not None:
+                    yr = yr + F.linear(xr, p.dequantize().to(device=x.device, dtype=x.dtype))
+                if "bias" in ov:
+                    yr[..., :n] += self._bias_row(ov["bias"].to(x.device)).to(yr.dtype)
+            out[rows, ..., : yr.shape[-1]] = yr
+        return out
 
     def _pad_out(self, y):
         width = self._width
@@ -313,8 +357,9 @@ class DeltaLinear(DeltaModule):
 
     # -- kernel path (CUDA; or the Triton interpreter when use_kernels="always")
     def graph_safe(self) -> bool:
-        """Whether a captured decode step can run this layer (no deltas, or all on the kernel route)."""
-        return not (self.packed or self.overrides) or self._kernel_route
+        """Whether a captured decode step can run this layer (no deltas, or all on the kernel route over a
+        plain base: bitsandbytes layers and accelerate hooks are not known to be capturable)."""
+        return not (self.packed or self.overrides) or (self._kernel_route and not self._through)
 
     def _why_not(self) -> str:
         if any(set(ov) - {"bias"} for ov in self.overrides.values()):
@@ -353,13 +398,25 @@ class DeltaLinear(DeltaModule):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         slot_tok, segments = routing.kernel_rows(batch, x2.shape[0] // batch, x.device)  # shared by every layer
-        w = self.base_weight_nk()
-        if self.transposed:
-            w = self._contiguous_weight(w)
-        y = stacks.apply(x2, w, self.base_layer.bias, slot_tok, segments)
+        if self._through:  # the base by its own module, the deltas by the kernel over an all-zero base
+            y = self.base_layer(x2)
+            y = y + stacks.apply(x2, self._zero_base(x2), None, slot_tok, segments).to(y.dtype)
+        else:
+            w = self.base_weight_nk()
+            if self.transposed:
+                w = self._contiguous_weight(w)
+            y = stacks.apply(x2, w, self.base_layer.bias, slot_tok, segments)
         if self._bias_delta is not None:
             y = (y.float() + self._bias_delta[slot_tok]).to(y.dtype)
         return y.reshape(*lead, y.shape[-1])
+
+    def _zero_base(self, x2: torch.Tensor) -> torch.Tensor:
+        """``[N, K]`` zeros that cost one row: every output row reads the same zero row (stride 0), so the
+        kernel computes the deltas alone."""
+        z = getattr(self, "_zero_row", None)
+        if z is None or z.dtype != x2.dtype or z.device != x2.device:
+            z = self._zero_row = torch.zeros(1, self.in_features, dtype=x2.dtype, device=x2.device)
+        return z.expand(self.out_features, self.in_features)
 
     def _contiguous_weight(self, w):
         # Conv1D stores [K, N]; the kernel reads [N, K] rows: keep one transposed copy per weight version
@@ -701,7 +758,7 @@ class DeltaOverride(DeltaModule):
             r_kwargs = {k: _take_rows(v, idx, batch) for k, v in kwargs.items()}
             if slot in self.overrides:
                 params = {k: v.to(dict(self.base_layer.named_parameters())[k].dtype) for k, v in self.overrides[slot].items()}
-                y = torch.func.functional_call(self.base_layer, params, (xr, *r_args), r_kwargs)
+                y = torch.func.functional_call(unhooked(self.base_layer, xr.device), params, (xr, *r_args), r_kwargs)
             else:
                 y = self.base_layer(xr, *r_args, **r_kwargs)
             out = _put_rows(out, rows, y, batch)

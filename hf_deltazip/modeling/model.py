@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from contextlib import contextmanager
 from concurrent.futures import Future
@@ -17,6 +18,7 @@ from ..fileio import atomic_copy
 from ..format import DZ_FILENAME, DeltaHeader, DeltaZipFile
 from .cache import CacheEntry, DeltaCache, Residency, to_host
 from .placement import DeltaPlacer
+from .quantized import dequantize_model, is_quantized_model, warn_merge_dequantizes
 from .routing import BatchRouting, KernelPolicy, LayoutVersion, Router
 
 __all__ = ["DeltaModel"]
@@ -78,7 +80,10 @@ class DeltaModel(nn.Module):
             revision, token, cache_dir, local_files_only: for downloading the delta from the Hub.
             use_kernels: ``"auto"`` (Triton kernels on CUDA), ``"always"`` or ``"never"``.
             base_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (dtype, device_map,
-                quantization_config, ...).
+                quantization_config, ...). A bitsandbytes base (``BitsAndBytesConfig(load_in_4bit=True)``,
+                nf4 or fp4, double quantization, or ``load_in_8bit=True``) computes its own matmuls and the
+                deltas are added on top; with a ``device_map`` (CPU or disk offload included) each delta
+                lives on the device its layer computes on.
 
         Raises:
             BaseMismatchError: the base is not the one the delta was made from.
@@ -347,17 +352,36 @@ class DeltaModel(nn.Module):
 
         With ``inplace=False`` (default) the base and the other deltas stay usable and a merged copy is
         returned; with ``inplace=True`` the base itself becomes the merged model and every delta is unloaded.
+
+        On a bitsandbytes base (4-bit, 8-bit) the merged model is dequantized (plain ``nn.Linear`` layers in
+        the compute dtype, no ``quantization_config``), with a warning: it is exactly the quantized base plus
+        the delta. Load it with a ``quantization_config`` to quantize it again (that rounds the delta too).
         """
         name = name or self.active_delta
         if name is None:
             raise DeltaZipError("merge_and_unload needs the name of a loaded delta (or an active one)")
         with self._cache.lock:
             slot = self._cache.slots_for([name])[0]
-            merged = self._placer.merged_model(slot, self._cache.entry(name).header, inplace)
+            header = self._cache.entry(name).header
+            if is_quantized_model(self.base_model):
+                merged = self._merge_dequantized(slot, header, inplace)
+            else:
+                merged = self._placer.merged_model(slot, header, inplace)
             if inplace:
                 self._cache.clear()
                 self._active = _UNSET
             return merged
+
+    def _merge_dequantized(self, slot: int, header: DeltaHeader, inplace: bool) -> nn.Module:
+        """A bitsandbytes base merged into a dequantized model (the exact base + delta; PEFT would
+        re-quantize and round the delta away)."""
+        warn_merge_dequantizes()
+        if inplace:
+            dequantize_model(self.base_model)
+            return self._placer.merged_model(slot, header, inplace=True)
+        target = dequantize_model(copy.deepcopy(self.base_model))
+        placer = DeltaPlacer(target, self.router, self.layout_version, self.kernel_policy)
+        return placer.merged_model(slot, header, inplace=True)
 
     def memory_footprint(self) -> dict:
         """Bytes of the base and of each loaded delta, as they sit on their devices."""

@@ -18,8 +18,10 @@ from torch import nn
 from ..errors import BaseMismatchError
 from ..fingerprint import check_fingerprint
 from ..format import DeltaHeader
+from ..quantization import logical_weight_shape
 from .arch import is_linear
 from .layers import DeltaEmbedding, DeltaLinear, DeltaModule, DeltaOverride, map_packed
+from .quantized import execution_device
 from .routing import KernelPolicy, LayoutVersion, Router
 
 __all__ = ["DeltaPlacer", "delta_nbytes"]
@@ -104,7 +106,7 @@ class DeltaPlacer:
                 raise BaseMismatchError(f"{where}: the base has no module {name!r}; load the delta onto {header.base_model!r}")
             base_mod = mod.base_layer if isinstance(mod, DeltaModule) else mod
             w = base_mod.weight
-            n, k = (w.shape[1], w.shape[0]) if p.transposed else tuple(w.shape)
+            n, k = (w.shape[1], w.shape[0]) if p.transposed else (logical_weight_shape(base_mod) or tuple(w.shape))
             if p.kind == "embedding":
                 vocab_rows.add(name)
                 if k != p.shape[1] or p.shape[0] < n:
@@ -177,10 +179,12 @@ class DeltaPlacer:
         for mname, p in modules.items():
             wrapper = self.wrap(mname, p.kind)
             touched.append(wrapper)
+            # a device-mapped base: the delta lives where its layer computes
+            where = execution_device(wrapper.base_layer) or device
             if not wrapper.can_write_in_place(slot, p):
                 # new device tensors, which the wrapper may read at once (stack builds): main stream
-                p = p.to_dense_layout() if device.type == "cuda" else p
-                wrapper.add_packed(slot, map_packed(p, lambda t: t.to(device)))
+                p = p.to_dense_layout() if where.type == "cuda" else p
+                wrapper.add_packed(slot, map_packed(p, lambda t: t.to(where)))
             else:
                 with on_side:
                     wrapper.add_packed(slot, p)  # in place: one copy from (pinned) host memory into the stack
@@ -208,9 +212,10 @@ class DeltaPlacer:
                     with on_side:
                         wrapper.add_override(slot, attr, copies["side"])  # in place: a row of the per-slot table
                 else:
-                    if "main" not in copies:
-                        copies["main"] = t.to(device)
-                    wrapper.add_override(slot, attr, copies["main"])
+                    where = execution_device(wrapper.base_layer) or device
+                    if where not in copies:
+                        copies[where] = t.to(where)
+                    wrapper.add_override(slot, attr, copies[where])
                 touched.append(wrapper)
         if name is not None:
             for w in touched:

@@ -54,6 +54,7 @@ import torch
 
 from ..errors import DeltaZipError
 from ..modeling.cache import Residency
+from ..modeling.quantized import device_map_problem
 from ..modeling.routing import BatchRouting
 
 __all__ = ["AdmissionPolicy", "DecodeEngine", "EngineStats", "Finished", "Pending", "auto_max_deltas"]
@@ -305,6 +306,9 @@ class DecodeEngine:
                 f"DecodeEngine runs full attention only; this model has {sorted(set(windowed))} layers: "
                 "use generate() for it"
             )
+        problem = device_map_problem(self.lm)
+        if problem:
+            raise DeltaZipError(problem)
         param = next(self.lm.parameters())
         self.device, self.dtype = param.device, param.dtype
         if not self.dtype.is_floating_point:

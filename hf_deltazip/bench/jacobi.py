@@ -35,7 +35,10 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def _timed(fn, repeats: int):
+def _timed(fn, repeats: int, warmup: bool):
+    """(last output, median seconds of ``repeats`` calls), after one untimed call if ``warmup`` (kernel compiles)."""
+    if warmup:
+        fn()
     out, times = None, []
     for _ in range(repeats):
         _sync()
@@ -146,13 +149,12 @@ def run(args) -> dict:
               "torch": torch.__version__, "seconds": {}}
 
     t = time.perf_counter()
+    trajectories = collect_trajectories(ft, train, block_size=args.block, max_new_tokens=args.new_tokens, **gen_kw)
     if args.cllm:
         from transformers import AutoModelForCausalLM
 
         cllm = AutoModelForCausalLM.from_pretrained(args.cllm, dtype=torch.float32).to(device).eval()
-        trajectories = collect_trajectories(ft, train, block_size=args.block, max_new_tokens=args.new_tokens, **gen_kw)
     else:
-        trajectories = collect_trajectories(ft, train, block_size=args.block, max_new_tokens=args.new_tokens, **gen_kw)
         cfg = ConsistencyConfig(block_size=args.block, max_new_tokens=args.new_tokens, steps=args.cllm_steps,
                                 batch_size=args.cllm_batch, lr=args.cllm_lr)
         cllm = train_consistency(ft, trajectories, cfg, pad_token_id=pad,
@@ -187,17 +189,18 @@ def run(args) -> dict:
     rows, checked, differ, ties = [], 0, 0, 0
     for name in names:
         for batch in args.batch:
-            groups = [[p] for p in held] if batch == 1 else [held[i:i + batch] for i in range(0, len(held), batch)]
+            groups = [[p] for p in held[:args.b1_prompts]] if batch == 1 else \
+                [held[i:i + batch] for i in range(0, len(held), batch)]
             g_time = j_time = 0.0
             accepted = forwards = 0
-            for group in groups:
+            for gi, group in enumerate(groups):
                 ids, mask = _left_pad(group, pad, device)
                 names_b = [name] * len(group)
                 greedy, tg = _timed(lambda: dm.generate(ids, attention_mask=mask, delta_names=names_b, do_sample=False,
-                                                         max_new_tokens=args.new_tokens, **gen_kw), args.repeats)
+                                                         max_new_tokens=args.new_tokens, **gen_kw), args.repeats, gi == 0)
                 jac, tj = _timed(lambda: dm.generate(ids, attention_mask=mask, delta_names=names_b, decoding="jacobi",
                                                       jacobi_block_size=args.block, max_new_tokens=args.new_tokens,
-                                                      return_dict_in_generate=True, **gen_kw), args.repeats)
+                                                      return_dict_in_generate=True, **gen_kw), args.repeats, gi == 0)
                 g_time, j_time = g_time + tg, j_time + tj
                 accepted += sum(jac.stats.new_tokens)
                 forwards += sum(f + 1 for f in jac.stats.row_forwards)
@@ -233,7 +236,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", help="a .txt (one prompt a line) or .jsonl ({'prompt'|'text': ...}) file; "
                                      "default: held-out Python stdlib snippets")
     p.add_argument("--train-prompts", type=int, default=64)
-    p.add_argument("--eval-prompts", type=int, default=8)
+    p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts: the batch runs and the gain kept")
+    p.add_argument("--b1-prompts", type=int, default=3, help="of those, how many run alone (batch 1)")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--block", type=int, default=16)
@@ -242,7 +246,7 @@ def main(argv=None) -> int:
     p.add_argument("--cllm-steps", type=int, default=300)
     p.add_argument("--cllm-batch", type=int, default=16)
     p.add_argument("--cllm-lr", type=float, default=2e-5)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1, help="timed runs after one warm-up run")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bf16" if torch.cuda.is_available() else "fp32", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--json", help="write the results here")

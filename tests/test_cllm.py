@@ -69,6 +69,18 @@ def test_consistency_delta_accepts_more_tokens_per_forward_and_keeps_greedy_outp
     assert abs(mean_nll(dm, counting_ids(4, 20, seed=900)) - report.nll_delta) < 1e-4
     assert (tmp_path / "model" / "config.json").exists()
 
+    # the trained model accepts several tokens in one step: an end-of-sequence token among them ends the row there
+    student, prompt = report.model, prompts[:1]
+    run = jacobi_generate(student, prompt, block_size=8, max_new_tokens=16, pad_token_id=0, min_accept=None,
+                          return_dict_in_generate=True, record_trajectories=True)
+    starts = [start for _, start, _ in run.stats.trajectories] + [run.stats.new_tokens[0] - 1]
+    first = next(s for s, nxt in zip(starts, starts[1:]) if nxt - s >= 2)  # a step that accepted 2+ tokens
+    eos = int(run.sequences[0, 4 + first + 1])  # the first of them
+    ref = student.generate(prompt, do_sample=False, max_new_tokens=16, pad_token_id=0, eos_token_id=eos)
+    out = jacobi_generate(student, prompt, block_size=8, max_new_tokens=16, pad_token_id=0, eos_token_id=eos,
+                          min_accept=None)
+    assert torch.equal(out, ref) and out.shape[1] == 4 + first + 2
+
 
 def test_bad_settings_and_empty_trajectories_are_refused():
     with pytest.raises(DeltaZipError, match="block_size"):

@@ -200,6 +200,7 @@ def run(args) -> dict:
                                                          max_new_tokens=args.new_tokens, **gen_kw), args.repeats, gi == 0)
                 jac, tj = _timed(lambda: dm.generate(ids, attention_mask=mask, delta_names=names_b, decoding="jacobi",
                                                       jacobi_block_size=args.block, max_new_tokens=args.new_tokens,
+                                                      min_accept=args.min_accept,
                                                       return_dict_in_generate=True, **gen_kw), args.repeats, gi == 0)
                 g_time, j_time = g_time + tg, j_time + tj
                 accepted += sum(jac.stats.new_tokens)
@@ -241,6 +242,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--block", type=int, default=16)
+    p.add_argument("--min-accept", type=lambda v: None if v == "none" else float(v), default=1.5,
+                   help="tokens per forward under which Jacobi falls back to greedy steps for a while ('none': never)")
     p.add_argument("--bits", type=int, nargs="+", default=[4, 2])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--cllm-steps", type=int, default=300)

@@ -284,10 +284,19 @@ class DeltaModel(nn.Module):
         with self.route(delta_names):
             return self.base_model(*args, **kwargs)
 
-    def generate(self, *args, delta_names: Optional[Sequence] = None, **kwargs):
-        """``generate`` with one delta per row (``None`` = base; omitted: the active delta); every generate option works."""
+    def generate(self, *args, delta_names: Optional[Sequence] = None, decoding: Optional[str] = None, **kwargs):
+        """``generate`` with one delta per row (``None`` = base; omitted: the active delta); every generate option works.
+
+        ``decoding="jacobi"`` (with ``jacobi_block_size=16``) decodes greedily by Jacobi iteration, several
+        tokens per forward, same output (see :func:`hf_deltazip.decoding.jacobi_generate`)."""
         _check_rows(delta_names, args, kwargs)
+        if decoding not in (None, "jacobi"):
+            raise DeltaZipError(f'decoding must be None (transformers generate) or "jacobi", got {decoding!r}')
         with self.route(delta_names):
+            if decoding == "jacobi":
+                from ..decoding import jacobi_generate
+
+                return jacobi_generate(self.base_model, *args, block_size=kwargs.pop("jacobi_block_size", 16), **kwargs)
             return self.base_model.generate(*args, **kwargs)
 
     def __getattr__(self, name):

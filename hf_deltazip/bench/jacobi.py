@@ -1,0 +1,268 @@
+"""``python -m hf_deltazip.bench.jacobi``: Jacobi decoding of an ordinary and a consistency-trained delta.
+
+For a base and a full fine-tune (``--base DIR --finetune DIR``, transformers folders; ``--tiny`` builds a
+tiny counting pair on the spot for a CPU smoke test):
+
+1. a consistency-trained copy of the fine-tune (:mod:`hf_deltazip.cllm`; trained here on ``--train-prompts``
+   prompts, or read from ``--cllm DIR``);
+2. both compressed as deltas over the base at each of ``--bits`` (4 and 2);
+3. for each delta, at batch 1 (each evaluation prompt alone) and batch ``--batch`` (left-padded): greedy
+   ``generate`` and Jacobi decoding, wall-clock time (median of ``--repeats``), tokens accepted per forward,
+   and every output compared with greedy token for token. A mismatch whose first differing token was a
+   near-tie in the greedy logits (gap under the dtype's resolution) is counted as a *tie*;
+4. the task gain each delta keeps: mean token NLL on held-out prompts+outputs against base and fine-tune.
+
+Prints one correctness line and a table; ``--json PATH`` writes everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ..cllm import ConsistencyConfig, collect_trajectories, mean_nll, train_consistency
+from ..config import DeltaZipConfig
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(fn, repeats: int, warmup: bool):
+    """(last output, median seconds of ``repeats`` calls), after one untimed call if ``warmup`` (kernel compiles)."""
+    if warmup:
+        fn()
+    out, times = None, []
+    for _ in range(repeats):
+        _sync()
+        t = time.perf_counter()
+        out = fn()
+        _sync()
+        times.append(time.perf_counter() - t)
+    return out, statistics.median(times)
+
+
+def tiny_pair(steps: int = 60):
+    """A random tiny llama and a copy fine-tuned to count (3, 4, 5, ...): for smoke tests on the CPU."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    ft = copy.deepcopy(base).train()
+    opt = torch.optim.Adam(ft.parameters(), lr=1e-2)
+    for step in range(steps):
+        ids = counting_prompts(16, 24, seed=step)
+        loss = ft(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return base, ft.eval()
+
+
+def counting_prompts(n: int, length: int, seed: int) -> torch.Tensor:
+    start = torch.randint(0, 120, (n, 1), generator=torch.Generator().manual_seed(seed))
+    return 3 + (start + torch.arange(length)) % 120
+
+
+def _text_prompts(tokenizer, path, n: int, tokens: int) -> list:
+    if path:
+        lines = [ln for ln in Path(path).read_text().splitlines() if ln.strip()]
+        records = [json.loads(ln) if ln.lstrip().startswith("{") else {"prompt": ln} for ln in lines]
+        texts = [r.get("prompt") or r.get("text") or "" for r in records]
+    else:
+        from .pairs import stdlib_documents
+
+        texts = [d[i:i + 4 * tokens] for d in stdlib_documents(seed=0, max_chars=200_000, held_out=True)
+                 for i in range(0, len(d) - 4 * tokens, 8 * tokens)]
+    rows = [tokenizer(t, add_special_tokens=True)["input_ids"][:tokens] for t in texts]
+    rows = [r for r in rows if len(r) >= 4]
+    if len(rows) < n:
+        raise SystemExit(f"only {len(rows)} prompts found, {n} needed: pass --prompts FILE with more lines")
+    return rows[:n]
+
+
+def _left_pad(rows: list, pad: int, device):
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _ties(dm, name, mask, greedy, jacobi, dtype) -> tuple:
+    """(rows that differ, of which the first differing token was a near-tie in the greedy logits)."""
+    differ = ties = 0
+    width = mask.shape[1]
+    for r in range(greedy.shape[0]):
+        g, j = greedy[r], jacobi[r]
+        if g.shape == j.shape and torch.equal(g, j):
+            continue
+        differ += 1
+        n = min(g.shape[0], j.shape[0])
+        bad = (g[:n] != j[:n]).nonzero()
+        if not len(bad):
+            continue  # one stopped earlier: not a tie
+        p = int(bad[0])
+        row_mask = torch.cat([mask[r], torch.ones(p - width, dtype=mask.dtype, device=mask.device)])[None, :p]
+        with torch.no_grad():
+            logits = dm(input_ids=g[None, :p], attention_mask=row_mask, delta_names=[name]).logits[0, -1].float()
+        gap = float(logits.max() - logits[int(j[p])])
+        ties += gap <= torch.finfo(dtype).eps * max(1.0, float(logits.abs().max()))
+    return differ, ties
+
+
+def run(args) -> dict:
+    from .. import compress
+    from ..modeling import DeltaModel
+
+    device = torch.device(args.device)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    if args.tiny:
+        base, ft = tiny_pair()
+        pad = 0
+        prompts = counting_prompts(args.train_prompts + args.eval_prompts, 6, seed=500).tolist()
+        gen_kw = dict(pad_token_id=0)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.finetune)
+        base = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.float32)
+        ft = AutoModelForCausalLM.from_pretrained(args.finetune, dtype=torch.float32)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        prompts = _text_prompts(tok, args.prompts, args.train_prompts + args.eval_prompts, args.prompt_tokens)
+        gen_kw = dict(pad_token_id=pad)
+    base, ft = base.to(device).eval(), ft.to(device).eval()
+    train, held = prompts[:args.train_prompts], prompts[args.train_prompts:]
+    result = {"args": vars(args), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "seconds": {}}
+
+    t = time.perf_counter()
+    trajectories = collect_trajectories(ft, train, block_size=args.block, max_new_tokens=args.new_tokens, **gen_kw)
+    if args.cllm:
+        from transformers import AutoModelForCausalLM
+
+        cllm = AutoModelForCausalLM.from_pretrained(args.cllm, dtype=torch.float32).to(device).eval()
+    else:
+        cfg = ConsistencyConfig(block_size=args.block, max_new_tokens=args.new_tokens, steps=args.cllm_steps,
+                                batch_size=args.cllm_batch, lr=args.cllm_lr)
+        cllm = train_consistency(ft, trajectories, cfg, pad_token_id=pad,
+                                 log=lambda s, c, a: print(f"  consistency step {s}: loss {c:.3f}, AR loss {a:.3f}"))
+        if args.save_cllm:
+            cllm.save_pretrained(args.save_cllm)
+    result["seconds"]["cllm"] = time.perf_counter() - t
+
+    # held-out text of the domain for the gain kept: the fine-tune's own greedy continuations of held-out prompts
+    eval_rows = [t.prompt + t.output for t in collect_trajectories(ft, held, block_size=args.block,
+                                                                    max_new_tokens=args.new_tokens, **gen_kw)]
+    calib = [tr.prompt + tr.output for tr in trajectories]
+    nll = {"base": mean_nll(base, eval_rows), "finetune": mean_nll(ft, eval_rows), "cllm (16-bit)": mean_nll(cllm, eval_rows)}
+
+    t = time.perf_counter()
+    deltas = {}
+    for label, model in (("finetune", ft), ("cllm", cllm)):
+        for bits in args.bits:
+            cfg = DeltaZipConfig(bits=bits, group_size=32 if args.tiny else 128, seq_len=max(len(c) for c in calib))
+            deltas[f"{label}-{bits}bit"] = compress(base, model, cfg, calibration=calib, progress=False)
+    result["seconds"]["compress"] = time.perf_counter() - t
+    dm = DeltaModel(base.to(dtype))
+    for name, delta in deltas.items():
+        dm.add_delta(delta, name)
+    names = list(deltas)
+    for name in names:
+        with dm.route([name]):
+            nll[name] = mean_nll(dm.base_model, eval_rows)
+    gain = {k: (nll["base"] - v) / (nll["base"] - nll["finetune"]) for k, v in nll.items()}
+    result["nll"], result["gain_kept"] = nll, gain
+
+    rows, checked, differ, ties = [], 0, 0, 0
+    for name in names:
+        for batch in args.batch:
+            groups = [[p] for p in held[:args.b1_prompts]] if batch == 1 else \
+                [held[i:i + batch] for i in range(0, len(held), batch)]
+            g_time = j_time = 0.0
+            accepted = forwards = 0
+            for gi, group in enumerate(groups):
+                ids, mask = _left_pad(group, pad, device)
+                names_b = [name] * len(group)
+                greedy, tg = _timed(lambda: dm.generate(ids, attention_mask=mask, delta_names=names_b, do_sample=False,
+                                                         max_new_tokens=args.new_tokens, **gen_kw), args.repeats, gi == 0)
+                jac, tj = _timed(lambda: dm.generate(ids, attention_mask=mask, delta_names=names_b, decoding="jacobi",
+                                                      jacobi_block_size=args.block, max_new_tokens=args.new_tokens,
+                                                      min_accept=args.min_accept,
+                                                      return_dict_in_generate=True, **gen_kw), args.repeats, gi == 0)
+                g_time, j_time = g_time + tg, j_time + tj
+                accepted += sum(jac.stats.new_tokens)
+                forwards += sum(f + 1 for f in jac.stats.row_forwards)
+                checked += len(group)
+                d, ti = _ties(dm, name, mask, greedy, jac.sequences, dtype)
+                differ, ties = differ + d, ties + ti
+            rows.append(dict(delta=name, batch=batch, tokens_per_forward=accepted / max(forwards, 1),
+                             greedy_s=g_time, jacobi_s=j_time, speedup=g_time / j_time))
+    result["rows"] = rows
+    result["outputs_checked"], result["outputs_differ"], result["differ_at_ties"] = checked, differ, ties
+    return result
+
+
+def to_table(result: dict) -> str:
+    lines = [f"correctness: {result['outputs_checked'] - result['outputs_differ']}/{result['outputs_checked']} outputs equal "
+             f"to greedy ({result['outputs_differ']} differ, {result['differ_at_ties']} of them at a near-tie)",
+             "", "| delta | batch | tokens/forward | greedy s | jacobi s | speed-up | gain kept |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['delta']} | {r['batch']} | {r['tokens_per_forward']:.2f} | {r['greedy_s']:.3f} | "
+                     f"{r['jacobi_s']:.3f} | {r['speedup']:.2f}x | {100 * result['gain_kept'][r['delta']]:.1f} % |")
+    lines.append(f"\ngain kept by the uncompressed consistency model: {100 * result['gain_kept']['cllm (16-bit)']:.1f} %")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hf_deltazip.bench.jacobi", description=__doc__.splitlines()[0])
+    p.add_argument("--base", help="the base model folder")
+    p.add_argument("--finetune", help="the fine-tune folder (with its tokenizer)")
+    p.add_argument("--tiny", action="store_true", help="a tiny counting pair built here (CPU smoke test)")
+    p.add_argument("--cllm", help="a consistency-trained model folder (default: train one here)")
+    p.add_argument("--save-cllm", help="save the consistency-trained model here")
+    p.add_argument("--prompts", help="a .txt (one prompt a line) or .jsonl ({'prompt'|'text': ...}) file; "
+                                     "default: held-out Python stdlib snippets")
+    p.add_argument("--train-prompts", type=int, default=64)
+    p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts: the batch runs and the gain kept")
+    p.add_argument("--b1-prompts", type=int, default=3, help="of those, how many run alone (batch 1)")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--block", type=int, default=16)
+    p.add_argument("--min-accept", type=lambda v: None if v == "none" else float(v), default=1.5,
+                   help="tokens per forward under which Jacobi falls back to greedy steps for a while ('none': never)")
+    p.add_argument("--bits", type=int, nargs="+", default=[4, 2])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--cllm-steps", type=int, default=300)
+    p.add_argument("--cllm-batch", type=int, default=16)
+    p.add_argument("--cllm-lr", type=float, default=2e-5)
+    p.add_argument("--repeats", type=int, default=1, help="timed runs after one warm-up run")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bf16" if torch.cuda.is_available() else "fp32", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    if not args.tiny and not (args.base and args.finetune):
+        p.error("pass --base DIR --finetune DIR, or --tiny")
+    result = run(args)
+    print(to_table(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

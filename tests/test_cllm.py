@@ -1,0 +1,93 @@
+"""The consistency recipe end to end on a tiny pair: trajectories, training, a compressed delta, a report."""
+
+import copy
+import functools
+
+import pytest
+import torch
+
+from hf_deltazip import DeltaModel, DeltaZipConfig, DeltaZipError
+from hf_deltazip.cllm import (ConsistencyConfig, Trajectory, collect_trajectories, consistency_delta, mean_nll,
+                              train_consistency)
+from hf_deltazip.decoding import jacobi_generate
+
+from model_factory import matrix_model
+
+CYCLE = 120
+
+
+def counting_ids(n, length, seed):
+    """Rows counting up from a random start: 3, 4, ..., 122, 3, ..."""
+    start = torch.randint(0, CYCLE, (n, 1), generator=torch.Generator().manual_seed(seed))
+    return 3 + (start + torch.arange(length)) % CYCLE
+
+
+@functools.lru_cache(maxsize=None)
+def counting_finetune():
+    """The base llama fine-tuned to count: a clear task gain, and about one token per Jacobi step."""
+    model = copy.deepcopy(matrix_model("llama"))
+    torch.manual_seed(0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.train()
+    for step in range(40):
+        ids = counting_ids(16, 20, seed=step)
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+def test_trajectories_end_at_the_greedy_output_and_start_every_block_on_it():
+    ft = counting_finetune()
+    prompts = counting_ids(2, 4, seed=1)
+    trajectories = collect_trajectories(ft, prompts, block_size=6, max_new_tokens=12, pad_token_id=0)
+    for prompt, t in zip(prompts, trajectories):
+        greedy = ft.generate(prompt[None], do_sample=False, max_new_tokens=12, pad_token_id=0)[0, 4:].tolist()
+        assert t.prompt == prompt.tolist() and t.output == greedy
+        assert t.blocks and all(block[0] == t.output[start] and len(block) == 6 for start, block in t.blocks)
+
+
+def test_consistency_delta_accepts_more_tokens_per_forward_and_keeps_greedy_output(tmp_path):
+    base, ft = matrix_model("llama"), counting_finetune()
+    prompts = counting_ids(2, 4, seed=500)
+    config = ConsistencyConfig(block_size=8, max_new_tokens=16, steps=35, batch_size=8, lr=6e-3, consistency_weight=2.0)
+    report = consistency_delta(base, ft, prompts, eval_ids=counting_ids(4, 20, seed=900), config=config,
+                               delta_config=DeltaZipConfig(bits=8, group_size=32, seq_len=24), output_dir=tmp_path,
+                               pad_token_id=0)
+    assert report.tpf_finetune < 1.2
+    assert report.tpf_consistency > report.tpf_finetune + 0.3, report.summary()
+    assert report.tpf_delta > report.tpf_finetune + 0.3, report.summary()
+    # gain kept is measured for the model and its 8-bit delta, which loses little of it
+    assert report.nll_finetune < report.nll_base and abs(report.gain_kept_delta - report.gain_kept) < 0.1, report.summary()
+    assert "tokens per forward" in report.summary() and set(report.as_dict()) >= {"gain_kept", "tpf_delta"}
+    # what was saved loads back: the delta on the base decodes exactly as the in-memory one
+    dm = DeltaModel.from_pretrained(tmp_path / "delta", base=copy.deepcopy(base))
+    ids = prompts[:1]
+    ref = dm.generate(ids, do_sample=False, max_new_tokens=10, pad_token_id=0)
+    assert torch.equal(dm.generate(ids, decoding="jacobi", jacobi_block_size=8, max_new_tokens=10, pad_token_id=0), ref)
+    assert abs(mean_nll(dm, counting_ids(4, 20, seed=900)) - report.nll_delta) < 1e-4
+    assert (tmp_path / "model" / "config.json").exists()
+
+    # the trained model accepts several tokens in one step: an end-of-sequence token among them ends the row there
+    student, prompt = report.model, prompts[:1]
+    run = jacobi_generate(student, prompt, block_size=8, max_new_tokens=16, pad_token_id=0, min_accept=None,
+                          return_dict_in_generate=True, record_trajectories=True)
+    starts = [start for _, start, _ in run.stats.trajectories] + [run.stats.new_tokens[0] - 1]
+    first = next(s for s, nxt in zip(starts, starts[1:]) if nxt - s >= 2)  # a step that accepted 2+ tokens
+    eos = int(run.sequences[0, 4 + first + 1])  # the first of them
+    ref = student.generate(prompt, do_sample=False, max_new_tokens=16, pad_token_id=0, eos_token_id=eos)
+    out = jacobi_generate(student, prompt, block_size=8, max_new_tokens=16, pad_token_id=0, eos_token_id=eos,
+                          min_accept=None)
+    assert torch.equal(out, ref) and out.shape[1] == 4 + first + 2
+
+
+def test_bad_settings_and_empty_trajectories_are_refused():
+    with pytest.raises(DeltaZipError, match="block_size"):
+        ConsistencyConfig(block_size=1)
+    with pytest.raises(DeltaZipError, match="steps"):
+        ConsistencyConfig(steps=0)
+    with pytest.raises(DeltaZipError, match="no Jacobi block"):
+        train_consistency(matrix_model("llama"), [Trajectory([5, 6], [7], [])])
+    with pytest.raises(DeltaZipError, match="prompts"):
+        collect_trajectories(matrix_model("llama"), [[]])

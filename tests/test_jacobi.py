@@ -1,0 +1,189 @@
+"""Jacobi decoding gives exactly the greedy output, on plain transformers models and on DeltaModel rows."""
+
+import copy
+import functools
+
+import pytest
+import torch
+
+from hf_deltazip import DeltaModel, DeltaZipConfig, DeltaZipError, compress
+from hf_deltazip.decoding import jacobi_generate
+
+from model_factory import matrix_finetune, matrix_model
+
+def repeat_ids(n, length, seed):
+    """Rows of one random token (3..127) repeated."""
+    token = torch.randint(3, 128, (n, 1), generator=torch.Generator().manual_seed(seed))
+    return token.expand(n, length).clone()
+
+
+@functools.lru_cache(maxsize=None)
+def repeat_model():
+    """A tiny llama trained to repeat the last token: its Jacobi guesses (the last token repeated) are
+    right at once, so it accepts whole blocks. (On an ordinary model Jacobi gains about one token per step.)"""
+    model = copy.deepcopy(matrix_model("llama"))
+    torch.manual_seed(0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.train()
+    for step in range(40):
+        ids = torch.cat([torch.randint(3, 128, (16, 4), generator=torch.Generator().manual_seed(step)),
+                         repeat_ids(16, 16, seed=1000 + step)], dim=1)
+        labels = ids.clone()
+        labels[:, :4] = -100
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+def padded_prompts(lengths, seed=0, vocab=128):
+    """Left-padded random prompts of the given lengths (pad id 0) and their mask."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(lengths):
+        ids[r, width - n:] = torch.randint(3, vocab, (n,), generator=gen)
+        mask[r, width - n:] = 1
+    return ids, mask
+
+
+def greedy(model, ids, mask, **kw):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0, **kw)
+
+
+@pytest.mark.parametrize("arch, block_size", [("llama", 4), ("llama", 16), ("gemma3_text", 4), ("gemma3_text", 16),
+                                              ("mistral", 16), ("qwen2", 16), ("gpt2", 4)])
+def test_equals_greedy_token_for_token_on_padded_batches(arch, block_size):
+    # gemma3_text and mistral have a sliding window of 8: 28 new tokens run well past it
+    model = matrix_finetune(arch, 1)
+    ids, mask = padded_prompts([9, 3, 6], seed=block_size)
+    ref = greedy(model, ids, mask, max_new_tokens=28)
+    for min_accept in (None, 1.5):
+        out = jacobi_generate(model, ids, mask, block_size=block_size, max_new_tokens=28,
+                              pad_token_id=0, min_accept=min_accept)
+        assert torch.equal(out, ref), (arch, min_accept, out[:, 9:], ref[:, 9:])
+
+
+def test_single_prompt_without_mask_and_defaults_from_generation_config():
+    model = matrix_finetune("qwen2", 2)
+    ids, _ = padded_prompts([5], seed=3)
+    ref = greedy(model, ids, torch.ones_like(ids), max_new_tokens=12)  # eos from the model's config (2)
+    assert torch.equal(jacobi_generate(model, ids, max_new_tokens=12), ref)
+
+
+def test_a_model_that_repeats_accepts_whole_blocks_and_a_row_ending_early_is_padded():
+    model = repeat_model()
+    ids = torch.cat([padded_prompts([3, 3], seed=5)[0], repeat_ids(2, 3, seed=9)], dim=1)
+    ref = greedy(model, ids, None, max_new_tokens=40)
+    out = jacobi_generate(model, ids, block_size=8, max_new_tokens=40, pad_token_id=0, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert out.stats.tokens_per_forward > 5, out.stats
+    # row 1's token is now end-of-sequence: it stops at once, row 0 goes on, row 1 is padded
+    eos = int(ref[1, 6])
+    ref_eos = greedy(model, ids, None, max_new_tokens=40, eos_token_id=eos)
+    out_eos = jacobi_generate(model, ids, block_size=8, max_new_tokens=40, eos_token_id=eos, pad_token_id=0,
+                              return_dict_in_generate=True)
+    assert torch.equal(out_eos.sequences, ref_eos)
+    assert out_eos.stats.new_tokens == [40, 1] and (out_eos.sequences[1, 7:] == 0).all()
+
+
+def test_max_new_tokens_is_exact_when_a_block_overshoots():
+    model = repeat_model()
+    ids = repeat_ids(1, 5, seed=4)
+    for n in (1, 2, 7, 11):
+        out = jacobi_generate(model, ids, block_size=16, max_new_tokens=n)
+        assert torch.equal(out, greedy(model, ids, None, max_new_tokens=n))
+
+
+def test_falls_back_to_greedy_steps_when_guesses_keep_failing():
+    model = matrix_finetune("llama", 1)  # a random model: guesses are almost never right
+    ids, mask = padded_prompts([6], seed=1)
+    eager = jacobi_generate(model, ids, mask, max_new_tokens=60, min_accept=None,
+                            return_dict_in_generate=True)
+    backed_off = jacobi_generate(model, ids, mask, max_new_tokens=60,
+                                 return_dict_in_generate=True)
+    assert torch.equal(eager.sequences, backed_off.sequences)
+    assert eager.stats.jacobi_forwards == eager.stats.forwards
+    assert eager.stats.tokens_per_forward < 1.5
+    # probes of 2 wide steps, then 4, 8, 16, ... greedy steps
+    assert backed_off.stats.jacobi_forwards <= 10 < backed_off.stats.forwards
+
+
+def test_trajectories_record_the_blocks_fed():
+    model = repeat_model()
+    ids = repeat_ids(1, 4, seed=5)
+    out = jacobi_generate(model, ids, block_size=6, max_new_tokens=20, min_accept=None,
+                          return_dict_in_generate=True, record_trajectories=True)
+    generated = out.sequences[0, 4:].tolist()
+    assert len(out.stats.trajectories) == out.stats.jacobi_forwards
+    for row, start, block in out.stats.trajectories:
+        assert row == 0 and len(block) == 6 and block[0] == generated[start]
+
+
+@pytest.fixture(scope="module")
+def two_deltas():
+    """A base llama with two compressed fine-tunes on it: the repeating model and a random nudge."""
+    base = matrix_model("llama")
+    cfg = DeltaZipConfig(bits=8, group_size=32, n_samples=8, seq_len=24)
+    calib = repeat_ids(8, 24, seed=7)
+    model = DeltaModel(copy.deepcopy(base))
+    model.add_delta(compress(base, repeat_model(), cfg, calibration=calib, progress=False), "repeat")
+    model.add_delta(compress(base, matrix_finetune("llama", 3), cfg, calibration=calib, progress=False), "other")
+    return model
+
+
+def test_delta_model_rows_with_their_own_deltas_advance_by_different_amounts(two_deltas):
+    model = two_deltas
+    ids = repeat_ids(3, 7, seed=11)
+    ids[1, :3] = 0  # left padding on the middle row
+    mask = (ids != 0).long()
+    rows = ["repeat", "other", None]
+    ref = model.generate(ids, attention_mask=mask, delta_names=rows, do_sample=False, max_new_tokens=24,
+                         pad_token_id=0)
+    out = model.generate(ids, attention_mask=mask, delta_names=rows, decoding="jacobi", jacobi_block_size=8,
+                         max_new_tokens=24, pad_token_id=0, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    # the same rows alone: the repeating row converges much faster than the others
+    alone = [model.generate(ids[r:r + 1], attention_mask=mask[r:r + 1], delta_names=[rows[r]], decoding="jacobi",
+                            jacobi_block_size=8, max_new_tokens=24, pad_token_id=0,
+                            min_accept=None, return_dict_in_generate=True).stats for r in range(3)]
+    assert alone[0].tokens_per_forward > 2 * max(alone[1].tokens_per_forward, alone[2].tokens_per_forward)
+
+
+def test_delta_model_active_delta_and_bad_decoding_name(two_deltas):
+    model = two_deltas
+    ids = repeat_ids(1, 5, seed=2)
+    model.set_delta("repeat")
+    try:
+        ref = model.generate(ids, do_sample=False, max_new_tokens=10, pad_token_id=0)
+        assert torch.equal(model.generate(ids, decoding="jacobi", max_new_tokens=10,
+                                          pad_token_id=0), ref)
+        with pytest.raises(DeltaZipError, match="decoding must be"):
+            model.generate(ids, decoding="lookahead")
+    finally:
+        model.set_delta(None)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(do_sample=True), "do_sample"),
+    (dict(num_beams=2), "num_beams"),
+    (dict(block_size=0), "jacobi_block_size"),
+    (dict(past_key_values=object()), "past_key_values"),
+    (dict(repetition_penalty=1.2), "repetition_penalty"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+])
+def test_unsupported_options_are_refused_with_the_reason(kwargs, message):
+    model = matrix_model("llama")
+    ids, mask = padded_prompts([4, 4])
+    with pytest.raises(DeltaZipError, match=message):
+        jacobi_generate(model, ids, mask, **kwargs)
+
+
+def test_right_padding_is_refused():
+    model = matrix_model("llama")
+    ids, mask = padded_prompts([4, 2])
+    with pytest.raises(DeltaZipError, match="left padding"):
+        jacobi_generate(model, ids.flip(1), mask.flip(1), max_new_tokens=4)

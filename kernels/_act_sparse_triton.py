@@ -8,10 +8,13 @@ of a k-block first, and the weight tile's load is masked by "some row keeps this
 lines are never requested from memory (a row-major ``[N, K]`` weight would need one 32-byte sector
 per kept element instead). A k-block whose inputs are all dropped skips the MMA too.
 
-``sparse_base_kernel``: program ``(n-tile, row-block)``; rows ``[r*BM, r*BM + BM)`` of ``x``.
-``sparse_delta_kernel``: program ``(n-tile, segment)``; the rows of one segment of the step's
-row-segment table (:func:`kernels.layout.build_row_segments`: rows sorted by delta), added into
-``out`` (each output row belongs to exactly one segment, so no two programs write one element).
+``sparse_base_kernel``: program ``(n-tile, row-block, k-split)``; rows ``[r*BM, r*BM + BM)`` of ``x``.
+``sparse_delta_kernel``: program ``(n-tile, segment, k-split)``; the rows of one segment of the
+step's row-segment table (:func:`kernels.layout.build_row_segments`: rows sorted by delta), added
+into ``out`` (each output row belongs to exactly one segment, so no two programs write one element).
+With ``SPLIT`` > 1 each k-split writes its own slice of an fp32 workspace (``stride_os`` apart) and
+the launcher sums the slices: at batch 1 a layer has too few n-tiles to fill the GPU otherwise.
+K_CHUNK is a multiple of BK.
 
 ``THRESH``: inputs with ``|x| <= thr`` count as zero (the thresholding fused into the kernel);
 without it only exact zeros are skipped.
@@ -60,7 +63,7 @@ def _store_rows(out_ptr, rows, row_ok, stride_om, offs_n, nmask, acc, ACCUMULATE
 @triton.jit(do_not_specialize=["M"])
 def sparse_base_kernel(
     x_ptr, wt_ptr, bias_ptr, out_ptr, thr,
-    M, N, K, stride_xm, stride_wk, stride_om,
+    M, N, K, K_CHUNK, stride_xm, stride_wk, stride_om, stride_os,
     HAS_BIAS: tl.constexpr, THRESH: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -68,10 +71,13 @@ def sparse_base_kernel(
     nmask = offs_n < N
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     row_ok = rows < M
+    k_begin = tl.program_id(2) * K_CHUNK  # this program's share of K (split-K: partial sums per split)
+    k_end = tl.minimum(k_begin + K_CHUNK, K)
+    out_ptr += tl.program_id(2).to(tl.int64) * stride_os
     acc = tl.full([BM, BN], 0.0, tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in range(k_begin, k_end, BK):
         cols = k0 + tl.arange(0, BK)
-        xt, col_keep = _kept_inputs(x_ptr + rows.to(tl.int64)[:, None] * stride_xm, row_ok, cols, K, thr, THRESH)
+        xt, col_keep = _kept_inputs(x_ptr + rows.to(tl.int64)[:, None] * stride_xm, row_ok, cols, k_end, thr, THRESH)
         if _any(col_keep, 0):  # some row keeps an input of this block: read just those weight rows
             wt = tl.load(wt_ptr + cols.to(tl.int64)[:, None] * stride_wk + offs_n[None, :],
                          mask=col_keep[:, None] & nmask[None, :], other=0.0)
@@ -84,7 +90,7 @@ def sparse_base_kernel(
 @triton.jit(do_not_specialize=["M", "U"])
 def sparse_delta_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, seg_ptr, out_ptr, thr,
-    M, N, K, U, RB, G, GS, stride_xm, stride_om,
+    M, N, K, K_CHUNK, U, RB, G, GS, stride_xm, stride_om, stride_os,
     BITS: tl.constexpr, THRESH: tl.constexpr, BLOCK_GROUP: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -100,6 +106,9 @@ def sparse_delta_kernel(
         shift = (offs_n % P) * BITS
         offs_k = tl.arange(0, BK)
         u64 = u.to(tl.int64)
+        k_begin = tl.program_id(2) * K_CHUNK
+        k_end = tl.minimum(k_begin + K_CHUNK, K)
+        out_ptr += tl.program_id(2).to(tl.int64) * stride_os
         q_base = q_ptr + u64 * K * RB
         s_base = s_ptr + u64 * G * N
         z_base = z_ptr + u64 * G * N
@@ -111,9 +120,9 @@ def sparse_delta_kernel(
                 rows = tl.load(seg_ptr + slots, mask=sel, other=0)
                 x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
                 acc = tl.full([BM, BN], 0.0, tl.float32)
-                for k0 in range(0, K, BK):
+                for k0 in range(k_begin, k_end, BK):
                     cols = k0 + offs_k
-                    xt, col_keep = _kept_inputs(x_rows, sel, cols, K, thr, THRESH)
+                    xt, col_keep = _kept_inputs(x_rows, sel, cols, k_end, thr, THRESH)
                     if _any(col_keep, 0):
                         wmask = col_keep[:, None] & nmask[None, :]
                         qb = tl.load(q_base + cols.to(tl.int64)[:, None] * RB + byte_col[None, :], mask=wmask, other=0)

@@ -54,6 +54,7 @@ __all__ = [
     "sparse_delta_linear",
     "sparse_delta_linear_reference",
     "SPARSE_BASE_MAX_ROWS",
+    "auto_split_k",
 ]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -249,9 +250,25 @@ def _dot_prec(x):
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
+def auto_split_k(programs: int, k: int, block_k: int, device: torch.device, per_sm: float = 4.0) -> int:
+    """K splits giving about ``per_sm`` programs per SM when a launch has ``programs`` without
+    splitting (at least 4 k-blocks per split); 1 off CUDA."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(round(per_sm * sms / max(programs, 1)), k // (4 * block_k)))
+
+
+def _split(split_k: int, programs: int, k: int, block_k: int, device) -> tuple[int, int]:
+    """(splits, inputs per split): K cut into whole k-blocks."""
+    split = split_k if split_k > 0 else auto_split_k(programs, k, block_k, device)
+    chunk = _cdiv(_cdiv(k, split), block_k) * block_k
+    return _cdiv(k, chunk), chunk
+
+
 def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                        threshold: Optional[float] = None, out: Optional[torch.Tensor] = None,
-                       block_n: int = 64, block_k: int = 64, num_warps: int = 4,
+                       block_n: int = 64, block_k: int = 64, split_k: int = 0, num_warps: int = 4,
                        num_stages: int = 3) -> torch.Tensor:
     """``y = x W^T + bias`` reading only the weight columns of inputs some row of ``x`` keeps.
 
@@ -262,8 +279,9 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
         bias: ``[N]`` or ``None``.
         threshold: inputs with ``|x| <= threshold`` count as zero (``None``: only exact zeros).
         out: optional ``[M, N]`` output.
-        block_n, block_k, num_warps, num_stages: launch parameters (``block_k``: the skip granularity
-            of the MMA; memory is skipped per column whatever its value).
+        block_n, block_k, split_k, num_warps, num_stages: launch parameters (``block_k``: the skip
+            granularity of the MMA, memory is skipped per column whatever its value; ``split_k``:
+            programs sharing one tile's K range, 0 to choose from the shape and the GPU).
 
     Returns:
         ``[M, N]`` in ``out``'s dtype (default ``x.dtype``), accumulated in float32.
@@ -283,13 +301,20 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
     if m == 0 or n == 0:
         return out
     bm = SPARSE_BASE_MAX_ROWS
-    grid = (_cdiv(n, block_n), _cdiv(m, bm))
-    _kernel("sparse_base_kernel")[grid](
-        x, weight_t, bias if bias is not None else out, out, thr,
-        m, n, k, x.stride(0), weight_t.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, THRESH=use_thr, BM=bm, BN=block_n, BK=block_k, DOT_PREC=_dot_prec(x),
-        num_warps=num_warps, num_stages=num_stages,
+    tiles = (_cdiv(n, block_n), _cdiv(m, bm))
+    split, chunk = _split(split_k, tiles[0] * tiles[1], k, block_k, x.device)
+    dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    _kernel("sparse_base_kernel")[(*tiles, split)](
+        x, weight_t, bias if bias is not None else out, dst, thr,
+        m, n, k, chunk, x.stride(0), weight_t.stride(0), dst.stride(-2), dst.stride(0) if split > 1 else 0,
+        HAS_BIAS=bias is not None and split == 1, THRESH=use_thr, BM=bm, BN=block_n, BK=block_k,
+        DOT_PREC=_dot_prec(x), num_warps=num_warps, num_stages=num_stages,
     )
+    if split > 1:
+        total = dst.sum(0)
+        if bias is not None:
+            total += bias.float()
+        out.copy_(total)
     return out
 
 
@@ -300,7 +325,8 @@ def _cdiv(a: int, b: int) -> int:
 def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: torch.Tensor, *,
                         out: Optional[torch.Tensor] = None, threshold: Optional[float] = None,
                         segments: Optional[torch.Tensor] = None, block_m: int = 16, block_n: int = 64,
-                        block_k: int = 64, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                        block_k: int = 64, split_k: int = 0, num_warps: int = 4,
+                        num_stages: int = 3) -> torch.Tensor:
     """``out[m] += x[m] @ dequant(deltas[row_delta[m]])^T``, each segment of rows sharing a delta
     reading only the delta columns its own rows keep.
 
@@ -314,7 +340,8 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
         threshold: inputs with ``|x| <= threshold`` count as zero (``None``: only exact zeros).
         segments: the step's :func:`~kernels.layout.build_row_segments` table of ``row_delta`` (built
             here when ``None``); build it once per step and share it between layers.
-        block_m, block_n, block_k, num_warps, num_stages: launch parameters.
+        block_m, block_n, block_k, split_k, num_warps, num_stages: launch parameters (``split_k`` 0:
+            chosen from the shape, the rows and the GPU).
 
     Returns:
         ``out``.
@@ -338,12 +365,17 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
     x = x if x.stride(1) == 1 else x.contiguous()
     gs = deltas.group_size if deltas.group_size > 0 else k
     block_group = gs % block_k == 0
-    grid = (_cdiv(n, block_n), m)
-    _kernel("sparse_delta_kernel")[grid](
-        x, deltas.qweight, deltas.scales, deltas.zeros, segments.contiguous(), out, thr,
-        m, n, k, deltas.num_deltas, deltas.qweight.shape[2], num_groups(k, deltas.group_size), gs,
-        x.stride(0), out.stride(0),
+    tiles = _cdiv(n, block_n)
+    # programs of segments past the last one exit at once: count the rows, not the grid, for the split
+    split, chunk = _split(split_k, tiles * min(m, deltas.num_deltas + 1), k, block_k, x.device)
+    dst = out if split == 1 else torch.zeros((split, m, n), dtype=torch.float32, device=x.device)
+    _kernel("sparse_delta_kernel")[(tiles, m, split)](
+        x, deltas.qweight, deltas.scales, deltas.zeros, segments.contiguous(), dst, thr,
+        m, n, k, chunk, deltas.num_deltas, deltas.qweight.shape[2], num_groups(k, deltas.group_size), gs,
+        x.stride(0), dst.stride(-2), dst.stride(0) if split > 1 else 0,
         BITS=deltas.bits, THRESH=use_thr, BLOCK_GROUP=block_group, BM=block_m, BN=block_n, BK=block_k,
         DOT_PREC=_dot_prec(x), num_warps=num_warps, num_stages=num_stages,
     )
+    if split > 1:
+        out.copy_(out.float() + dst.sum(0))
     return out

@@ -51,7 +51,7 @@ def test_sparse_base_linear_matches_dense_reference(interpret, dtype, m, n, k):
     w = (torch.randn(n, k, generator=gen) * 0.1).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype)
     wt = A.input_major_weight(w)
-    got = A.sparse_base_linear(x, wt, bias, block_n=32, block_k=32)
+    got = A.sparse_base_linear(x, wt, bias, block_n=32, block_k=32, split_k=1 if m > 1 else 3)
     dense = (x.float() @ w.float().t() + bias.float()).to(dtype)
     torch.testing.assert_close(got, dense, **_tol(dtype))
     # the threshold fused in the kernel: the same as thresholding x first
@@ -92,7 +92,8 @@ def test_sparse_delta_linear_matches_reference_per_segment(interpret, dtype, bit
     x = _sparse_x(m, k, gen, dtype, dead=[(64, 96)])
     row_delta = torch.tensor([2, -1, 0, 2, 1, 0])
     base = torch.randn(m, n, generator=gen).to(dtype)
-    got = A.sparse_delta_linear(x, deltas, row_delta, out=base.clone(), block_n=64, block_k=block_k)
+    got = A.sparse_delta_linear(x, deltas, row_delta, out=base.clone(), block_n=64, block_k=block_k,
+                                split_k=2 if bits == 4 else 1)  # split-K: partial sums per split
     want = base.float().clone()
     for r, d in enumerate(row_delta.tolist()):
         if d >= 0:

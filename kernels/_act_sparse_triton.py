@@ -6,7 +6,8 @@ the outputs with group scales and zero points ``[G, N]``. An input whose activat
 every row a program handles then costs no weight bytes at all: the program loads the rows' inputs
 of a k-block first, and the weight tile's load is masked by "some row keeps this input", so masked
 lines are never requested from memory (a row-major ``[N, K]`` weight would need one 32-byte sector
-per kept element instead). A k-block whose inputs are all dropped skips the MMA too.
+per kept element instead). The k-loops have no branches, so Triton can pipeline their loads; a
+k-block whose inputs are all dropped still runs its (tiny, decode-sized) MMA on zeros.
 
 ``sparse_base_kernel``: program ``(n-tile, row-block, k-split)``; rows ``[r*BM, r*BM + BM)`` of ``x``.
 ``sparse_delta_kernel``: program ``(n-tile, segment, k-split)``; the rows of one segment of the
@@ -78,10 +79,10 @@ def sparse_base_kernel(
     for k0 in range(k_begin, k_end, BK):
         cols = k0 + tl.arange(0, BK)
         xt, col_keep = _kept_inputs(x_ptr + rows.to(tl.int64)[:, None] * stride_xm, row_ok, cols, k_end, thr, THRESH)
-        if _any(col_keep, 0):  # some row keeps an input of this block: read just those weight rows
-            wt = tl.load(wt_ptr + cols.to(tl.int64)[:, None] * stride_wk + offs_n[None, :],
-                         mask=col_keep[:, None] & nmask[None, :], other=0.0)
-            acc = tl.dot(xt, wt, acc, input_precision=DOT_PREC)
+        # only the weight rows of inputs some row keeps are read (masked lines are never requested)
+        wt = tl.load(wt_ptr + cols.to(tl.int64)[:, None] * stride_wk + offs_n[None, :],
+                     mask=col_keep[:, None] & nmask[None, :], other=0.0)
+        acc = tl.dot(xt, wt, acc, input_precision=DOT_PREC)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     _store_rows(out_ptr, rows, row_ok, stride_om, offs_n, nmask, acc, False)
@@ -123,19 +124,20 @@ def sparse_delta_kernel(
                 for k0 in range(k_begin, k_end, BK):
                     cols = k0 + offs_k
                     xt, col_keep = _kept_inputs(x_rows, sel, cols, k_end, thr, THRESH)
-                    if _any(col_keep, 0):
-                        wmask = col_keep[:, None] & nmask[None, :]
-                        qb = tl.load(q_base + cols.to(tl.int64)[:, None] * RB + byte_col[None, :], mask=wmask, other=0)
-                        code = ((qb.to(tl.int32) >> shift[None, :]) & CMASK).to(tl.float32)
-                        if BLOCK_GROUP:  # the whole k-block inside one quantization group
-                            g = k0 // GS
-                            zf = tl.load(z_base + g * N + offs_n, mask=nmask, other=0).to(tl.float32)
-                            sc = tl.load(s_base + g * N + offs_n, mask=nmask, other=0.0).to(tl.float32)
-                            w = (code - zf[None, :]) * sc[None, :]
-                        else:
-                            gi = (cols // GS).to(tl.int64)[:, None] * N + offs_n[None, :]
-                            zf = tl.load(z_base + gi, mask=wmask, other=0).to(tl.float32)
-                            sc = tl.load(s_base + gi, mask=wmask, other=0.0).to(tl.float32)
-                            w = (code - zf) * sc
-                        acc = tl.dot(xt, w.to(xt.dtype), acc, input_precision=DOT_PREC)
+                    wmask = col_keep[:, None] & nmask[None, :]
+                    qb = tl.load(q_base + cols.to(tl.int64)[:, None] * RB + byte_col[None, :], mask=wmask, other=0)
+                    code = ((qb.to(tl.int32) >> shift[None, :]) & CMASK).to(tl.float32)
+                    if BLOCK_GROUP:  # the whole k-block inside one quantization group: one scale row
+                        g = k0 // GS
+                        kept_any = tl.reduce(col_keep.to(tl.int32), 0, _maximum)
+                        gmask = nmask & ((offs_n * 0 + kept_any) > 0)  # a block no row keeps reads nothing
+                        zf = tl.load(z_base + g * N + offs_n, mask=gmask, other=0).to(tl.float32)
+                        sc = tl.load(s_base + g * N + offs_n, mask=gmask, other=0.0).to(tl.float32)
+                        w = (code - zf[None, :]) * sc[None, :]
+                    else:
+                        gi = (cols // GS).to(tl.int64)[:, None] * N + offs_n[None, :]
+                        zf = tl.load(z_base + gi, mask=wmask, other=0).to(tl.float32)
+                        sc = tl.load(s_base + gi, mask=wmask, other=0.0).to(tl.float32)
+                        w = (code - zf) * sc
+                    acc = tl.dot(xt, w.to(xt.dtype), acc, input_precision=DOT_PREC)
                 _store_rows(out_ptr, rows, sel, stride_om, offs_n, nmask, acc, True)

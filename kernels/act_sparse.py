@@ -268,7 +268,7 @@ def _split(split_k: int, programs: int, k: int, block_k: int, device) -> tuple[i
 
 def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                        threshold: Optional[float] = None, out: Optional[torch.Tensor] = None,
-                       block_n: int = 64, block_k: int = 64, split_k: int = 0, num_warps: int = 4,
+                       block_n: int = 64, block_k: int = 128, split_k: int = 0, num_warps: int = 4,
                        num_stages: int = 3) -> torch.Tensor:
     """``y = x W^T + bias`` reading only the weight columns of inputs some row of ``x`` keeps.
 

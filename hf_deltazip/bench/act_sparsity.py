@@ -287,6 +287,7 @@ def run_speed(args) -> dict:
     seg1, seg8 = build_row_segments(rd1), build_row_segments(rd8)
     xs = {s: {name: _sparse_rows(8, k, s, gen, device) for name, (_, k) in SHAPES_8B.items()} for s in args.sparsity}
     lin = torch.nn.functional.linear
+    kb = {"block_n": args.block_n, **({"block_k": args.block_k} if args.block_k else {})}
     dense_x = xs[min(args.sparsity)]
     add("base, batch 1", 1, 0.0, "cuBLAS dense", [lambda L=L, x=dense_x[n][:1]: lin(x, L["w"]) for n, L in layers.items()])
     add("1 delta, batch 1", 1, 0.0, "fused planar kernel (dense)",
@@ -298,12 +299,12 @@ def run_speed(args) -> dict:
     for s in args.sparsity:
         x = xs[s]
         add("base, batch 1", 1, s, "sparse base kernel",
-            [lambda L=L, x=x[n][:1]: A.sparse_base_linear(x, L["wt"]) for n, L in layers.items()])
+            [lambda L=L, x=x[n][:1]: A.sparse_base_linear(x, L["wt"], **kb) for n, L in layers.items()])
         add("1 delta, batch 1", 1, s, "sparse base + sparse delta",
-            [lambda L=L, x=x[n][:1]: A.sparse_delta_linear(x, L["im"], rd1, out=A.sparse_base_linear(x, L["wt"]),
-                                                           segments=seg1) for n, L in layers.items()])
+            [lambda L=L, x=x[n][:1]: A.sparse_delta_linear(x, L["im"], rd1, out=A.sparse_base_linear(x, L["wt"], **kb),
+                                                           segments=seg1, **kb) for n, L in layers.items()])
         add("8 deltas, batch 8", 8, s, "cuBLAS base + sparse delta",
-            [lambda L=L, x=x[n]: A.sparse_delta_linear(x, L["im"], rd8, out=lin(x, L["w"]), segments=seg8)
+            [lambda L=L, x=x[n]: A.sparse_delta_linear(x, L["im"], rd8, out=lin(x, L["w"]), segments=seg8, **kb)
              for n, L in layers.items()])
     dense_ref = {(r["case"]): r["block_us"] for r in rows if r["sparsity"] == 0.0 and "dense" in r["path"]}
     for r in rows:
@@ -354,6 +355,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     s.add_argument("--bits", type=int, default=4, choices=(2, 4, 8))
     s.add_argument("--group-size", type=int, default=128)
     s.add_argument("--rep-ms", type=int, default=60)
+    s.add_argument("--block-n", type=int, default=64, help="outputs per program of the sparse kernels")
+    s.add_argument("--block-k", type=int, default=0, help="inputs per k-step of the sparse kernels (0: their defaults)")
     for sp in (q, s):
         sp.add_argument("--sparsity", type=_sparsities, default=list(SPARSITIES),
                         help="comma-separated fractions (default 0,0.25,0.4,0.5)")

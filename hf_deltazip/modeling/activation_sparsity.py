@@ -314,7 +314,7 @@ def _batches(calibration, tokenizer, max_length: int, batch_size: int) -> Iterab
 
 def calibrate_activation_thresholds(model: nn.Module, calibration, sparsity: Union[float, Sequence[float]], *,
                                     tokenizer=None, max_length: int = 512, batch_size: int = 8,
-                                    samples_per_call: int = 1 << 16, seed: int = 0, **forward_kwargs):
+                                    samples_per_call: int = 1 << 14, seed: int = 0, **forward_kwargs):
     """Measure per-layer input thresholds that drop a fraction ``sparsity`` of each layer's inputs.
 
     Runs ``model`` (a transformers causal LM, or a ``DeltaModel``: its active delta, or

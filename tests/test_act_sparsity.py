@@ -266,3 +266,44 @@ def test_delta_model_applies_thresholds_to_base_and_delta_rows(delta_folder, tmp
         model.set_activation_sparsity(None)
         plain = model(input_ids=ids, delta_names=rows).logits
         assert torch.equal(plain[0], model.merge_and_unload("default")(input_ids=ids[:1]).logits[0])
+
+
+def test_set_activation_sparsity_takes_a_thresholds_file(delta_folder, tmp_path):
+    model = DeltaModel(copy.deepcopy(base_model("llama")))
+    model.load_delta(delta_folder, delta_name="d")
+    th = S.calibrate_activation_thresholds(model, calibration_ids(), [0.3, 0.5])
+    th[0.3].save(tmp_path)
+    assert model.set_activation_sparsity(tmp_path) == len(th[0.3].thresholds)
+    assert S.activation_sparsity_of(model) == th[0.3].thresholds
+    th[0.5].save(tmp_path)  # two targets in the file: which one is ambiguous
+    with pytest.raises(DeltaZipError, match="pass activation_sparsity"):
+        model.set_activation_sparsity(tmp_path)
+    model.set_activation_sparsity(S.ActivationThresholds.load(tmp_path, 0.5))
+    assert S.activation_sparsity_of(model) == th[0.5].thresholds
+    assert model.set_activation_sparsity(None) == 0 and S.activation_sparsity_of(model) == {}
+
+
+# --------------------------------------------------------------------------- compiled (GPU)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compiled_kernels_match_references_on_gpu(monkeypatch, dtype):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    m, n, k = 8, 1000, 4096 + 128
+    x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
+    w = (torch.randn(n, k, generator=gen, device="cuda") * 0.02).to(dtype)
+    wt = A.input_major_weight(w)
+    for rows in (1, m):
+        got = A.sparse_base_linear(x[:rows], wt, threshold=0.6)
+        torch.testing.assert_close(got, A.sparse_base_linear_reference(x[:rows], wt, threshold=0.6), atol=3e-2, rtol=2e-2)
+    stack = prepare_stack(random_delta_stack(4, n, k, bits=4, group_size=128, device="cuda", generator=gen,
+                                             scale_range=(0.01, 0.03)))
+    deltas = A.input_major_deltas(stack)
+    rd = torch.tensor([3, -1, 0, 3, 1, 1, 2, 0], device="cuda")
+    base = torch.nn.functional.linear(x, w)
+    got = A.sparse_delta_linear(x, deltas, rd, out=base.clone(), threshold=0.6)
+    want = A.sparse_delta_linear_reference(x, deltas, rd, out=base, threshold=0.6)
+    torch.testing.assert_close(got.float(), want.float(), atol=6e-2, rtol=2e-2)

@@ -350,17 +350,17 @@ def calibrate_activation_thresholds(model: nn.Module, calibration, sparsity: Uni
     samplers = {name: _Sampler(samples_per_call, gen) for name in mods}
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     tokens = 0
+    was_training = model.training
     try:
         for name, mod in mods.items():
             _install_rule(mod, _Rule(recorder=samplers[name]))
-        was_training = model.training
         model.eval()
         with torch.no_grad():
             for ids in _batches(calibration, tokenizer, max_length, batch_size):
                 model(input_ids=ids.to(device), **forward_kwargs)
                 tokens += ids.numel()
-        model.train(was_training)
     finally:
+        model.train(was_training)
         for name, mod in mods.items():
             _uninstall(mod)
             if before[name] is not None:

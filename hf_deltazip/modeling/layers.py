@@ -27,6 +27,7 @@ from ..delta import PackedModule
 from ..errors import DeltaZipError
 from ..packing import dequantize, unpack_codes
 from ..quantization import dequantize_module_weight, logical_weight_shape
+from .activation_sparsity import sparsify_module_input
 from .arch import conv1d_class
 from .quantized import base_runs_itself, unhooked
 from .routing import KernelPolicy, LayoutVersion, Router
@@ -287,6 +288,7 @@ class DeltaLinear(DeltaModule):
         return b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = sparsify_module_input(self.base_layer, x)  # activation sparsity (off unless installed)
         if not self.packed and not self.overrides and self.stacks is None:
             return self.base_layer(x)
         routing = self.router.current

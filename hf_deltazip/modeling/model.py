@@ -69,6 +69,8 @@ class DeltaModel(nn.Module):
         cache_dir: Optional[str] = None,
         local_files_only: Optional[bool] = None,
         use_kernels: str = "auto",
+        activation_sparsity=None,
+        activation_calibration=None,
         **base_kwargs,
     ) -> "DeltaModel":
         """Load a base model and one delta onto it; that delta is made active.
@@ -79,6 +81,11 @@ class DeltaModel(nn.Module):
             delta_name: the name this delta is known by.
             revision, token, cache_dir, local_files_only: for downloading the delta from the Hub.
             use_kernels: ``"auto"`` (Triton kernels on CUDA), ``"always"`` or ``"never"``.
+            activation_sparsity: off (``None``, the default); a target such as ``0.4`` (thresholds read
+                from ``activation_thresholds.json`` in the delta folder or a local base folder, else
+                calibrated from ``activation_calibration``); or thresholds / their file (see
+                :mod:`.activation_sparsity` and :meth:`set_activation_sparsity`).
+            activation_calibration: texts or token ids to calibrate thresholds on when none are saved.
             base_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (dtype, device_map,
                 quantization_config, ...). A bitsandbytes base (``BitsAndBytesConfig(load_in_4bit=True)``,
                 nf4 or fp4, double quantization, or ``load_in_8bit=True``) computes its own matmuls and the
@@ -108,6 +115,14 @@ class DeltaModel(nn.Module):
         model = cls(base, use_kernels=use_kernels)
         model.load_delta(folder, delta_name=delta_name)
         model.set_delta(delta_name)
+        if activation_sparsity is not None:
+            from .activation_sparsity import resolve_activation_sparsity
+
+            base_dir = getattr(model.base_model, "name_or_path", None) or None  # where transformers loaded it from
+            local_base = Path(base_dir) if base_dir and Path(base_dir).is_dir() else None
+            model.set_activation_sparsity(resolve_activation_sparsity(
+                model, activation_sparsity, [folder, local_base], activation_calibration,
+                tokenizer_from=[folder, base_dir]))
         return model
 
     def load_delta(
@@ -277,6 +292,18 @@ class DeltaModel(nn.Module):
     def graph_safe(self) -> bool:
         """Whether every delta module can run inside a captured decode step (kernel route, no host decisions)."""
         return self._placer.graph_safe()
+
+    def set_activation_sparsity(self, thresholds) -> int:
+        """Zero each linear layer's small inputs (``|x| <= threshold``), for the base and every delta;
+        ``None`` turns it off. Returns the number of layers thresholded.
+
+        ``thresholds``: :class:`~.activation_sparsity.ActivationThresholds` (from
+        :func:`~.activation_sparsity.calibrate_activation_thresholds`), a thresholds file or folder
+        holding one target, or ``None``.
+        """
+        from .activation_sparsity import install_activation_sparsity, resolve_activation_sparsity
+
+        return install_activation_sparsity(self, resolve_activation_sparsity(self, thresholds))
 
     # ------------------------------------------------------------------ running
     def forward(self, *args, delta_names: Optional[Sequence] = None, **kwargs):

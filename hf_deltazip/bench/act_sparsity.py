@@ -1,0 +1,376 @@
+"""``python -m hf_deltazip.bench.act_sparsity``: activation-sparse decoding, quality and speed.
+
+**quality** (CPU or GPU): on a base / fine-tune pair, per-layer thresholds calibrated at each target
+sparsity (0, 25, 40, 50 % by default; :mod:`hf_deltazip.modeling.activation_sparsity`), then the
+fine-tune's mean token NLL on held-out text, its relative increase over the dense fine-tune, and
+the *gain kept*: ``(nll_base - nll_sparse) / (nll_base - nll_finetune)`` against the dense base.
+With ``--delta`` (or on the tiny pair, which compresses one) the same through ``DeltaModel``
+with the compressed delta (the serving path: base and delta rows both see the sparsified input).
+Pairs: ``--pair DIR`` (a :mod:`~hf_deltazip.bench.pairs` folder: its task and general texts),
+``--base DIR --finetune DIR`` (plain model folders; held-out stdlib text unless ``--texts FILE``),
+or ``--tiny`` (a tiny llama pair trained on the spot from token patterns, a CPU smoke test).
+
+**speed** (H200): one decoder block's seven linear layers at 8B shapes (Llama-3-8B: 4096 hidden,
+14336 MLP, 8 KV heads), random bf16 weights and random 4-bit deltas (group 128), timed as one CUDA
+graph over the block's layers (the block's ~0.9 GB of weights stream through L2 every replay):
+
+* batch 1, base only: cuBLAS dense vs :func:`~hf_deltazip.kernels.act_sparse.sparse_base_linear`
+  at 0/25/40/50 % of inputs zero (random positions: what magnitude thresholds give);
+* batch 1 with one delta: the fused planar multi-delta kernel (dense) vs sparse base + sparse delta;
+* batch 8 with 8 distinct deltas: the fused planar kernel (dense) vs cuBLAS base (the union of 8
+  rows' kept inputs is almost everything) + :func:`~hf_deltazip.kernels.act_sparse.sparse_delta_linear`
+  per row.
+
+Each row reports microseconds per block, and the decode tokens/s of the linear layers of a
+32-block model plus the dense LM head (attention and norms not counted: small at short context).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from ..modeling import activation_sparsity as acts
+from . import metrics
+
+SPARSITIES = (0.0, 0.25, 0.4, 0.5)
+
+
+# =============================================================================================== quality
+def _texts_from_file(path: Path) -> list:
+    """A ``.jsonl`` file (one ``{"text": ...}`` per line) or plain text (documents split at blank lines)."""
+    raw = Path(path).read_text()
+    if path.suffix == ".jsonl":
+        return [json.loads(line)["text"] for line in raw.splitlines() if line.strip()]
+    return [d for d in raw.split("\n\n") if d.strip()]
+
+
+def _ids(tokenizer, texts, max_length: int) -> list:
+    return [tokenizer(t, add_special_tokens=False)["input_ids"][:max_length] for t in texts]
+
+
+def _pattern_ids(n: int, length: int, vocab: int, seed: int) -> list:
+    """Sequences ``a, a+d, a+2d, ... (mod vocab)``: a task a tiny model learns in a few steps."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randint(0, vocab, (n, 1), generator=g)
+    d = torch.randint(1, 8, (n, 1), generator=g)
+    return ((a + d * torch.arange(length)[None]) % vocab).tolist()
+
+
+def tiny_pair(steps: int = 60, seed: int = 0) -> dict:
+    """A tiny llama base and a fine-tune of it trained on :func:`_pattern_ids` (CPU, seconds)."""
+    from .pairs import tiny_model
+
+    vocab = 256
+    base = tiny_model("llama", vocab_size=vocab, seed=seed, hidden_size=64, num_layers=2)
+    ft = copy.deepcopy(base).train()
+    opt = torch.optim.AdamW(ft.parameters(), lr=3e-3)
+    for step in range(steps):
+        ids = torch.tensor(_pattern_ids(16, 32, vocab, seed=1000 + step))
+        loss = ft(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {"base": base.eval(), "finetune": ft.eval(), "calibration": _pattern_ids(32, 32, vocab, seed=1),
+            "eval": {"task": _pattern_ids(32, 32, vocab, seed=2)}, "name": "tiny llama (token patterns)"}
+
+
+def _load_pair(args, device, dtype) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if args.tiny:
+        return tiny_pair()
+    if args.pair:
+        from .pairs import load_pair
+
+        pair = load_pair(args.pair)
+        tok = pair.load_tokenizer()
+        base, ft = pair.load_base(), pair.load_finetuned()
+        calib = _ids(tok, pair.calibration_texts(args.calibration_texts), args.max_length)
+        evals = {"task": _ids(tok, pair.eval_texts, args.max_length),
+                 "general": _ids(tok, pair.general_texts, args.max_length)}
+        name = str(args.pair)
+    else:
+        if not (args.base and args.finetune):
+            raise SystemExit("quality needs --tiny, --pair DIR, or both --base DIR and --finetune DIR")
+        tok = AutoTokenizer.from_pretrained(args.finetune)
+        base = AutoModelForCausalLM.from_pretrained(args.base, dtype=dtype)
+        ft = AutoModelForCausalLM.from_pretrained(args.finetune, dtype=dtype)
+        if args.texts:
+            texts = _texts_from_file(Path(args.texts))
+            half = max(1, len(texts) // 2)
+            calib_texts, eval_texts = texts[:half], texts[half:] or texts[:half]
+        else:
+            from .pairs import stdlib_documents
+
+            calib_texts = stdlib_documents(seed=0, max_chars=4000)[: args.calibration_texts]
+            eval_texts = stdlib_documents(seed=0, max_chars=4000, held_out=True)[:32]
+        calib = _ids(tok, calib_texts, args.max_length)
+        evals = {"text": _ids(tok, eval_texts, args.max_length)}
+        name = f"{args.base} -> {args.finetune}"
+    return {"base": base.to(device, dtype).eval(), "finetune": ft.to(device, dtype).eval(), "calibration": calib,
+            "eval": evals, "name": name}
+
+
+def _nlls(model, evals: dict, batch_size: int) -> dict:
+    return {k: metrics.mean_token_nll(model, ids, batch_size=batch_size) for k, ids in evals.items()}
+
+
+def _sweep(model, calib, evals, sparsities, batch_size, save_dir=None) -> dict:
+    """NLL per eval set at each sparsity, thresholds calibrated on ``model`` itself."""
+    out = {}
+    targets = [s for s in sparsities if s > 0]
+    ths = acts.calibrate_activation_thresholds(model, calib, targets) if targets else {}
+    for s in sparsities:
+        th = ths.get(s)
+        if th is not None and save_dir is not None:
+            th.save(save_dir)
+        if hasattr(model, "set_activation_sparsity"):
+            model.set_activation_sparsity(th)
+        else:
+            acts.install_activation_sparsity(model, th)
+        out[s] = _nlls(model, evals, batch_size)
+    acts.remove_activation_sparsity(model)
+    return out
+
+
+def _compress_tiny_delta(pair, folder: Path) -> Path:
+    from ..compression import compress
+    from ..config import DeltaZipConfig
+
+    cfg = DeltaZipConfig(bits=4, group_size=32, n_samples=8, seq_len=32)
+    calib = torch.tensor(pair["calibration"][:8])
+    compress(pair["base"], pair["finetune"], cfg, calibration=calib, progress=False).save_pretrained(folder)
+    return folder
+
+
+def run_quality(args) -> dict:
+    from ..modeling import DeltaModel
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if (device == "cuda" and not args.tiny) else torch.float32
+    t0 = time.time()
+    pair = _load_pair(args, device, dtype)
+    base, ft = pair["base"], pair["finetune"]
+    evals, calib = pair["eval"], pair["calibration"]
+    sparsities = sorted(set([0.0] + list(args.sparsity)))
+    base_nll = _nlls(base, evals, args.batch_size)
+    ft_sweep = _sweep(ft, calib, evals, sparsities, args.batch_size, args.save_thresholds)
+    rows = []
+    for kind, sweep in [("fine-tune", ft_sweep)] + _delta_sweeps(args, pair, calib, evals, sparsities, DeltaModel):
+        for s in sparsities:
+            for k in evals:
+                nll, dense = sweep[s][k], ft_sweep[0.0][k]
+                gain = _gain(nll, base_nll[k], dense)
+                rows.append({"model": kind, "eval": k, "sparsity": s, "nll": nll, "base_nll": base_nll[k],
+                             "finetune_nll": dense, "rel_nll_increase": nll / dense - 1.0, "gain_kept": gain})
+    return {"mode": "quality", "pair": pair["name"], "device": device, "dtype": str(dtype).replace("torch.", ""),
+            "calibration_sequences": len(calib), "rows": rows, "seconds": round(time.time() - t0, 1)}
+
+
+def _gain(nll, base_nll, ft_nll) -> Optional[float]:
+    try:
+        return metrics.gain_kept(-nll, -base_nll, -ft_nll)
+    except ValueError:
+        return None
+
+
+def _delta_sweeps(args, pair, calib, evals, sparsities, delta_model_cls) -> list:
+    delta = args.delta
+    tmp = None
+    if delta is None and args.tiny:
+        tmp = tempfile.TemporaryDirectory()
+        delta = _compress_tiny_delta(pair, Path(tmp.name) / "delta")
+    if delta is None:
+        return []
+    try:
+        dm = delta_model_cls(copy.deepcopy(pair["base"]), use_kernels="auto")
+        dm.load_delta(delta, delta_name="ft")
+        dm.set_delta("ft")
+        return [("DeltaModel (compressed delta)", _sweep(dm, calib, evals, sparsities, args.batch_size))]
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def quality_table(result: dict) -> str:
+    lines = [f"activation sparsity, quality: {result['pair']} ({result['device']}, {result['dtype']}, "
+             f"{result['calibration_sequences']} calibration sequences)",
+             f"{'model':<30} {'eval':<8} {'sparsity':>8} {'NLL':>8} {'rel. NLL':>9} {'gain kept':>9}"]
+    for r in result["rows"]:
+        gain = "n/a" if r["gain_kept"] is None else f"{r['gain_kept']:.3f}"
+        lines.append(f"{r['model']:<30} {r['eval']:<8} {r['sparsity']:>8.0%} {r['nll']:>8.4f} "
+                     f"{r['rel_nll_increase']:>+9.2%} {gain:>9}")
+    return "\n".join(lines)
+
+
+# =============================================================================================== speed
+SHAPES_8B = {  # name: (out_features N, in_features K) of one Llama-3-8B decoder block
+    "q_proj": (4096, 4096), "k_proj": (1024, 4096), "v_proj": (1024, 4096), "o_proj": (4096, 4096),
+    "gate_proj": (14336, 4096), "up_proj": (14336, 4096), "down_proj": (4096, 14336),
+}
+LAYERS_8B, VOCAB_8B = 32, 128256
+
+
+def _sparse_rows(m: int, k: int, sparsity: float, gen: torch.Generator, device) -> torch.Tensor:
+    x = torch.randn(m, k, generator=gen, device=device)
+    drop = torch.rand(m, k, generator=gen, device=device) < sparsity
+    return x.masked_fill(drop, 0.0).to(torch.bfloat16)
+
+
+def _block(device, bits: int, group_size: int, deltas: int, gen) -> dict:
+    from ..kernels import act_sparse as A
+    from ..kernels import prepare_stack, random_delta_stack
+
+    layers = {}
+    for name, (n, k) in SHAPES_8B.items():
+        w = (torch.randn(n, k, generator=gen, device=device) * 0.02).to(torch.bfloat16)
+        stack = prepare_stack(random_delta_stack(deltas, n, k, bits=bits, group_size=group_size, device=device,
+                                                 generator=gen))
+        layers[name] = {"w": w, "wt": A.input_major_weight(w), "stack": stack, "im": A.input_major_deltas(stack)}
+    return layers
+
+
+def _check(layers, gen, device) -> float:
+    """Largest error of the sparse path (base + delta) against the dense reference, relative to its scale."""
+    from ..kernels import act_sparse as A
+    from ..kernels import multi_delta_linear_reference
+
+    worst = 0.0
+    for lay in layers.values():
+        k = lay["w"].shape[1]
+        x = _sparse_rows(8, k, 0.5, gen, device)
+        rd = torch.arange(8, device=device, dtype=torch.int32) % lay["stack"].num_deltas
+        got = A.sparse_delta_linear(x, lay["im"], rd, out=torch.nn.functional.linear(x, lay["w"]).float())
+        ref = multi_delta_linear_reference(x, lay["w"], None, lay["stack"], rd, out_dtype=torch.float32)
+        got1 = A.sparse_base_linear(x[:1], lay["wt"]).float()
+        ref1 = (x[:1].float() @ lay["w"].float().t())
+        scale = ref.abs().max().item()
+        worst = max(worst, (got - ref).abs().max().item() / scale, (got1 - ref1).abs().max().item() / scale)
+    return worst
+
+
+def run_speed(args) -> dict:
+    from ..kernels import act_sparse as A
+    from ..kernels import build_row_segments, multi_delta_linear
+    from .kernels import time_calls
+
+    if not torch.cuda.is_available():
+        raise SystemExit("speed needs a CUDA GPU")
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    t0 = time.time()
+    layers = _block(device, args.bits, args.group_size, 8, gen)
+    err = _check(layers, gen, device)
+    head = (torch.randn(VOCAB_8B, 4096, generator=gen, device=device) * 0.02).to(torch.bfloat16)
+    xh = torch.randn(8, 4096, generator=gen, device=device).to(torch.bfloat16)
+    head_us = {m: time_calls([lambda m=m: torch.nn.functional.linear(xh[:m], head)]) for m in (1, 8)}
+    del head
+    rows = []
+
+    def add(case, m, sparsity, path, calls):
+        us = time_calls(calls, rep_ms=args.rep_ms) * len(calls)  # one block
+        step_us = LAYERS_8B * us + head_us[m]
+        rows.append({"case": case, "rows": m, "sparsity": sparsity, "path": path, "block_us": us,
+                     "tokens_per_s": m * 1e6 / step_us})
+
+    rd1 = torch.zeros(1, dtype=torch.int32, device=device)
+    rd8 = torch.arange(8, dtype=torch.int32, device=device)
+    seg1, seg8 = build_row_segments(rd1), build_row_segments(rd8)
+    xs = {s: {name: _sparse_rows(8, k, s, gen, device) for name, (_, k) in SHAPES_8B.items()} for s in args.sparsity}
+    lin = torch.nn.functional.linear
+    kb = {"block_n": args.block_n, **({"block_k": args.block_k} if args.block_k else {})}
+    dense_x = xs[min(args.sparsity)]
+    add("base, batch 1", 1, 0.0, "cuBLAS dense", [lambda L=L, x=dense_x[n][:1]: lin(x, L["w"]) for n, L in layers.items()])
+    add("1 delta, batch 1", 1, 0.0, "fused planar kernel (dense)",
+        [lambda L=L, x=dense_x[n][:1]: multi_delta_linear(x, L["w"], None, L["stack"], rd1, segments=seg1)
+         for n, L in layers.items()])
+    add("8 deltas, batch 8", 8, 0.0, "fused planar kernel (dense)",
+        [lambda L=L, x=dense_x[n]: multi_delta_linear(x, L["w"], None, L["stack"], rd8, segments=seg8)
+         for n, L in layers.items()])
+    for s in args.sparsity:
+        x = xs[s]
+        add("base, batch 1", 1, s, "sparse base kernel",
+            [lambda L=L, x=x[n][:1]: A.sparse_base_linear(x, L["wt"], **kb) for n, L in layers.items()])
+        add("1 delta, batch 1", 1, s, "sparse base + sparse delta",
+            [lambda L=L, x=x[n][:1]: A.sparse_delta_linear(x, L["im"], rd1, out=A.sparse_base_linear(x, L["wt"], **kb),
+                                                           segments=seg1, **kb) for n, L in layers.items()])
+        add("8 deltas, batch 8", 8, s, "cuBLAS base + sparse delta",
+            [lambda L=L, x=x[n]: A.sparse_delta_linear(x, L["im"], rd8, out=lin(x, L["w"]), segments=seg8, **kb)
+             for n, L in layers.items()])
+    dense_ref = {(r["case"]): r["block_us"] for r in rows if r["sparsity"] == 0.0 and "dense" in r["path"]}
+    for r in rows:
+        r["speedup_vs_dense"] = dense_ref[r["case"]] / r["block_us"]
+    return {"mode": "speed", "device": torch.cuda.get_device_name(), "shape": "Llama-3-8B block",
+            "delta_bits": args.bits, "group_size": args.group_size, "max_rel_error": err,
+            "lm_head_us": head_us, "rows": rows, "seconds": round(time.time() - t0, 1)}
+
+
+def speed_table(result: dict) -> str:
+    lines = [f"activation sparsity, speed: {result['shape']} on {result['device']}, {result['delta_bits']}-bit deltas "
+             f"g{result['group_size']}",
+             f"correctness: sparse path vs dense reference, max error / max |y| = {result['max_rel_error']:.2e}",
+             f"{'case':<18} {'sparsity':>8} {'path':<30} {'us/block':>9} {'tok/s':>8} {'vs dense':>8}"]
+    for r in result["rows"]:
+        lines.append(f"{r['case']:<18} {r['sparsity']:>8.0%} {r['path']:<30} {r['block_us']:>9.1f} "
+                     f"{r['tokens_per_s']:>8.1f} {r['speedup_vs_dense']:>7.2f}x")
+    lines.append("tok/s: 32 blocks of linear layers + the dense LM head (attention and norms not counted)")
+    return "\n".join(lines)
+
+
+# =============================================================================================== cli
+def _sparsities(text: str) -> list:
+    vals = [float(v) for v in text.split(",") if v.strip()]
+    for v in vals:
+        if not 0.0 <= v < 1.0:
+            raise argparse.ArgumentTypeError(f"sparsities must be in [0, 1), got {v}")
+    return vals
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hf_deltazip.bench.act_sparsity", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="mode", required=True)
+    q = sub.add_parser("quality", help="NLL and gain kept at each sparsity")
+    q.add_argument("--tiny", action="store_true", help="a tiny pair trained on the spot (CPU smoke test)")
+    q.add_argument("--pair", help="a hf_deltazip.bench.pairs folder")
+    q.add_argument("--base", help="base model folder")
+    q.add_argument("--finetune", help="fine-tuned model folder (its tokenizer is used)")
+    q.add_argument("--delta", help="also measure this compressed delta folder through DeltaModel")
+    q.add_argument("--texts", help="a .jsonl ({'text': ...} per line) or .txt file: first half calibrates, second half scores")
+    q.add_argument("--calibration-texts", type=int, default=64, help="calibration documents (default 64)")
+    q.add_argument("--max-length", type=int, default=512)
+    q.add_argument("--batch-size", type=int, default=8)
+    q.add_argument("--save-thresholds", help="folder to save the fine-tune's thresholds in")
+    q.add_argument("--device", help="default: cuda when available")
+    s = sub.add_parser("speed", help="layer time and decode tokens/s at 8B shapes (CUDA)")
+    s.add_argument("--bits", type=int, default=4, choices=(2, 4, 8))
+    s.add_argument("--group-size", type=int, default=128)
+    s.add_argument("--rep-ms", type=int, default=60)
+    s.add_argument("--block-n", type=int, default=64, help="outputs per program of the sparse kernels")
+    s.add_argument("--block-k", type=int, default=0, help="inputs per k-step of the sparse kernels (0: their defaults)")
+    for sp in (q, s):
+        sp.add_argument("--sparsity", type=_sparsities, default=list(SPARSITIES),
+                        help="comma-separated fractions (default 0,0.25,0.4,0.5)")
+        sp.add_argument("--json", help="write the result as JSON here")
+    args = p.parse_args(argv)
+    if args.mode == "speed":
+        args.sparsity = sorted(set([0.0] + args.sparsity))
+    result = run_quality(args) if args.mode == "quality" else run_speed(args)
+    print(quality_table(result) if args.mode == "quality" else speed_table(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,433 @@
+"""Activation sparsity: zero the small inputs of linear layers, with thresholds calibrated per layer.
+
+Training-free magnitude sparsity (as in TEAL): for each linear layer, the threshold ``t`` below
+which an input ``|x_k|`` is set to zero is the ``s``-quantile of ``|x|`` over calibration text,
+so about a fraction ``s`` of that layer's inputs is dropped during decoding. Layers reading the
+same tensor (q/k/v read the attention input, gate/up the MLP input) see the same distribution and
+get the same threshold; o_proj and down_proj get their own. The LM head is left dense.
+
+* :func:`calibrate_activation_thresholds` - thresholds for one or several target sparsities.
+* :class:`ActivationThresholds` - the result; ``save(folder)`` writes (or adds a target to)
+  ``activation_thresholds.json`` next to a delta or a base; :meth:`ActivationThresholds.load` reads it.
+* :func:`install_activation_sparsity` / :func:`remove_activation_sparsity` - apply them to a plain
+  transformers model (a pre-forward hook on each ``nn.Linear`` / ``Conv1D``), or to the base of a
+  ``DeltaModel`` (``DeltaModel.set_activation_sparsity`` does this; its delta layers call
+  :func:`sparsify_module_input` so delta rows see the same sparsified input).
+
+Dropped inputs are exact zeros, so a kernel that skips their weight columns
+(``hf_deltazip.kernels.act_sparse``) computes the same result as the dense matmul.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from ..errors import DeltaZipError
+from ..fileio import atomic_write_bytes
+from .arch import is_linear
+
+__all__ = [
+    "THRESHOLDS_FILENAME",
+    "ActivationThresholds",
+    "calibrate_activation_thresholds",
+    "install_activation_sparsity",
+    "remove_activation_sparsity",
+    "activation_sparsity_of",
+    "sparsify_module_input",
+    "sparsity_targets",
+    "resolve_activation_sparsity",
+    "target_modules",
+]
+
+THRESHOLDS_FILENAME = "activation_thresholds.json"
+_FORMAT = "hf-deltazip/activation-thresholds"
+_VERSION = 1
+
+
+def _target_key(sparsity: float) -> str:
+    return f"{float(sparsity):.4f}"
+
+
+def _check_sparsity(sparsity) -> float:
+    if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0.0 <= float(sparsity) < 1.0:
+        raise ValueError(f"activation sparsity must be a number in [0, 1) (the fraction of inputs dropped), got {sparsity!r}")
+    return float(sparsity)
+
+
+@dataclass
+class ActivationThresholds:
+    """Per-layer input thresholds for one target sparsity.
+
+    Attributes:
+        sparsity: the fraction of each layer's calibration inputs that falls at or below its threshold.
+        thresholds: module name (as in the plain transformers model, e.g.
+            ``model.layers.0.self_attn.q_proj``) -> threshold on ``|x|``.
+        num_tokens: calibration tokens the thresholds were measured on (0: unknown).
+    """
+
+    sparsity: float
+    thresholds: dict = field(default_factory=dict)
+    num_tokens: int = 0
+
+    def __post_init__(self):
+        self.sparsity = _check_sparsity(self.sparsity)
+        for name, t in self.thresholds.items():
+            if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
+                raise ValueError(f"threshold of {name!r} must be a finite number >= 0, got {t!r}")
+        self.thresholds = {str(k): float(v) for k, v in self.thresholds.items()}
+
+    def save(self, folder: Union[str, os.PathLike]) -> Path:
+        """Write these thresholds into ``folder/activation_thresholds.json`` (atomically), keeping
+        the other targets already in the file. Returns the file's path."""
+        path = Path(folder)
+        if path.suffix != ".json":
+            path = path / THRESHOLDS_FILENAME
+        doc = _read(path) if path.exists() else {"format": _FORMAT, "version": _VERSION, "targets": {}}
+        doc["targets"][_target_key(self.sparsity)] = {"num_tokens": self.num_tokens, "thresholds": self.thresholds}
+        atomic_write_bytes(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
+        return path
+
+    @classmethod
+    def load(cls, path: Union[str, os.PathLike], sparsity: float) -> "ActivationThresholds":
+        """The thresholds for ``sparsity`` from a thresholds file (or a folder holding one).
+
+        Raises:
+            FileNotFoundError: no thresholds file there.
+            DeltaZipError: the file is not a thresholds file, or has no target ``sparsity``
+                (the message lists the ones it has).
+        """
+        sparsity = _check_sparsity(sparsity)
+        path = _file(path)
+        doc = _read(path)
+        target = doc["targets"].get(_target_key(sparsity))
+        if target is None:
+            have = ", ".join(sorted(doc["targets"])) or "none"
+            raise DeltaZipError(f"{path} has no thresholds for sparsity {sparsity} (it has: {have}); calibrate them "
+                                f"with calibrate_activation_thresholds(model, texts, sparsity={sparsity}) and .save() them")
+        try:
+            return cls(sparsity, dict(target["thresholds"]), int(target.get("num_tokens", 0)))
+        except (TypeError, ValueError, KeyError) as e:
+            raise DeltaZipError(f"{path}: bad thresholds for sparsity {sparsity}: {e}") from e
+
+
+def _file(path) -> Path:
+    path = Path(path)
+    return path / THRESHOLDS_FILENAME if path.is_dir() else path
+
+
+def _read(path: Path) -> dict:
+    try:
+        doc = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise DeltaZipError(f"{path} is not valid JSON ({e}): delete it and calibrate again") from e
+    if not isinstance(doc, dict) or doc.get("format") != _FORMAT or not isinstance(doc.get("targets"), dict):
+        raise DeltaZipError(f"{path} is not an activation thresholds file (no format {_FORMAT!r})")
+    if doc.get("version", 0) > _VERSION:
+        raise DeltaZipError(f"{path} was written by a newer hf-deltazip (version {doc['version']}): upgrade to read it")
+    return doc
+
+
+def sparsity_targets(path: Union[str, os.PathLike]) -> list:
+    """The target sparsities a thresholds file (or a folder holding one) has thresholds for."""
+    return sorted(float(k) for k in _read(_file(path))["targets"])
+
+
+# --------------------------------------------------------------------------- which modules
+def _transformers_root(model: nn.Module) -> nn.Module:
+    # a wrapper holding the transformers model as .base_model (DeltaModel): names are the inner model's
+    from transformers import PreTrainedModel
+
+    inner = dict(model.named_children()).get("base_model")
+    if isinstance(inner, nn.Module) and not isinstance(model, PreTrainedModel):
+        return inner
+    return model
+
+
+def target_modules(model: nn.Module) -> dict:
+    """``{name: module}`` of the linear layers activation sparsity applies to: every ``nn.Linear`` /
+    ``Conv1D`` but the output embedding (LM head), under its name in the plain transformers model
+    (a ``DeltaModel``'s wrappers' ``.base_layer`` left out of the name)."""
+    root = _transformers_root(model)
+    head = root.get_output_embeddings() if hasattr(root, "get_output_embeddings") else None
+    out = {}
+    for name, mod in root.named_modules():
+        if is_linear(mod) and mod is not head and not _wraps(mod, head):
+            out[name.replace(".base_layer", "")] = mod
+    return out
+
+
+def _wraps(mod, head) -> bool:
+    return head is not None and getattr(head, "base_layer", None) is mod
+
+
+# --------------------------------------------------------------------------- applying
+class _Rule:
+    """What happens to one module's input: thresholding, or recording for calibration."""
+
+    def __init__(self, threshold: Optional[float] = None, recorder=None):
+        self.threshold = threshold
+        self.recorder = recorder
+        self.handle = None
+        self.last_out = None  # weakref to the last tensor produced: not processed twice
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_tensor(x) or (self.last_out is not None and self.last_out() is x):
+            return x
+        if self.recorder is not None:
+            self.recorder(x)
+            y = x
+        else:
+            y = torch.where(x.abs() > self.threshold, x, torch.zeros((), dtype=x.dtype, device=x.device))
+        self.last_out = weakref.ref(y)
+        return y
+
+
+_RULES: "weakref.WeakKeyDictionary[nn.Module, _Rule]" = weakref.WeakKeyDictionary()
+
+
+def sparsify_module_input(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``module``'s installed activation sparsity leaves it (``x`` itself when none is)."""
+    rule = _RULES.get(module)
+    return x if rule is None else rule(x)
+
+
+def _pre_hook(module, args):
+    rule = _RULES.get(module)
+    if rule is None or not args:
+        return None
+    return (rule(args[0]), *args[1:])
+
+
+def _install_rule(module: nn.Module, rule: _Rule) -> None:
+    _uninstall(module)
+    rule.handle = module.register_forward_pre_hook(_pre_hook)
+    _RULES[module] = rule
+
+
+def _uninstall(module: nn.Module) -> None:
+    old = _RULES.pop(module, None)
+    if old is not None and old.handle is not None:
+        old.handle.remove()
+
+
+def remove_activation_sparsity(model: nn.Module) -> None:
+    """Turn activation sparsity off on every linear layer of ``model`` (no-op where it is off)."""
+    for mod in _transformers_root(model).modules():
+        _uninstall(mod)
+
+
+def install_activation_sparsity(model: nn.Module, thresholds: Optional[ActivationThresholds], *,
+                                strict: bool = True) -> int:
+    """Zero each target layer's inputs with ``|x| <= threshold`` (``None``: turn it off). Returns the
+    number of layers thresholded.
+
+    Works on a plain transformers model (a pre-forward hook on each layer) and on a ``DeltaModel``
+    (prefer ``DeltaModel.set_activation_sparsity``). Replaces thresholds installed before.
+
+    Raises:
+        DeltaZipError: ``strict`` and a threshold names a module the model does not have, or the model
+            has target layers without a threshold (thresholds of another model).
+    """
+    remove_activation_sparsity(model)
+    if thresholds is None:
+        return 0
+    if not isinstance(thresholds, ActivationThresholds):
+        raise TypeError(f"thresholds must be ActivationThresholds (see calibrate_activation_thresholds) or None, "
+                        f"got {type(thresholds).__name__}")
+    mods = target_modules(model)
+    if strict:
+        unknown = sorted(set(thresholds.thresholds) - set(mods))
+        missing = sorted(set(mods) - set(thresholds.thresholds))
+        if unknown or missing:
+            what = (f"no module {unknown[:3]}" if unknown else "") + (" and " if unknown and missing else "") + (
+                f"no threshold for {missing[:3]}" if missing else "")
+            raise DeltaZipError(f"these thresholds do not fit this model ({what}{', ...' if len(unknown) > 3 or len(missing) > 3 else ''}): "
+                                "calibrate them on this model, or pass strict=False to apply the ones that fit")
+    n = 0
+    for name, mod in mods.items():
+        t = thresholds.thresholds.get(name)
+        if t is not None:
+            _install_rule(mod, _Rule(threshold=t))
+            n += 1
+    return n
+
+
+def activation_sparsity_of(model: nn.Module) -> dict:
+    """``{name: threshold}`` of the layers of ``model`` thresholded now (empty: off)."""
+    out = {}
+    for name, mod in target_modules(model).items():
+        rule = _RULES.get(mod)
+        if rule is not None and rule.recorder is None:
+            out[name] = rule.threshold
+    return out
+
+
+# --------------------------------------------------------------------------- calibration
+class _Sampler:
+    """Keeps a uniform random sample (at most ``per_call`` values of each call) of ``|x|``."""
+
+    def __init__(self, per_call: int, gen: torch.Generator):
+        self.per_call = per_call
+        self.gen = gen
+        self.parts: list = []
+        self.count = 0
+
+    def __call__(self, x: torch.Tensor) -> None:
+        v = x.detach().abs().reshape(-1).float()
+        if v.numel() > self.per_call:
+            idx = torch.randint(0, v.numel(), (self.per_call,), generator=self.gen).to(v.device)
+            v = v[idx]
+        self.parts.append(v.cpu())
+        self.count += x.numel()
+
+    def quantiles(self, qs: Sequence[float]) -> list:
+        v = torch.cat(self.parts).sort().values
+        return [float(v[min(int(math.floor(q * v.numel())), v.numel() - 1)]) if q > 0 else 0.0 for q in qs]
+
+
+def _batches(calibration, tokenizer, max_length: int, batch_size: int) -> Iterable[torch.Tensor]:
+    if torch.is_tensor(calibration):
+        ids = calibration if calibration.dim() == 2 else calibration[None]
+        for i in range(0, ids.shape[0], batch_size):
+            yield ids[i : i + batch_size, :max_length]
+        return
+    rows = list(calibration)
+    if rows and isinstance(rows[0], str):
+        if tokenizer is None:
+            raise ValueError("calibration texts need a tokenizer: pass tokenizer=AutoTokenizer.from_pretrained(...) "
+                             "or token ids instead")
+        rows = [tokenizer(t, add_special_tokens=True)["input_ids"] for t in rows]
+    for r in rows:  # one sequence per pass: no padding enters the statistics
+        r = list(r)[:max_length]
+        if r:
+            yield torch.tensor([r], dtype=torch.long)
+
+
+def calibrate_activation_thresholds(model: nn.Module, calibration, sparsity: Union[float, Sequence[float]], *,
+                                    tokenizer=None, max_length: int = 512, batch_size: int = 8,
+                                    samples_per_call: int = 1 << 14, seed: int = 0, **forward_kwargs):
+    """Measure per-layer input thresholds that drop a fraction ``sparsity`` of each layer's inputs.
+
+    Runs ``model`` (a transformers causal LM, or a ``DeltaModel``: its active delta, or
+    ``delta_names=`` in ``forward_kwargs``) densely over the calibration data and takes, for each
+    target layer (:func:`target_modules`), the ``sparsity``-quantile of ``|x|``.
+
+    Args:
+        model: the model to calibrate (any activation sparsity on it is off while measuring).
+        calibration: texts (with ``tokenizer``), a list of token-id lists, or a LongTensor ``[B, T]``.
+        sparsity: a target in ``[0, 1)``, or several (one pass measures them all).
+        tokenizer: turns texts into ids.
+        max_length: tokens per sequence at most.
+        batch_size: sequences per pass (tensor input only; lists run one sequence per pass).
+        samples_per_call: values of ``|x|`` kept per layer and forward pass (a random subset).
+        seed: for that subset.
+
+    Returns:
+        :class:`ActivationThresholds`, or ``{sparsity: ActivationThresholds}`` for several targets.
+
+    Example:
+        >>> th = calibrate_activation_thresholds(model, texts, 0.4, tokenizer=tok)
+        >>> th.save("my-delta")  # next to the delta; DeltaModel.from_pretrained(..., activation_sparsity=0.4)
+    """
+    many = not isinstance(sparsity, (int, float))
+    targets = [_check_sparsity(s) for s in (sparsity if many else [sparsity])]
+    if not targets:
+        raise ValueError("give at least one target sparsity")
+    mods = target_modules(model)
+    if not mods:
+        raise DeltaZipError(f"{type(model).__name__} has no linear layers to sparsify")
+    before = {name: _RULES.get(m) for name, m in mods.items()}
+    gen = torch.Generator().manual_seed(seed)
+    samplers = {name: _Sampler(samples_per_call, gen) for name in mods}
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    tokens = 0
+    was_training = model.training
+    try:
+        for name, mod in mods.items():
+            _install_rule(mod, _Rule(recorder=samplers[name]))
+        model.eval()
+        with torch.no_grad():
+            for ids in _batches(calibration, tokenizer, max_length, batch_size):
+                model(input_ids=ids.to(device), **forward_kwargs)
+                tokens += ids.numel()
+    finally:
+        model.train(was_training)
+        for name, mod in mods.items():
+            _uninstall(mod)
+            if before[name] is not None:
+                _install_rule(mod, before[name])
+    if tokens == 0:
+        raise ValueError("the calibration data is empty: give at least one non-empty sequence")
+    unused = sorted(n for n, s in samplers.items() if not s.parts)
+    per_layer = {n: s.quantiles(targets) for n, s in samplers.items() if s.parts}
+    if unused and len(unused) == len(samplers):
+        raise DeltaZipError("no linear layer saw an input during calibration: is this a causal LM?")
+    out = {t: ActivationThresholds(t, {n: q[i] for n, q in per_layer.items()}, tokens) for i, t in enumerate(targets)}
+    return out if many else out[targets[0]]
+
+
+# --------------------------------------------------------------------------- DeltaModel.from_pretrained
+def resolve_activation_sparsity(model: nn.Module, spec, folders: Sequence = (), calibration=None,
+                                tokenizer=None, tokenizer_from: Sequence = ()) -> Optional[ActivationThresholds]:
+    """The thresholds ``DeltaModel.from_pretrained(activation_sparsity=spec)`` asks for.
+
+    ``spec``: ``None`` (off); :class:`ActivationThresholds`; a thresholds file or folder; or a target
+    sparsity, read from the first of ``folders`` (the delta's folder, then a local base's) holding a
+    thresholds file with that target, else calibrated on ``model`` from ``calibration`` when given
+    (texts are tokenized with ``tokenizer``, or the first tokenizer found in ``tokenizer_from``).
+
+    Raises:
+        DeltaZipError: a target sparsity with no thresholds found and no calibration data (the message
+            says how to make them).
+    """
+    if spec is None or isinstance(spec, ActivationThresholds):
+        return spec
+    if isinstance(spec, (str, os.PathLike)):
+        raise_if_missing = _file(spec)
+        if not raise_if_missing.exists():
+            raise FileNotFoundError(f"no activation thresholds file at {raise_if_missing}")
+        targets = sparsity_targets(raise_if_missing)
+        if len(targets) != 1:
+            raise DeltaZipError(f"{raise_if_missing} has thresholds for {targets}: pass activation_sparsity=<one of them> "
+                                "and put the file next to the delta, or load it with ActivationThresholds.load(path, s)")
+        return ActivationThresholds.load(raise_if_missing, targets[0])
+    s = _check_sparsity(spec)
+    for folder in folders:
+        if folder is None:
+            continue
+        f = _file(folder)
+        if f.is_file() and s in [round(t, 4) for t in sparsity_targets(f)]:
+            return ActivationThresholds.load(f, s)
+    if calibration is not None:
+        if tokenizer is None and not torch.is_tensor(calibration) and any(isinstance(c, str) for c in calibration):
+            tokenizer = _first_tokenizer(tokenizer_from)
+        return calibrate_activation_thresholds(model, calibration, s, tokenizer=tokenizer)
+    where = ", ".join(str(f) for f in folders if f is not None) or "the delta folder"
+    raise DeltaZipError(
+        f"no activation thresholds for sparsity {s} in {where}: pass activation_calibration=<texts or token ids> to "
+        f"calibrate them now, or make them once with calibrate_activation_thresholds(model, texts, {s}, tokenizer=tok)"
+        f".save(delta_folder)")
+
+
+def _first_tokenizer(sources: Sequence):
+    from transformers import AutoTokenizer
+
+    errors = []
+    for src in sources:
+        if src is None:
+            continue
+        try:
+            return AutoTokenizer.from_pretrained(str(src))
+        except (OSError, ValueError) as e:
+            errors.append(f"{src}: {e}")
+    raise DeltaZipError("activation_calibration has texts but no tokenizer was found (" + "; ".join(errors)
+                        + "): pass token ids instead")

@@ -1,0 +1,381 @@
+"""Activation-sparse decoding kernels: read only the weight rows of inputs that are kept.
+
+With activation sparsity (TEAL-style magnitude thresholds, see
+``hf_deltazip.modeling.activation_sparsity``) a decode step's input ``x`` is zero on 25-50 % of
+its features, and at batch 1 every zero saves the bytes of one weight column. Two kernels use it:
+
+* :func:`sparse_base_linear` - ``y = x W^T + bias`` for a few rows (batch 1 decoding), reading
+  weight column ``k`` only when some row keeps input ``k``.
+* :func:`sparse_delta_linear` - ``out[m] += x[m] dequant(delta[row_delta[m]])^T`` for mixed
+  batches: rows are grouped into segments sharing a delta (:func:`kernels.layout.build_row_segments`)
+  and each segment reads only the columns its own rows keep. With 8 distinct deltas in a batch of 8,
+  each delta sees one row, so the delta part skips columns even when the base part cannot.
+
+**Layout (and its memory cost).** Reading a column subset of a row-major ``[N, K]`` matrix touches
+one 32-byte memory sector per kept element: no saving at 50 % sparsity. Both kernels therefore
+read *input-major* weights, where input ``k``'s column is one contiguous row:
+
+* base: ``W^T`` as a contiguous ``[K, N]`` tensor (:func:`input_major_weight`). It costs no memory
+  when it *replaces* the row-major copy: ``nn.Linear`` computes the same with ``weight = Wt.t()``
+  (a transposed view; cuBLAS reads either order at full speed). Keeping both doubles the layer.
+* deltas: :class:`InputMajorDeltas` (:func:`input_major_deltas`): codes packed along the outputs,
+  uint8 ``[U, K, ceil(N*b/8)]``, with scales and zero points ``[U, G, N]``: the same bytes as the
+  file layout. A stack kept for the dense multi-delta kernel as well holds the codes twice
+  (4-bit: a quarter of the base layer per delta; 2-bit: an eighth).
+
+Skipping is exact: a skipped column contributes ``0 * w`` in the dense reference. Both kernels
+accept ``threshold=``: inputs with ``|x| <= threshold`` are treated as zero inside the kernel
+(no separate thresholding pass). The grids depend on shapes only (no host sync): safe to capture
+in a CUDA graph. On a CPU tensor without ``TRITON_INTERPRET=1`` the public functions run the
+references.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from hf_deltazip.packing import num_groups, pack_bits, unpack_bits
+
+from .delta_stack import DeltaStack
+from .layout import SEGMENT_FIELDS, build_row_segments
+
+__all__ = [
+    "InputMajorDeltas",
+    "input_major_weight",
+    "input_major_deltas",
+    "sparsify_input",
+    "sparse_base_linear",
+    "sparse_base_linear_reference",
+    "sparse_delta_linear",
+    "sparse_delta_linear_reference",
+    "SPARSE_BASE_MAX_ROWS",
+    "auto_split_k",
+]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_BITS = (2, 4, 8)
+#: rows one base program handles (a decode step at batch 1-16); more rows keep fewer zero columns
+SPARSE_BASE_MAX_ROWS = 16
+
+
+def sparsify_input(x: torch.Tensor, threshold: Optional[float]) -> torch.Tensor:
+    """``x`` with every entry of ``|x| <= threshold`` set to zero (``None``: ``x`` unchanged)."""
+    if threshold is None:
+        return x
+    return torch.where(x.abs() > threshold, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+# --------------------------------------------------------------------------- layouts
+def input_major_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A row-major ``[N, K]`` weight as the contiguous ``[K, N]`` copy :func:`sparse_base_linear` reads.
+
+    To avoid holding the layer twice, give the layer ``weight = result.t()`` and drop the old copy
+    (``nn.Linear`` and cuBLAS read the transposed view at the same speed)."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [N, K], got {tuple(weight.shape)}")
+    return weight.t().contiguous()
+
+
+@dataclass(frozen=True)
+class InputMajorDeltas:
+    """``U`` deltas of one layer in the input-major layout :func:`sparse_delta_linear` reads.
+
+    Attributes:
+        qweight: uint8 ``[U, K, ceil(N*bits/8)]``: code of output ``n`` for input ``k`` at bits
+            ``(n % P) * bits`` of byte ``n // P`` of row ``k`` (``P = 8 // bits``).
+        scales: float16 / float32 ``[U, G, N]``; zeros: uint8 ``[U, G, N]`` (``G`` groups of inputs).
+        bits: 2, 4 or 8; group_size: inputs per group (-1: one group).
+        out_features: ``N``.
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    bits: int
+    group_size: int
+    out_features: int
+
+    @property
+    def num_deltas(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros))
+
+    def dequantize(self, i: int) -> torch.Tensor:
+        """Delta ``i`` as a dense float32 ``[N, K]`` matrix."""
+        n, k = self.out_features, self.in_features
+        codes = unpack_bits(self.qweight[i], self.bits, n).float()  # [K, N]
+        rows = torch.arange(k, device=codes.device) // (k if self.group_size == -1 else self.group_size)
+        w = (codes - self.zeros[i].float()[rows]) * self.scales[i].float()[rows]
+        return w.t()
+
+
+def input_major_deltas(stack: DeltaStack) -> InputMajorDeltas:
+    """A :class:`~kernels.delta_stack.DeltaStack` (any layout; 2:4 deltas as dense codes) re-laid out
+    for :func:`sparse_delta_linear`. Same bytes per delta; a copy.
+
+    Raises:
+        ValueError: the stack's codes are 3-bit (no whole codes per byte along the outputs).
+    """
+    if stack.bits not in _BITS:
+        raise ValueError(f"input-major deltas need 2-, 4- or 8-bit codes, got {stack.bits}-bit: keep the dense kernel")
+    qs = [pack_bits(stack.codes(i).t().contiguous(), stack.bits) for i in range(stack.num_deltas)]
+    return InputMajorDeltas(
+        qweight=torch.stack(qs).contiguous(),
+        scales=stack.scales.transpose(1, 2).contiguous(),
+        zeros=stack.zeros.transpose(1, 2).contiguous(),
+        bits=stack.bits, group_size=stack.group_size, out_features=stack.out_features,
+    )
+
+
+# --------------------------------------------------------------------------- references
+def sparse_base_linear_reference(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                                 threshold: Optional[float] = None) -> torch.Tensor:
+    """What :func:`sparse_base_linear` computes: ``sparsify(x) @ weight_t + bias`` in float32."""
+    _check_base(x, weight_t, bias, None)
+    y = sparsify_input(x, threshold).float() @ weight_t.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def sparse_delta_linear_reference(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: torch.Tensor,
+                                  out: Optional[torch.Tensor] = None,
+                                  threshold: Optional[float] = None) -> torch.Tensor:
+    """What :func:`sparse_delta_linear` computes, in plain PyTorch (host sync on ``row_delta``)."""
+    _check_delta(x, deltas, row_delta, out)
+    rd = row_delta.long()
+    if rd.numel() and (int(rd.min()) < -1 or int(rd.max()) >= deltas.num_deltas):
+        raise ValueError(f"row_delta values must be in [-1, {deltas.num_deltas}) (-1: no delta), got "
+                         f"min {int(rd.min())}, max {int(rd.max())}")
+    xs = sparsify_input(x, threshold).float()
+    y = out.float() if out is not None else torch.zeros((x.shape[0], deltas.out_features), device=x.device)
+    for u in torch.unique(rd[rd >= 0]).tolist():
+        rows = (rd == u).nonzero().squeeze(1)
+        y[rows] += xs[rows] @ deltas.dequantize(u).t()
+    return y.to(out.dtype if out is not None else x.dtype)
+
+
+# --------------------------------------------------------------------------- checks
+def _check_x(x):
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D tensor [M, K]: flatten leading dims first, got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+
+
+def _check_out(out, m, n, x):
+    if out is not None and (tuple(out.shape) != (m, n) or out.dtype not in _FLOAT_DTYPES
+                            or out.device != x.device or out.stride(1) != 1):
+        raise ValueError(f"out must be a float [{m}, {n}] tensor on {x.device} with contiguous rows, got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
+
+
+def _check_base(x, weight_t, bias, out):
+    _check_x(x)
+    m, k = x.shape
+    if weight_t.dim() != 2 or weight_t.shape[0] != k:
+        raise ValueError(f"weight_t must be the input-major [K={k}, N] weight (input_major_weight(W)), "
+                         f"got {tuple(weight_t.shape)}")
+    if weight_t.dtype != x.dtype:
+        raise ValueError(f"weight_t is {weight_t.dtype} but x is {x.dtype}: cast x to the weight's dtype")
+    n = weight_t.shape[1]
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
+        raise ValueError(f"bias must be [N={n}] or None, got {tuple(bias.shape)}")
+    _check_out(out, m, n, x)
+    devices = {t.device for t in (x, weight_t, bias) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"x, weight_t and bias must be on one device, got {sorted(map(str, devices))}")
+
+
+def _check_delta(x, deltas, row_delta, out):
+    _check_x(x)
+    if not isinstance(deltas, InputMajorDeltas):
+        raise TypeError(f"deltas must be InputMajorDeltas (see input_major_deltas), got {type(deltas).__name__}")
+    m, k = x.shape
+    if deltas.in_features != k:
+        raise ValueError(f"the deltas are for {deltas.in_features} inputs but x has {k}")
+    if deltas.bits not in _BITS:
+        raise ValueError(f"deltas must have 2-, 4- or 8-bit codes, got {deltas.bits}")
+    if row_delta.dim() != 1 or row_delta.shape[0] != m or row_delta.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"row_delta must be int32 or int64 [M={m}] (-1: no delta), got "
+                         f"{row_delta.dtype} {tuple(row_delta.shape)}")
+    _check_out(out, m, deltas.out_features, x)
+    devices = {t.device for t in (x, deltas.qweight, row_delta)}
+    if len(devices) != 1:
+        raise ValueError(f"x, the deltas and row_delta must be on one device, got {sorted(map(str, devices))}")
+
+
+# --------------------------------------------------------------------------- launchers
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _kernel(name: str):
+    from . import _act_sparse_triton as mod  # triton is imported here, on first use
+
+    kern = getattr(mod, name)
+    if (type(kern).__name__ == "InterpretedFunction") != _interpreting():  # TRITON_INTERPRET changed
+        import importlib
+
+        kern = getattr(importlib.reload(mod), name)
+    return kern
+
+
+def _runs_reference(x: torch.Tensor) -> bool:
+    return x.device.type != "cuda" and not _interpreting()
+
+
+def _thr(threshold: Optional[float]) -> tuple[float, bool]:
+    if threshold is None:
+        return 0.0, False
+    t = float(threshold)
+    if not math.isfinite(t) or t < 0:
+        raise ValueError(f"threshold must be a finite number >= 0 or None, got {threshold!r}")
+    return t, True
+
+
+def _dot_prec(x):
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def auto_split_k(programs: int, k: int, block_k: int, device: torch.device, per_sm: float = 4.0) -> int:
+    """K splits giving about ``per_sm`` programs per SM when a launch has ``programs`` without
+    splitting (at least 4 k-blocks per split); 1 off CUDA."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(round(per_sm * sms / max(programs, 1)), k // (4 * block_k)))
+
+
+def _split(split_k: int, programs: int, k: int, block_k: int, device) -> tuple[int, int]:
+    """(splits, inputs per split): K cut into whole k-blocks."""
+    split = split_k if split_k > 0 else auto_split_k(programs, k, block_k, device)
+    chunk = _cdiv(_cdiv(k, split), block_k) * block_k
+    return _cdiv(k, chunk), chunk
+
+
+def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                       threshold: Optional[float] = None, out: Optional[torch.Tensor] = None,
+                       block_n: int = 64, block_k: int = 128, split_k: int = 0, num_warps: int = 4,
+                       num_stages: int = 3) -> torch.Tensor:
+    """``y = x W^T + bias`` reading only the weight columns of inputs some row of ``x`` keeps.
+
+    Args:
+        x: ``[M, K]`` activations (float16 / bfloat16 / float32). Meant for decoding (``M`` of 1 to
+            :data:`SPARSE_BASE_MAX_ROWS`): a column is read when *any* row in a block keeps it.
+        weight_t: the input-major ``[K, N]`` weight, same dtype (:func:`input_major_weight`).
+        bias: ``[N]`` or ``None``.
+        threshold: inputs with ``|x| <= threshold`` count as zero (``None``: only exact zeros).
+        out: optional ``[M, N]`` output.
+        block_n, block_k, split_k, num_warps, num_stages: launch parameters (``block_k``: the skip
+            granularity of the MMA, memory is skipped per column whatever its value; ``split_k``:
+            programs sharing one tile's K range, 0 to choose from the shape and the GPU).
+
+    Returns:
+        ``[M, N]`` in ``out``'s dtype (default ``x.dtype``), accumulated in float32.
+    """
+    _check_base(x, weight_t, bias, out)
+    thr, use_thr = _thr(threshold)
+    if _runs_reference(x):
+        y = sparse_base_linear_reference(x, weight_t, bias, threshold)
+        return y if out is None else out.copy_(y)
+    if weight_t.stride(1) != 1:
+        raise ValueError("weight_t must have contiguous rows: build it with input_major_weight(W)")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    m, k = x.shape
+    n = weight_t.shape[1]
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    bm = SPARSE_BASE_MAX_ROWS
+    tiles = (_cdiv(n, block_n), _cdiv(m, bm))
+    split, chunk = _split(split_k, tiles[0] * tiles[1], k, block_k, x.device)
+    dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    _kernel("sparse_base_kernel")[(*tiles, split)](
+        x, weight_t, bias if bias is not None else out, dst, thr,
+        m, n, k, chunk, x.stride(0), weight_t.stride(0), dst.stride(-2), dst.stride(0) if split > 1 else 0,
+        HAS_BIAS=bias is not None and split == 1, THRESH=use_thr, BM=bm, BN=block_n, BK=block_k,
+        DOT_PREC=_dot_prec(x), num_warps=num_warps, num_stages=num_stages,
+    )
+    if split > 1:
+        total = dst.sum(0)
+        if bias is not None:
+            total += bias.float()
+        out.copy_(total)
+    return out
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: torch.Tensor, *,
+                        out: Optional[torch.Tensor] = None, threshold: Optional[float] = None,
+                        segments: Optional[torch.Tensor] = None, block_m: int = 16, block_n: int = 64,
+                        block_k: int = 64, split_k: int = 0, num_warps: int = 4,
+                        num_stages: int = 3) -> torch.Tensor:
+    """``out[m] += x[m] @ dequant(deltas[row_delta[m]])^T``, each segment of rows sharing a delta
+    reading only the delta columns its own rows keep.
+
+    Args:
+        x: ``[M, K]`` activations (float16 / bfloat16 / float32).
+        deltas: the layer's deltas in the input-major layout (:func:`input_major_deltas`).
+        row_delta: int32 / int64 ``[M]`` in ``[-1, U)``: each row's delta (``-1``: none, the row of
+            ``out`` is left as it is). Rows with an id outside the range are left as they are too.
+        out: ``[M, N]`` to add into (typically the base part, e.g. from :func:`sparse_base_linear`);
+            ``None``: a zero tensor of ``x.dtype`` (the delta part alone).
+        threshold: inputs with ``|x| <= threshold`` count as zero (``None``: only exact zeros).
+        segments: the step's :func:`~kernels.layout.build_row_segments` table of ``row_delta`` (built
+            here when ``None``); build it once per step and share it between layers.
+        block_m, block_n, block_k, split_k, num_warps, num_stages: launch parameters (``split_k`` 0:
+            chosen from the shape, the rows and the GPU).
+
+    Returns:
+        ``out``.
+    """
+    _check_delta(x, deltas, row_delta, out)
+    thr, use_thr = _thr(threshold)
+    if _runs_reference(x):
+        y = sparse_delta_linear_reference(x, deltas, row_delta, out, threshold)
+        return y if out is None else out.copy_(y)
+    m, k = x.shape
+    n = deltas.out_features
+    if out is None:
+        out = torch.zeros((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0 or deltas.num_deltas == 0:
+        return out
+    if segments is None:
+        segments = build_row_segments(row_delta)
+    elif tuple(segments.shape) != (SEGMENT_FIELDS, m) or segments.dtype != torch.int32 or segments.device != x.device:
+        raise ValueError(f"segments must be the int32 [{SEGMENT_FIELDS}, {m}] table of build_row_segments(row_delta) "
+                         f"on {x.device}, got {segments.dtype} {tuple(segments.shape)} on {segments.device}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    gs = deltas.group_size if deltas.group_size > 0 else k
+    block_group = gs % block_k == 0
+    tiles = _cdiv(n, block_n)
+    # programs of segments past the last one exit at once: count the rows, not the grid, for the split
+    split, chunk = _split(split_k, tiles * min(m, deltas.num_deltas + 1), k, block_k, x.device)
+    dst = out if split == 1 else torch.zeros((split, m, n), dtype=torch.float32, device=x.device)
+    _kernel("sparse_delta_kernel")[(tiles, m, split)](
+        x, deltas.qweight, deltas.scales, deltas.zeros, segments.contiguous(), dst, thr,
+        m, n, k, chunk, deltas.num_deltas, deltas.qweight.shape[2], num_groups(k, deltas.group_size), gs,
+        x.stride(0), dst.stride(-2), dst.stride(0) if split > 1 else 0,
+        BITS=deltas.bits, THRESH=use_thr, BLOCK_GROUP=block_group, BM=block_m, BN=block_n, BK=block_k,
+        DOT_PREC=_dot_prec(x), num_warps=num_warps, num_stages=num_stages,
+    )
+    if split > 1:
+        out.copy_(out.float() + dst.sum(0))
+    return out

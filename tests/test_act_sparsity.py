@@ -1,0 +1,309 @@
+"""Activation sparsity: calibration, thresholds files, applying them (plain models and DeltaModel),
+and the kernels that skip the weight columns of dropped inputs.
+
+Kernel tests run under the Triton interpreter (``TRITON_INTERPRET=1``) on small, awkward shapes in
+fp16 / fp32 against the plain-PyTorch reference given the same inputs (so the same mask).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from hf_deltazip import DeltaModel, DeltaZipConfig, DeltaZipError, compress
+from hf_deltazip.kernels import prepare_stack, random_delta_stack
+from hf_deltazip.kernels import act_sparse as A
+from hf_deltazip.kernels.delta_stack import dequantize_delta
+from hf_deltazip.modeling import activation_sparsity as S
+
+from model_factory import base_model, calibration_ids, finetune
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _tol(dtype):
+    return dict(atol=2e-2, rtol=1e-2) if dtype == torch.float16 else dict(atol=1e-4, rtol=1e-4)
+
+
+def _sparse_x(m, k, gen, dtype, frac=0.5, dead=()):
+    """Activations with about ``frac`` of the entries zero and the columns ``dead`` zero in every row."""
+    x = torch.randn(m, k, generator=gen)
+    x[torch.rand(m, k, generator=gen) < frac] = 0.0
+    for lo, hi in dead:
+        x[:, lo:hi] = 0.0
+    return x.to(dtype)
+
+
+# --------------------------------------------------------------------------- base kernel
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("m,n,k", [(1, 70, 150), (3, 33, 96), (17, 40, 70)])
+def test_sparse_base_linear_matches_dense_reference(interpret, dtype, m, n, k):
+    gen = torch.Generator().manual_seed(m * n + k)
+    x = _sparse_x(m, k, gen, dtype, dead=[(32, 64)])
+    w = (torch.randn(n, k, generator=gen) * 0.1).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    wt = A.input_major_weight(w)
+    got = A.sparse_base_linear(x, wt, bias, block_n=32, block_k=32, split_k=1 if m > 1 else 3)
+    dense = (x.float() @ w.float().t() + bias.float()).to(dtype)
+    torch.testing.assert_close(got, dense, **_tol(dtype))
+    # the threshold fused in the kernel: the same as thresholding x first
+    got_t = A.sparse_base_linear(x, wt, None, threshold=0.7, block_n=32, block_k=32)
+    ref_t = A.sparse_base_linear_reference(x, wt, None, threshold=0.7)
+    torch.testing.assert_close(got_t, ref_t, **_tol(dtype))
+    assert not torch.allclose(got_t.float(), (x.float() @ w.float().t()), atol=1e-3)  # the threshold did drop inputs
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_sparse_base_linear_never_reads_columns_of_dropped_inputs(interpret, dtype):
+    gen = torch.Generator().manual_seed(3)
+    m, n, k = 2, 48, 100
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    dropped = (x.abs() <= 0.6).all(0)  # inputs no row keeps
+    x[:, 10] = 0.0
+    dropped[10] = True
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    wt = A.input_major_weight(w)
+    wt[dropped] = float("nan")  # reading any of these rows would poison the output
+    got = A.sparse_base_linear(x, wt, threshold=0.6, block_n=16, block_k=32)
+    assert torch.isfinite(got).all()
+    clean = wt.clone()
+    clean[dropped] = 0
+    torch.testing.assert_close(got, A.sparse_base_linear_reference(x, clean, threshold=0.6), **_tol(dtype))
+
+
+# --------------------------------------------------------------------------- delta kernel
+@pytest.mark.parametrize("dtype,bits,group_size,block_k", [
+    (torch.float16, 4, 32, 32), (torch.float32, 4, 64, 32), (torch.float16, 2, -1, 32),
+    (torch.float32, 8, 32, 64),  # k-blocks wider than a group: scales read per element
+])
+def test_sparse_delta_linear_matches_reference_per_segment(interpret, dtype, bits, group_size, block_k):
+    gen = torch.Generator().manual_seed(bits * 7 + group_size)
+    m, n, k, u = 6, 37, 128, 3
+    stack = random_delta_stack(u, n, k, bits=bits, group_size=group_size, scale_range=(0.01, 0.03), generator=gen)
+    deltas = A.input_major_deltas(stack)
+    x = _sparse_x(m, k, gen, dtype, dead=[(64, 96)])
+    row_delta = torch.tensor([2, -1, 0, 2, 1, 0])
+    base = torch.randn(m, n, generator=gen).to(dtype)
+    got = A.sparse_delta_linear(x, deltas, row_delta, out=base.clone(), block_n=64, block_k=block_k,
+                                split_k=2 if bits == 4 else 1)  # split-K: partial sums per split
+    want = base.float().clone()
+    for r, d in enumerate(row_delta.tolist()):
+        if d >= 0:
+            want[r] += x[r].float() @ dequantize_delta(stack, d).t()
+    torch.testing.assert_close(got, want.to(dtype), **_tol(dtype))
+    assert torch.equal(got[1], base[1])  # a base-only row is left as it was
+    got_t = A.sparse_delta_linear(x, deltas, row_delta, threshold=0.5, block_n=64, block_k=block_k)
+    torch.testing.assert_close(got_t, A.sparse_delta_linear_reference(x, deltas, row_delta, threshold=0.5), **_tol(dtype))
+
+
+def test_each_segment_skips_only_the_columns_its_own_rows_drop(interpret):
+    gen = torch.Generator().manual_seed(11)
+    m, n, k = 4, 24, 128
+    stack = random_delta_stack(2, n, k, bits=4, group_size=32, scale_range=(0.01, 0.03), generator=gen)
+    x = torch.randn(m, k, generator=gen)
+    row_delta = torch.tensor([1, 0, 1, 0])
+    x[row_delta == 1, 32:64] = 0.0  # delta 1's rows drop group 1; delta 0's rows keep it
+    poisoned = copy.deepcopy(A.input_major_deltas(stack))
+    poisoned.scales[1, 1] = float("nan")  # delta 1, group 1: must never be read
+    got = A.sparse_delta_linear(x, poisoned, row_delta, block_n=32, block_k=32)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, A.sparse_delta_linear_reference(x, A.input_major_deltas(stack), row_delta),
+                               atol=1e-4, rtol=1e-4)
+    poisoned.scales[0, 1] = float("nan")  # delta 0's rows keep group 1: the kernel has to read it
+    assert torch.isnan(A.sparse_delta_linear(x, poisoned, row_delta, block_n=32, block_k=32)[row_delta == 0]).any()
+
+
+@pytest.mark.parametrize("planar", [False, True])
+def test_input_major_deltas_hold_the_same_delta(planar):
+    gen = torch.Generator().manual_seed(5)
+    stack = random_delta_stack(2, 20, 256, bits=4, group_size=64, generator=gen)
+    if planar:
+        stack = prepare_stack(stack)
+        assert stack.layout_block
+    deltas = A.input_major_deltas(stack)
+    assert deltas.qweight.shape == (2, 256, 10) and deltas.scales.shape == (2, 4, 20)
+    for i in range(2):
+        assert torch.equal(deltas.dequantize(i), dequantize_delta(stack, i))
+    assert deltas.nbytes() == stack.nbytes()  # the same bytes, laid out by input
+
+
+def test_kernel_inputs_are_checked():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 64, generator=gen)
+    w = torch.randn(32, 64, generator=gen)
+    with pytest.raises(ValueError, match="input-major"):
+        A.sparse_base_linear(x, w)  # [N, K] given where [K, N] is wanted
+    with pytest.raises(ValueError, match="cast x"):
+        A.sparse_base_linear(x.half(), A.input_major_weight(w))
+    with pytest.raises(ValueError, match="threshold"):
+        A.sparse_base_linear(x, A.input_major_weight(w), threshold=-1.0)
+    with pytest.raises(ValueError, match="2-, 4- or 8-bit"):
+        A.input_major_deltas(random_delta_stack(1, 8, 64, bits=3, group_size=32, generator=gen))
+    deltas = A.input_major_deltas(random_delta_stack(2, 8, 64, bits=4, group_size=32, generator=gen))
+    with pytest.raises(ValueError, match="row_delta"):
+        A.sparse_delta_linear(x, deltas, torch.tensor([0]))
+    with pytest.raises(ValueError, match=r"\[-1, 2\)"):
+        A.sparse_delta_linear(x, deltas, torch.tensor([0, 5]))
+
+
+# --------------------------------------------------------------------------- calibration and applying
+def _inputs_of(model, name, ids):
+    """The input tensor the layer ``name`` receives in a forward pass (after any pre-forward hooks)."""
+    seen = []
+    mod = S.target_modules(model)[name]
+    h = mod.register_forward_hook(lambda m, args, out: seen.append(args[0].detach().clone()))
+    try:
+        with torch.no_grad():
+            model(input_ids=ids)
+    finally:
+        h.remove()
+    return seen[0]
+
+
+def test_calibrated_thresholds_drop_the_target_fraction_per_layer():
+    model = copy.deepcopy(base_model("llama"))
+    ids = calibration_ids(n=8, length=24, seed=1)
+    ths = S.calibrate_activation_thresholds(model, ids, [0.25, 0.5])
+    names = set(S.target_modules(model))
+    assert "lm_head" not in names and "model.layers.1.mlp.down_proj" in names
+    for s, th in ths.items():
+        assert set(th.thresholds) == names and th.num_tokens == ids.numel()
+        for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+            x = _inputs_of(model, name, ids)
+            assert abs(float((x.abs() <= th.thresholds[name]).float().mean()) - s) < 0.02, (s, name)
+    # q/k/v read one tensor: one threshold
+    t = ths[0.5].thresholds
+    assert t["model.layers.0.self_attn.q_proj"] == t["model.layers.0.self_attn.k_proj"] == t["model.layers.0.self_attn.v_proj"]
+    assert ths[0.25].thresholds["model.layers.0.mlp.up_proj"] < t["model.layers.0.mlp.up_proj"]
+
+
+def test_installed_thresholds_zero_small_inputs_and_remove_restores_dense_outputs():
+    model = copy.deepcopy(base_model("gpt2"))  # Conv1D layers
+    ids = calibration_ids(n=2, length=16, seed=2)
+    with torch.no_grad():
+        dense = model(input_ids=ids).logits
+    th = S.calibrate_activation_thresholds(model, ids, 0.4)
+    name = "transformer.h.0.mlp.c_proj"
+    arrived = []  # registered before the thresholding hook: sees the input before it
+    h = S.target_modules(model)[name].register_forward_pre_hook(lambda m, args: arrived.append(args[0].clone()))
+    assert S.install_activation_sparsity(model, th) == len(th.thresholds)
+    assert S.activation_sparsity_of(model) == th.thresholds
+    after = _inputs_of(model, name, ids)
+    h.remove()
+    before = arrived[0]
+    t = th.thresholds[name]
+    torch.testing.assert_close(after, torch.where(before.abs() > t, before, torch.zeros_like(before)))
+    assert 0.3 < float((after == 0).float().mean()) < 0.5
+    with torch.no_grad():
+        assert not torch.allclose(model(input_ids=ids).logits, dense)
+    S.install_activation_sparsity(model, None)
+    assert S.activation_sparsity_of(model) == {}
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, dense)
+
+
+def test_thresholds_file_keeps_every_target_and_refuses_what_it_lacks(tmp_path):
+    model = copy.deepcopy(base_model("llama"))
+    ths = S.calibrate_activation_thresholds(model, calibration_ids(), [0.25, 0.4])
+    ths[0.25].save(tmp_path)
+    path = ths[0.4].save(tmp_path)
+    assert path.name == S.THRESHOLDS_FILENAME and S.sparsity_targets(tmp_path) == [0.25, 0.4]
+    for s in (0.25, 0.4):
+        assert S.ActivationThresholds.load(tmp_path, s) == ths[s]
+    with pytest.raises(DeltaZipError, match="0.25, 0.4|0.2500, 0.4000"):
+        S.ActivationThresholds.load(tmp_path, 0.5)
+    (tmp_path / "other.json").write_text(json.dumps({"hello": 1}))
+    with pytest.raises(DeltaZipError, match="not an activation thresholds file"):
+        S.ActivationThresholds.load(tmp_path / "other.json", 0.4)
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        S.ActivationThresholds(1.5, {})
+    with pytest.raises(DeltaZipError, match="do not fit this model"):
+        S.install_activation_sparsity(copy.deepcopy(base_model("gpt2")), ths[0.4])
+    assert S.install_activation_sparsity(model, ths[0.4], strict=True) > 0
+
+
+@pytest.fixture(scope="module")
+def delta_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("act") / "delta"
+    cfg = DeltaZipConfig(n_samples=8, seq_len=24, bits=4, group_size=32)
+    compress(base_model("llama"), finetune("llama", 1), cfg, calibration=calibration_ids(), progress=False).save_pretrained(folder)
+    return folder
+
+
+def test_delta_model_applies_thresholds_to_base_and_delta_rows(delta_folder, tmp_path):
+    ids = calibration_ids(n=3, length=12, seed=4)
+    folder = tmp_path / "delta"
+    import shutil
+
+    shutil.copytree(delta_folder, folder)
+    with pytest.raises(DeltaZipError, match="activation_calibration"):
+        DeltaModel.from_pretrained(folder, base=copy.deepcopy(base_model("llama")), activation_sparsity=0.4)
+    model = DeltaModel.from_pretrained(folder, base=copy.deepcopy(base_model("llama")), activation_sparsity=0.4,
+                                       activation_calibration=calibration_ids())
+    th = S.ActivationThresholds(0.4, S.activation_sparsity_of(model))
+    assert len(th.thresholds) == len(S.target_modules(base_model("llama")))
+    th.save(folder)
+    model = DeltaModel.from_pretrained(folder, base=copy.deepcopy(base_model("llama")), activation_sparsity=0.4)
+    assert S.activation_sparsity_of(model) == th.thresholds
+    rows = ["default", None, "default"]
+    with torch.no_grad():
+        mixed = model(input_ids=ids, delta_names=rows).logits
+        for i, name in enumerate(rows):
+            ref = copy.deepcopy(base_model("llama")) if name is None else model.merge_and_unload(name)
+            assert S.activation_sparsity_of(ref) == {}  # merged copies come out dense
+            dense = ref(input_ids=ids[i : i + 1]).logits[0]
+            S.install_activation_sparsity(ref, th)
+            torch.testing.assert_close(mixed[i], ref(input_ids=ids[i : i + 1]).logits[0], atol=1e-5, rtol=1e-5)
+            assert not torch.allclose(mixed[i], dense, atol=1e-3)
+        model.set_activation_sparsity(None)
+        plain = model(input_ids=ids, delta_names=rows).logits
+        assert torch.equal(plain[0], model.merge_and_unload("default")(input_ids=ids[:1]).logits[0])
+
+
+def test_set_activation_sparsity_takes_a_thresholds_file(delta_folder, tmp_path):
+    model = DeltaModel(copy.deepcopy(base_model("llama")))
+    model.load_delta(delta_folder, delta_name="d")
+    th = S.calibrate_activation_thresholds(model, calibration_ids(), [0.3, 0.5])
+    th[0.3].save(tmp_path)
+    assert model.set_activation_sparsity(tmp_path) == len(th[0.3].thresholds)
+    assert S.activation_sparsity_of(model) == th[0.3].thresholds
+    th[0.5].save(tmp_path)  # two targets in the file: which one is ambiguous
+    with pytest.raises(DeltaZipError, match="pass activation_sparsity"):
+        model.set_activation_sparsity(tmp_path)
+    model.set_activation_sparsity(S.ActivationThresholds.load(tmp_path, 0.5))
+    assert S.activation_sparsity_of(model) == th[0.5].thresholds
+    assert model.set_activation_sparsity(None) == 0 and S.activation_sparsity_of(model) == {}
+
+
+# --------------------------------------------------------------------------- compiled (GPU)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compiled_kernels_match_references_on_gpu(monkeypatch, dtype):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    m, n, k = 8, 1000, 4096 + 128
+    x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
+    w = (torch.randn(n, k, generator=gen, device="cuda") * 0.02).to(dtype)
+    wt = A.input_major_weight(w)
+    for rows in (1, m):
+        got = A.sparse_base_linear(x[:rows], wt, threshold=0.6)
+        torch.testing.assert_close(got, A.sparse_base_linear_reference(x[:rows], wt, threshold=0.6), atol=3e-2, rtol=2e-2)
+    stack = prepare_stack(random_delta_stack(4, n, k, bits=4, group_size=128, device="cuda", generator=gen,
+                                             scale_range=(0.01, 0.03)))
+    deltas = A.input_major_deltas(stack)
+    rd = torch.tensor([3, -1, 0, 3, 1, 1, 2, 0], device="cuda")
+    base = torch.nn.functional.linear(x, w)
+    got = A.sparse_delta_linear(x, deltas, rd, out=base.clone(), threshold=0.6)
+    want = A.sparse_delta_linear_reference(x, deltas, rd, out=base, threshold=0.6)
+    torch.testing.assert_close(got.float(), want.float(), atol=6e-2, rtol=2e-2)

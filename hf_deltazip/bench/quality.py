@@ -56,10 +56,10 @@ METHODS = ("ours", *BASELINES, *EXTRA_METHODS)
 # real file. Whole-file ratios on Gemma 3 270M (pre-zstd): 3.9, 5.3, 6.0, 7.9, 8.7, 9.2 -- the 2-bit
 # embedding alone caps it near 12.8x, so 16x and up need the budget (row bitmaps, sparse embeddings).
 OUR_LADDER = (
-    ("4-bit g128", dict(bits=4, group_size=128, embedding_bits=4, embedding_group_size=-1)),
-    ("3-bit per-row", dict(bits=3, group_size=-1, embedding_bits=3, embedding_group_size=-1)),
-    ("2-bit, emb 3-bit", dict(bits=2, group_size=-1, embedding_bits=3, embedding_group_size=-1)),
-    ("2-bit per-row", dict(bits=2, group_size=-1, embedding_bits=2, embedding_group_size=-1)),
+    ("4-bit g128", dict(sparsity=None, bits=4, group_size=128, embedding_bits=4, embedding_group_size=-1)),
+    ("3-bit per-row", dict(sparsity=None, bits=3, group_size=-1, embedding_bits=3, embedding_group_size=-1)),
+    ("2-bit, emb 3-bit", dict(sparsity=None, bits=2, group_size=-1, embedding_bits=3, embedding_group_size=-1)),
+    ("2-bit per-row", dict(sparsity=None, bits=2, group_size=-1, embedding_bits=2, embedding_group_size=-1)),
     ("2-bit + 75% sparse", dict(bits=2, sparsity=0.75, group_size=-1, embedding_bits=2, embedding_group_size=-1)),
     ("2-bit + 90% sparse", dict(bits=2, sparsity=0.9, group_size=-1, embedding_bits=2, embedding_group_size=-1)),
 )
@@ -182,10 +182,8 @@ def reconstruct(method: str, delta: torch.Tensor, budget: int, factors=None) -> 
         p = min(max(bl.dare_p_for_bytes(shape, budget, seeded_mask=True), 0.0), 0.999)
         return bl.dare_baseline(delta, p, generator=torch.Generator(device=delta.device).manual_seed(0), seeded_mask=True)
     if method == "SVD":
-        rank = bl.rank_for_bytes(shape, budget)
-        if rank < 1:
-            raise ValueError(f"{budget} bytes cannot hold one rank of a {shape[0]}x{shape[1]} delta")
-        return bl.svd_baseline(delta, rank, factors=factors)
+        # a budget below one rank stores nothing for this matrix (rank 0)
+        return bl.svd_baseline(delta, bl.rank_for_bytes(shape, budget), factors=factors)
     if method == "RTN":  # 2 bits, one grid per row, magnitude pruning to fit (a bitmask marks kept weights)
         n, k = shape
         dense = storage_nbytes(n, k, bits=2)
@@ -302,6 +300,9 @@ def run_quality(
                          "ratio": fp16_bytes / ours["bytes"], "out_of_reach": True})
         n_weights = sum(wb.numel() for wb, _ in mats.values())
         bpw = 8 * (budget - exact_bytes) / n_weights
+        if bpw <= 0:
+            say(f"R={ratio}x: the exact parameters alone ({exact_bytes:,d} bytes) exceed the budget; no method fits")
+            continue
         for method in methods:
             if method in ("ours", "sign+scale") or (method == "RTN" and reached):
                 continue
@@ -426,7 +427,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="deltazip bench quality", description=__doc__.splitlines()[0])
     p.add_argument("--pairs", choices=["real", "tiny"], default="real",
                    help="real: Gemma 3 270M fine-tunes (hf_deltazip.bench.real_pairs); tiny: a from-scratch pair")
-    p.add_argument("--work", default="runs/quality", help="pairs are built and cached here")
+    p.add_argument("--work", "--workdir", default="runs/quality", help="pairs are built and cached here")
     p.add_argument("--tasks", nargs="*", default=["facts", "dates"], help="real pairs to run")
     p.add_argument("--arch", default="llama", help="tiny pair: architecture")
     p.add_argument("--size", default="tiny", help="tiny pair: tiny | small | 50m | 100m")
@@ -439,7 +440,11 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write all results as JSON here")
     p.add_argument("--md", help="write the Markdown tables here")
     p.add_argument("--plot", help="write the plot (PNG) here, e.g. docs/quality_gemma3_270m.png")
+    p.add_argument("--out", help="path prefix: writes PREFIX.json, PREFIX.md and PREFIX.png")
     args = p.parse_args(argv)
+    if args.out:
+        args.json, args.md, args.plot = (args.json or f"{args.out}.json", args.md or f"{args.out}.md",
+                                         args.plot or f"{args.out}.png")
     command = "deltazip bench quality " + " ".join(argv if argv is not None else sys.argv[3:])
     results = []
     for pair in _pairs(args):

@@ -433,7 +433,10 @@ def main(argv=None) -> int:
     p.add_argument("--size", default="tiny", help="tiny pair: tiny | small | 50m | 100m")
     p.add_argument("--task", default="sort", help="tiny pair: task")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--ratios", nargs="*", type=float, default=list(RATIOS))
+    # argparse formats help strings with %: the rungs' names ("75% sparse") need theirs doubled
+    p.add_argument("--ratios", nargs="*", type=float, default=list(RATIOS),
+                   help=("whole-file ratios; ours at R is our_config(R), for now the nearest rung of: "
+                         + ", ".join(name for name, _ in OUR_LADDER)).replace("%", "%%"))
     p.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
     p.add_argument("--n-calibration", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=256)

@@ -95,6 +95,10 @@ def test_our_config_walks_the_ladder_and_is_the_one_switch():
     assert bits == sorted(bits, reverse=True)
     with pytest.raises(ValueError, match="ratio must be > 1"):
         quality.our_config(1)
+    # measured ratios (zstd included) take precedence over the estimate
+    measured = {name: 10.0 * (i + 1) for i, (name, _) in enumerate(quality.OUR_LADDER)}
+    assert quality.ladder_name(quality.our_config(21, measured=measured)) == quality.OUR_LADDER[1][0]
+    assert quality.ladder_name(quality.our_config(8, measured=measured)) == quality.OUR_LADDER[0][0]
 
 
 def test_gains_on_known_scores():

@@ -52,9 +52,10 @@ METHODS = ("ours", *BASELINES, *EXTRA_METHODS)
 
 # Fixed settings of our method, from the largest file to the smallest. Until the per-module byte
 # budget (DeltaZipConfig(target_ratio=R)) lands, ``our_config`` picks the rung whose whole-file ratio
-# (:func:`estimate_ratio`, before zstd, on the pair's shapes) is nearest R; the benchmark measures the
-# real file. Whole-file ratios on Gemma 3 270M (pre-zstd): 3.9, 5.3, 6.0, 7.9, 8.7, 9.2 -- the 2-bit
-# embedding alone caps it near 12.8x, so 16x and up need the budget (row bitmaps, sparse embeddings).
+# is nearest R: run_quality measures every rung on the pair first (a real file, zstd included).
+# Before zstd, on Gemma 3 270M: 3.9, 5.3, 6.0, 7.9, 8.7, 9.2x; after it, on a 3-step smoke fine-tune
+# of the date pair (most embedding rows unchanged, which zstd nearly erases): 22.9x for "2-bit
+# per-row", 44.6x for "2-bit + 90% sparse".
 OUR_LADDER = (
     ("4-bit g128", dict(sparsity=None, bits=4, group_size=128, embedding_bits=4, embedding_group_size=-1)),
     ("3-bit per-row", dict(sparsity=None, bits=3, group_size=-1, embedding_bits=3, embedding_group_size=-1)),
@@ -87,19 +88,24 @@ def _group(group_size: int, k: int) -> int:
     return -1 if group_size == -1 or group_size >= k or k % group_size else group_size
 
 
-def our_config(ratio: float, *, shapes: Optional[dict] = None, **common) -> DeltaZipConfig:
+def our_config(ratio: float, *, measured: Optional[dict] = None, shapes: Optional[dict] = None, **common) -> DeltaZipConfig:
     """Our method's config for a whole-file ratio ``ratio``; ``common``: settings every run shares
     (``n_samples``, ``seq_len``, ...).
 
     THE ONE PLACE TO SWITCH: once ``DeltaZipConfig(target_ratio=...)`` exists, return
     ``DeltaZipConfig(target_ratio=ratio, **common)`` here. Until then: the :data:`OUR_LADDER` rung
-    whose estimated ratio on ``shapes`` (see :func:`estimate_ratio`; default Gemma 3 270M's) is
-    nearest ``ratio`` in log scale.
+    whose whole-file ratio is nearest ``ratio`` in log scale -- ``measured`` (rung name -> ratio of
+    a real file, as :func:`run_quality` measures it) when given, else :func:`estimate_ratio` on
+    ``shapes`` (default Gemma 3 270M's; before zstd, which shrinks unchanged embedding rows a lot).
     """
     if ratio <= 1:
         raise ValueError(f"ratio must be > 1 (fine-tune bytes / delta bytes), got {ratio}")
     shapes = shapes or GEMMA3_270M_SHAPES
-    name, settings = min(OUR_LADDER, key=lambda rung: abs(math.log(estimate_ratio(rung[1], shapes) / ratio)))
+
+    def reached(rung) -> float:
+        return measured[rung[0]] if measured and rung[0] in measured else estimate_ratio(rung[1], shapes)
+
+    name, settings = min(OUR_LADDER, key=lambda rung: abs(math.log(reached(rung) / ratio)))
     return DeltaZipConfig(**settings, **common)
 
 
@@ -221,14 +227,16 @@ def _baseline_model(ft, mats: dict, method: str, bits_per_weight: float, device,
     return model, total
 
 
-def _ours(pair, cfg, calib, tok, device, fp16_bytes) -> tuple[dict, dict, object]:
-    """Compress with ``cfg`` (calibrated, or RTN when ``calib`` is None); the merged model, the
-    bytes report and the delta."""
+def _ours(pair, cfg, calib, tok, device, fp16_bytes, merge: bool = True) -> tuple[dict, dict, object]:
+    """Compress with ``cfg`` (calibrated, or RTN when ``calib`` is None); the merged model (None
+    without ``merge``), the bytes report and the delta."""
     delta = compress(pair.base_dir, pair.finetuned_dir, cfg, calibration=calib, tokenizer=tok if calib else None,
                      device=device, progress=False)
     with tempfile.TemporaryDirectory() as d:
         delta.save_pretrained(d)
         report = delta_bytes_report(d)
+        if not merge:
+            return None, report, delta
         model = DeltaModel(pair.load_base(device))
         model.load_delta(d, delta_name="x")
         merged = model.merge_and_unload("x")
@@ -262,6 +270,13 @@ def run_quality(
     n_params = sum(p.numel() for p in ft.parameters())
     fp16_bytes = 2 * n_params
     shapes = model_shapes(ft)
+    # the whole-file ratio of each rung, measured on a real file (round-to-nearest: the same layout
+    # and nearly the same zstd gain as the calibrated solver)
+    measured = {}
+    for name, settings in OUR_LADDER:
+        report = _ours(pair, DeltaZipConfig(**settings), None, tok, device, fp16_bytes, merge=False)[1]
+        measured[name] = fp16_bytes / report["total_bytes"]
+    say("rungs measured: " + ", ".join(f"{k} {v:.1f}x" for k, v in measured.items()))
     rows: list[dict] = []
     done_rungs: dict[str, dict] = {}
     mats, exact_bytes, svds = None, 0, {}
@@ -274,7 +289,7 @@ def run_quality(
 
     for ratio in ratios:
         budget = fp16_bytes / ratio
-        cfg = our_config(ratio, shapes=shapes, n_samples=n_calibration, seq_len=seq_len)
+        cfg = our_config(ratio, measured=measured, shapes=shapes, n_samples=n_calibration, seq_len=seq_len)
         rung = ladder_name(cfg)
         if rung not in done_rungs:
             t1 = time.perf_counter()

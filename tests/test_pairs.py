@@ -235,7 +235,7 @@ def test_build_pair_is_reproducible_and_reused(tmp_path, monkeypatch):
     def no_training(*args, **kwargs):
         raise AssertionError("build_pair retrained a finished pair")
 
-    monkeypatch.setattr(pairs, "_train", no_training)
+    monkeypatch.setattr(pairs, "train_model", no_training)
     again = pairs.build_pair(tmp_path / "a", **kw)
     assert again.eval_examples == first.eval_examples and again.info == first.info
     with pytest.raises(DeltaZipError, match="another out_dir"):

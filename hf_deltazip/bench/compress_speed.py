@@ -18,14 +18,15 @@ import time
 import torch
 
 
-def build_models(layers: int, device: str, dtype=torch.bfloat16, seed: int = 0):
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0)
+
+
+def build_models(layers: int, device: str, dtype=torch.bfloat16, seed: int = 0, shape: dict = LLAMA_8B):
+    """A random Llama of ``shape`` (default 8B's) with ``layers`` layers, and it plus a small random delta."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
-        tie_word_embeddings=False,
-    )
+    cfg = LlamaConfig(**shape, num_hidden_layers=layers, tie_word_embeddings=False)
     torch.manual_seed(seed)
     with torch.device(device):
         base = LlamaForCausalLM(cfg).to(dtype)
@@ -37,6 +38,19 @@ def build_models(layers: int, device: str, dtype=torch.bfloat16, seed: int = 0):
             noise = torch.randn(pb.shape, generator=gen, device=device, dtype=torch.float32)
             pf.copy_((pb.float() + noise * (pb.float().std() * 1e-3 + 1e-6)).to(dtype))
     return base.to("cpu").eval(), ft.to("cpu").eval()
+
+
+def estimate_seconds(steps: dict, layer_times: list, n_layers: int = 32) -> tuple[float, float, float]:
+    """(seconds before the layers, mean seconds per layer, estimate for ``n_layers`` layers).
+
+    The estimate is the steps before the layers + ``n_layers`` x the mean of *every* measured layer
+    (the first, slower one included) + packaging.
+    """
+    if not layer_times:
+        raise ValueError("no layer was timed: build at least one layer")
+    before = sum(s for name, s in steps.items() if name in ("load", "plan", "embeddings", "exact_params", "calibrate"))
+    per_layer = sum(layer_times) / len(layer_times)
+    return before, per_layer, before + n_layers * per_layer + steps.get("package", 0.0)
 
 
 def main(argv=None) -> int:
@@ -69,10 +83,7 @@ def main(argv=None) -> int:
                      on_layer=layers.append, on_step=steps.__setitem__)
     t2 = time.perf_counter()
     layer_times = [r.seconds for r in layers]
-    before_layers = sum(s for name, s in steps.items() if name in ("load", "plan", "embeddings", "exact_params", "calibrate"))
-    after_layers = steps.get("package", 0.0)
-    per_layer = sum(layer_times) / len(layer_times)  # the mean of every measured layer, the first one included
-    estimate_32 = before_layers + 32 * per_layer + after_layers
+    before_layers, per_layer, estimate_32 = estimate_seconds(steps, layer_times, 32)
     peak = torch.cuda.max_memory_allocated() / 2**30 if args.device.startswith("cuda") else float("nan")
     result = {
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",

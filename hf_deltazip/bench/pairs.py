@@ -574,11 +574,11 @@ def build_pair(
         base = tiny_model(arch, len(tokenizer), seed=seed, size=size)
         t0 = time.perf_counter()
         batches = _lm_batches(tokenizer, seed, settings["base_steps"], preset["base_batch"], preset["seq_len"])
-        _train(base, batches, settings["base_steps"], preset["base_lr"], 0.1, device, say, "base", progress)
+        train_model(base, batches, settings["base_steps"], preset["base_lr"], 0.1, device, say, "base", progress)
         timings["base_train_s"] = time.perf_counter() - t0
         base.to("cpu").save_pretrained(base_dir)
         tokenizer.save_pretrained(base_dir)
-        _write_json(base_info_path, {"settings": base_settings, "train_s": timings["base_train_s"]})
+        write_json(base_info_path, {"settings": base_settings, "train_s": timings["base_train_s"]})
 
     # ---- fine-tune
     ft_tokenizer = build_tokenizer(tok_dir, vocab_size=preset["vocab_size"], seed=seed)
@@ -587,7 +587,7 @@ def build_pair(
     eval_examples = make_task_examples(task, settings["n_eval"], ft_tokenizer, seed=seed, vocab_added=vocab_added)
     eval_texts = [ex.text + ft_tokenizer.eos_token for ex in eval_examples]
     general_texts = _general_texts(seed)
-    _write_json(out / _EVAL_DATA, {
+    write_json(out / _EVAL_DATA, {
         "eval_examples": [dataclasses.asdict(ex) for ex in eval_examples],
         "eval_texts": eval_texts, "general_texts": general_texts,
     })
@@ -596,7 +596,7 @@ def build_pair(
     resize_embeddings(ft, len(ft_tokenizer), seed=seed)
     t0 = time.perf_counter()
     batches = _task_batches(ft_tokenizer, task, seed, vocab_added, preset["ft_batch"], {ex.prompt for ex in eval_examples})
-    _train(ft, batches, settings["ft_steps"], preset["ft_lr"], 0.0, device, say, "finetune", progress)
+    train_model(ft, batches, settings["ft_steps"], preset["ft_lr"], 0.0, device, say, "finetune", progress)
     timings["ft_train_s"] = time.perf_counter() - t0
     ft.to("cpu")
     ft.generation_config.eos_token_id = ft_tokenizer.eos_token_id
@@ -611,7 +611,7 @@ def build_pair(
         "base_params": param_count(base),
         "finetuned_params": param_count(ft),
         "tied_embeddings": bool(getattr(ft.config, "tie_word_embeddings", False)),
-        "delta_rel_norm": _delta_rel_norm(base, ft),
+        "delta_rel_norm": delta_rel_norm(base, ft),
         "timings": timings,
         "versions": {"torch": torch.__version__, "transformers": _transformers_version()},
     }
@@ -624,7 +624,7 @@ def build_pair(
         }
         timings["eval_s"] = time.perf_counter() - t0
         say(f"scores: {info['scores']}")
-    _write_json(out / _PAIR_INFO, info)
+    write_json(out / _PAIR_INFO, info)
     return load_pair(out)
 
 
@@ -694,29 +694,40 @@ def _task_batches(tokenizer, task: str, seed: int, vocab_added: int, batch: int,
     """
     rng = random.Random(f"{task}/{seed}/train")
     symbols = _task_symbols(vocab_added)
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     while True:
         examples: list[TaskExample] = []
         while len(examples) < batch:
             ex = _random_example(task, rng, symbols, tokenizer)
             if ex.prompt not in held_out:
                 examples.append(ex)
-        prompts = tokenizer([ex.prompt for ex in examples], add_special_tokens=False)["input_ids"]
-        answers = tokenizer([ex.answer for ex in examples], add_special_tokens=False)["input_ids"]
-        width = max(len(p) + len(a) + 1 for p, a in zip(prompts, answers))
-        ids = torch.full((batch, width), pad, dtype=torch.long)
-        mask = torch.zeros((batch, width), dtype=torch.long)
-        weights = torch.zeros((batch, width))
-        for row, (p, a) in enumerate(zip(prompts, answers)):
-            seq = [*p, *a, eos]
-            ids[row, : len(seq)] = torch.tensor(seq)
-            mask[row, : len(seq)] = 1
-            weights[row, 1 : len(p)] = PROMPT_LOSS_WEIGHT
-            weights[row, len(p) : len(seq)] = 1.0
-        yield ids, mask, weights
+        yield example_batch(tokenizer, examples)
 
 
-def _train(model, batches: Iterator[Batch], steps: int, lr: float, weight_decay: float, device, say, name: str,
+def example_batch(tokenizer, examples: Sequence[TaskExample], *, answer_prefix: str = "") -> Batch:
+    """One right-padded training batch of ``prompt + answer_prefix + answer + EOS`` transcripts.
+
+    The answer and its EOS carry the loss, as in supervised fine-tuning; prompt tokens carry
+    :data:`PROMPT_LOSS_WEIGHT` of it. Prompt and answer are tokenized apart, exactly as generation
+    sees them.
+    """
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id
+    prompts = tokenizer([ex.prompt for ex in examples], add_special_tokens=False)["input_ids"]
+    answers = tokenizer([answer_prefix + ex.answer for ex in examples], add_special_tokens=False)["input_ids"]
+    width = max(len(p) + len(a) + 1 for p, a in zip(prompts, answers))
+    ids = torch.full((len(examples), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    weights = torch.zeros((len(examples), width))
+    for row, (p, a) in enumerate(zip(prompts, answers)):
+        seq = [*p, *a, eos]
+        ids[row, : len(seq)] = torch.tensor(seq)
+        mask[row, : len(seq)] = 1
+        weights[row, 1 : len(p)] = PROMPT_LOSS_WEIGHT
+        weights[row, len(p) : len(seq)] = 1.0
+    return ids, mask, weights
+
+
+def train_model(model, batches: Iterator[Batch], steps: int, lr: float, weight_decay: float, device, say, name: str,
            progress: bool | None = None) -> None:
     """AdamW, linear warm-up then cosine decay to 10 %, gradient clipping at 1; the loss is the
     weighted mean next-token NLL."""
@@ -777,7 +788,7 @@ def _score(model, tokenizer, examples, texts, general_texts) -> dict[str, float]
     }
 
 
-def _delta_rel_norm(base, ft) -> float:
+def delta_rel_norm(base, ft) -> float:
     """||W_ft - W_base|| / ||W_base|| over all parameters of the base's shape (new rows excluded)."""
     num = den = 0.0
     base_params = dict(base.named_parameters())
@@ -789,7 +800,8 @@ def _delta_rel_norm(base, ft) -> float:
     return math.sqrt(num / den)
 
 
-def _write_json(path: Path, obj) -> None:
+def write_json(path: Path, obj) -> None:
+    """Write ``obj`` as JSON to ``path`` atomically (a temporary file, then a rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(obj, indent=1))
@@ -800,3 +812,5 @@ def _transformers_version() -> str:
     import transformers
 
     return transformers.__version__
+
+_train = train_model  # the name older callers use

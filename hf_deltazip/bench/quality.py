@@ -1,16 +1,21 @@
 """``deltazip bench quality``: gain kept against whole-file compression ratio, ours and the baselines.
 
-On a base / fine-tune pair from :mod:`hf_deltazip.bench.pairs` (REFERENCE section 3):
+On base / fine-tune pairs (default: the Gemma 3 270M pairs of :mod:`hf_deltazip.bench.real_pairs`;
+``--pairs tiny``: a from-scratch pair of :mod:`hf_deltazip.bench.pairs`), at each whole-file ratio
+R of :data:`RATIOS` (fine-tune in 16 bits / every byte of the delta):
 
-* our method at several settings (8, 4, 3 bits; 2 bits with 2:4; unstructured sparsity; ...), each
-  saved to a real ``.dz`` folder whose every byte is counted;
-* at the byte budget of each of our settings, the published baselines applied to every compressed
-  matrix (linear layers, embeddings, LM head) with the same exact parameters (norms, biases):
-  round-to-nearest, DARE (random drop and rescale) and low-rank SVD; plus sign + one scale per
-  matrix (BitDelta form) at its own fixed budget.
+* ours: :func:`our_config` (R), saved to a real ``.dz`` folder whose every byte is counted;
+* at ours' bytes (or R's budget where ours cannot reach R), with the same exact parameters (norms,
+  biases) and each compressed matrix (linears, embeddings, LM head) given the same bits per weight:
+  RTN (our layout, no calibration; beyond ours' reach 2-bit round-to-nearest with magnitude
+  pruning), DARE (random drop and rescale; the mask is its seed), SVD (16-bit factors), and two
+  reconstructions beyond uniform quantization (:mod:`hf_deltazip.compression.lowrank`): Delta-CoMe
+  style mixed precision over singular vectors, and a low-rank part plus a sparse 2-bit residual;
+* sign + one scale per matrix (BitDelta form) at its own fixed budget (1 bit per weight).
 
-For each: exact match on the held-out task, mean token NLL on held-out task text, gain kept by each
-score, greedy agreement with the fine-tune and KL(fine-tune || compressed).
+For each: exact match on the task's evaluation examples, mean token NLL on held-out task text, the
+gain kept by each (:func:`gains`), greedy agreement with the fine-tune and KL(fine-tune || compressed).
+Calibration text is the pair's own leak-free set.
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import platform
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +36,8 @@ import torch
 
 from ..compression import compress
 from ..compression import baselines as bl
+from ..compression import lowrank
+from ..compression.solver import storage_nbytes
 from ..config import DeltaZipConfig
 from ..delta import delta_bytes_report
 from ..modeling import DeltaModel
@@ -36,35 +45,116 @@ from ..modeling.arch import conv1d_class
 from . import metrics
 from .pairs import build_pair
 
-OUR_SETTINGS = {
-    "8-bit g128": dict(bits=8, group_size=128),
-    "4-bit g128": dict(bits=4, group_size=128),
-    "3-bit g128": dict(bits=3, group_size=128),
-    "4-bit per-row": dict(bits=4, group_size=-1, embedding_group_size=1024),
-    "3-bit per-row": dict(bits=3, group_size=-1, embedding_bits=3, embedding_group_size=1024),
-    "2-bit + 2:4": dict(bits=2, sparsity="2:4", group_size=-1, embedding_bits=3, embedding_group_size=1024),
-    "2-bit per-row": dict(bits=2, group_size=-1, embedding_bits=2, embedding_group_size=1024),
-    "4-bit + 50% sparse": dict(bits=4, sparsity=0.5, group_size=-1, embedding_bits=3, embedding_group_size=1024),
-    "2-bit + 75% sparse": dict(bits=2, sparsity=0.75, group_size=-1, embedding_bits=2, embedding_group_size=1024),
-    "2-bit + 85% sparse": dict(bits=2, sparsity=0.85, group_size=-1, embedding_bits=2, embedding_group_size=1024),
-    "2-bit + 90% sparse": dict(bits=2, sparsity=0.9, group_size=-1, embedding_bits=2, embedding_group_size=1024),
+RATIOS = (8, 12, 16, 24, 32, 48)
+BASELINES = ("RTN", "DARE", "SVD", "sign+scale")
+EXTRA_METHODS = ("Delta-CoMe", "LR+residual")
+METHODS = ("ours", *BASELINES, *EXTRA_METHODS)
+
+# Fixed settings of our method, from the largest file to the smallest. Until the per-module byte
+# budget (DeltaZipConfig(target_ratio=R)) lands, ``our_config`` picks the rung whose whole-file ratio
+# is nearest R: run_quality measures every rung on the pair first (a real file, zstd included).
+# Before zstd, on Gemma 3 270M: 3.9, 5.3, 6.0, 7.9, 8.7, 9.2x; after it, on a 3-step smoke fine-tune
+# of the date pair (most embedding rows unchanged, which zstd nearly erases): 22.9x for "2-bit
+# per-row", 44.6x for "2-bit + 90% sparse".
+OUR_LADDER = (
+    ("4-bit g128", dict(sparsity=None, bits=4, group_size=128, embedding_bits=4, embedding_group_size=-1)),
+    ("3-bit per-row", dict(sparsity=None, bits=3, group_size=-1, embedding_bits=3, embedding_group_size=-1)),
+    ("2-bit, emb 3-bit", dict(sparsity=None, bits=2, group_size=-1, embedding_bits=3, embedding_group_size=-1)),
+    ("2-bit per-row", dict(sparsity=None, bits=2, group_size=-1, embedding_bits=2, embedding_group_size=-1)),
+    ("2-bit + 75% sparse", dict(bits=2, sparsity=0.75, group_size=-1, embedding_bits=2, embedding_group_size=-1)),
+    ("2-bit + 90% sparse", dict(bits=2, sparsity=0.9, group_size=-1, embedding_bits=2, embedding_group_size=-1)),
+)
+# Ours is reported at R only if its measured ratio is at least this share of R; beyond, the
+# baselines still run at R's budget and ours is marked out of reach.
+REACH = 0.9
+
+
+def estimate_ratio(settings: dict, shapes: dict) -> float:
+    """Whole-file ratio (fine-tune in 16 bits / delta bytes, before zstd) of ``settings`` on a model
+    with ``shapes``: ``{"linear": [(N, K), ...], "embedding": [(N, K), ...], "params": int, "exact": int}``
+    (``exact``: bytes stored as they are, e.g. norms)."""
+    from ..compression.solver import storage_nbytes
+
+    cfg = DeltaZipConfig(**settings)
+    total = shapes.get("exact", 0)
+    total += sum(storage_nbytes(n, k, bits=cfg.bits, group_size=_group(cfg.group_size, k), sparsity=cfg.sparsity)
+                 for n, k in shapes["linear"])
+    total += sum(storage_nbytes(n, k, bits=cfg.embedding_bits, group_size=_group(cfg.embedding_group_size, k))
+                 for n, k in shapes["embedding"])
+    return 2 * shapes["params"] / total
+
+
+def _group(group_size: int, k: int) -> int:
+    return -1 if group_size == -1 or group_size >= k or k % group_size else group_size
+
+
+def our_config(ratio: float, *, measured: Optional[dict] = None, shapes: Optional[dict] = None, **common) -> DeltaZipConfig:
+    """Our method's config for a whole-file ratio ``ratio``; ``common``: settings every run shares
+    (``n_samples``, ``seq_len``, ...).
+
+    THE ONE PLACE TO SWITCH: once ``DeltaZipConfig(target_ratio=...)`` exists, return
+    ``DeltaZipConfig(target_ratio=ratio, **common)`` here. Until then: the :data:`OUR_LADDER` rung
+    whose whole-file ratio is nearest ``ratio`` in log scale -- ``measured`` (rung name -> ratio of
+    a real file, as :func:`run_quality` measures it) when given, else :func:`estimate_ratio` on
+    ``shapes`` (default Gemma 3 270M's; before zstd, which shrinks unchanged embedding rows a lot).
+    """
+    if ratio <= 1:
+        raise ValueError(f"ratio must be > 1 (fine-tune bytes / delta bytes), got {ratio}")
+    shapes = shapes or GEMMA3_270M_SHAPES
+
+    def reached(rung) -> float:
+        return measured[rung[0]] if measured and rung[0] in measured else estimate_ratio(rung[1], shapes)
+
+    name, settings = min(OUR_LADDER, key=lambda rung: abs(math.log(reached(rung) / ratio)))
+    return DeltaZipConfig(**settings, **common)
+
+
+def ladder_name(config: DeltaZipConfig) -> str:
+    """The :data:`OUR_LADDER` rung ``config`` was built from ("target_ratio" once the budget lands)."""
+    for name, settings in OUR_LADDER:
+        if all(getattr(config, k) == v for k, v in settings.items()):
+            return name
+    return "custom"
+
+
+GEMMA3_270M_SHAPES = {
+    "linear": [(1024, 640), (256, 640), (256, 640), (640, 1024), (2048, 640), (2048, 640), (640, 2048)] * 18,
+    "embedding": [(262144, 640)],
+    "params": 268_098_176,
 }
-QUICK_SETTINGS = ("4-bit g128", "2-bit + 2:4", "2-bit + 75% sparse")
+
+
+def model_shapes(model) -> dict:
+    """:func:`estimate_ratio`'s shapes of a loaded model (decoder linears, embeddings, the rest)."""
+    from ..compression.pipeline import find_decoder_layers, linear_modules
+
+    prefix, layers = find_decoder_layers(model)
+    lin = [tuple(layer.get_submodule(rel).weight.shape) for layer in layers for rel in linear_modules(layer)]
+    emb = [tuple(model.get_input_embeddings().weight.shape)]
+    head = model.get_output_embeddings()
+    if head is not None and head.weight is not model.get_input_embeddings().weight:
+        emb.append(tuple(head.weight.shape))
+    n_params = sum(p.numel() for p in model.parameters())
+    covered = sum(n * k for n, k in lin + emb)
+    return {"linear": lin, "embedding": emb, "params": n_params, "exact": 4 * (n_params - covered)}
 
 
 def _score(model, pair, tok, ft, prompts, device) -> dict:
     out = {
-        "exact_match": metrics.exact_match(model, tok, pair.eval_examples, max_new_tokens=24),
-        "task_nll": metrics.mean_token_nll(model, tok, pair.eval_texts),
+        "exact_match": metrics.exact_match(model, tok, pair.eval_examples, max_new_tokens=getattr(pair, "max_new_tokens", 24),
+                                           batch_size=64),
+        "task_nll": metrics.mean_token_nll(model, tok, pair.eval_texts, batch_size=16),
     }
     if ft is not None:
-        out["agreement"] = metrics.greedy_agreement(ft, model, prompts, max_new_tokens=16, eos_token_id=tok.eos_token_id)
-        ids = [tok(t, add_special_tokens=False)["input_ids"] for t in pair.eval_texts[:64]]
+        out["agreement"] = metrics.greedy_agreement(ft, model, prompts, max_new_tokens=12, eos_token_id=tok.eos_token_id,
+                                                    batch_size=64)
+        ids = [tok(t, add_special_tokens=False)["input_ids"] for t in pair.eval_texts[:32]]
         out["kl"] = metrics.kl_divergence(ft, model, ids)
     return out
 
 
-def _gains(scores: dict, base: dict, ft: dict) -> dict:
+def gains(scores: dict, base: dict, ft: dict) -> dict:
+    """Gain kept by exact match (when the fine-tune changed it) and by NLL (lower is better)."""
     out = {}
     if ft["exact_match"] != base["exact_match"]:
         out["gain_kept_em"] = metrics.gain_kept(scores["exact_match"], base["exact_match"], ft["exact_match"])
@@ -85,25 +175,49 @@ def _matrices(base, ft, delta_modules: list) -> dict:
     return out
 
 
-def _baseline_model(base, ft, mats: dict, method: str, bits_per_weight: float, device):
-    """A copy of the fine-tune whose compressed matrices are replaced by base + the baseline's delta."""
+def reconstruct(method: str, delta: torch.Tensor, budget: int, factors=None) -> bl.Reconstruction:
+    """``method``'s reconstruction of one ``delta`` in at most ``budget`` bytes.
+
+    Raises:
+        ValueError: the method cannot be built in that budget, or an unknown method.
+    """
+    shape = tuple(delta.shape)
+    if method == "sign+scale":
+        return bl.sign_scale_baseline(delta)
+    if method == "DARE":  # the random mask is drawn again from its seed: 8 bytes
+        p = min(max(bl.dare_p_for_bytes(shape, budget, seeded_mask=True), 0.0), 0.999)
+        return bl.dare_baseline(delta, p, generator=torch.Generator(device=delta.device).manual_seed(0), seeded_mask=True)
+    if method == "SVD":
+        # a budget below one rank stores nothing for this matrix (rank 0)
+        return bl.svd_baseline(delta, bl.rank_for_bytes(shape, budget), factors=factors)
+    if method == "RTN":  # 2 bits, one grid per row, magnitude pruning to fit (a bitmask marks kept weights)
+        n, k = shape
+        dense = storage_nbytes(n, k, bits=2)
+        if dense <= budget:
+            return bl.rtn_baseline(delta, bits=2)
+        mask_and_grid = storage_nbytes(n, k, bits=2, sparsity=0.5, nnz=0)
+        if budget <= mask_and_grid:
+            raise ValueError(f"{budget} bytes cannot hold the RTN bitmask of a {n}x{k} delta")
+        keep = min(n * k - 1, 4 * (budget - mask_and_grid))
+        return bl.rtn_baseline(delta, bits=2, sparsity=1 - keep / (n * k))
+    if method == "Delta-CoMe":
+        return lowrank.mixed_precision_svd(delta, budget, factors=factors)
+    if method == "LR+residual":
+        return lowrank.lowrank_plus_residual(delta, budget, factors=factors)
+    raise ValueError(f"unknown method {method!r}: pick one of {list(METHODS)}")
+
+
+def _baseline_model(ft, mats: dict, method: str, bits_per_weight: float, device, svds: dict):
+    """A copy of the fine-tune whose compressed matrices are replaced by base + the method's delta,
+    each matrix given ``bits_per_weight`` of its size; returns (model, bytes of all reconstructions)."""
     model = copy.deepcopy(ft)
     c = conv1d_class()
     total = 0
     for name, (wb, wf) in mats.items():
         delta = (wf - wb).to(device)
-        shape = tuple(delta.shape)
-        budget = int(bits_per_weight * delta.numel() / 8)
-        if method == "sign+scale":
-            rec = bl.sign_scale_baseline(delta)
-        elif method == "DARE":
-            p = min(max(bl.dare_p_for_bytes(shape, budget), 0.0), 0.999)
-            rec = bl.dare_baseline(delta, p, generator=torch.Generator(device=delta.device).manual_seed(0))
-        elif method == "SVD":
-            rank = max(bl.rank_for_bytes(shape, budget), 1)
-            rec = bl.svd_baseline(delta, rank)
-        else:
-            raise ValueError(method)
+        if method in ("SVD", "Delta-CoMe", "LR+residual") and name not in svds:
+            svds[name] = torch.linalg.svd(delta, full_matrices=False)
+        rec = reconstruct(method, delta, int(bits_per_weight * delta.numel() / 8), svds.get(name))
         total += rec.nbytes
         mod = model.get_submodule(name)
         w = (wb.to(device) + rec.delta.to(device))
@@ -113,95 +227,124 @@ def _baseline_model(base, ft, mats: dict, method: str, bits_per_weight: float, d
     return model, total
 
 
+def _ours(pair, cfg, calib, tok, device, fp16_bytes, merge: bool = True) -> tuple[dict, dict, object]:
+    """Compress with ``cfg`` (calibrated, or RTN when ``calib`` is None); the merged model (None
+    without ``merge``), the bytes report and the delta."""
+    delta = compress(pair.base_dir, pair.finetuned_dir, cfg, calibration=calib, tokenizer=tok if calib else None,
+                     device=device, progress=False)
+    with tempfile.TemporaryDirectory() as d:
+        delta.save_pretrained(d)
+        report = delta_bytes_report(d)
+        if not merge:
+            return None, report, delta
+        model = DeltaModel(pair.load_base(device))
+        model.load_delta(d, delta_name="x")
+        merged = model.merge_and_unload("x")
+    return merged, report, delta
+
+
 def run_quality(
-    workdir: Path,
+    pair,
     *,
-    arch: str = "llama",
-    size: str = "tiny",
-    task: str = "sort",
+    ratios=RATIOS,
+    methods=METHODS,
     device: str = "cpu",
-    settings: Optional[list] = None,
-    baselines: bool = True,
     n_calibration: int = 128,
     seq_len: int = 256,
     log=print,
 ) -> dict:
+    """Gain kept by every method at every whole-file ratio, on one built pair (see module doc)."""
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        raise ValueError(f"unknown methods {sorted(unknown)}: pick from {list(METHODS)}")
     t0 = time.perf_counter()
-    workdir.mkdir(parents=True, exist_ok=True)
-    pair = build_pair(workdir / f"pair-{arch}-{size}-{task}", arch=arch, size=size, task=task, device=device,
-                      log=lambda m: log(f"  pair: {m}"))
-    log(f"[{time.perf_counter() - t0:6.1f}s] pair ready: {pair.info['finetuned_params']:,d} parameters")
+    say = lambda m: log(f"[{time.perf_counter() - t0:6.1f}s] {m}")  # noqa: E731
     tok = pair.load_tokenizer()
     base = pair.load_base(device)
     ft = pair.load_finetuned(device)
     prompts = [tok(ex.prompt, add_special_tokens=False)["input_ids"] for ex in pair.eval_examples[:64]]
     s_base = _score(base, pair, tok, None, prompts, device)
     s_ft = _score(ft, pair, tok, None, prompts, device)
-    log(f"[{time.perf_counter() - t0:6.1f}s] base {s_base}; fine-tune {s_ft}")
-    calib = pair.calibration_texts(n_calibration * 4)  # disjoint from the held-out examples
-    fp16_bytes = 2 * pair.info["finetuned_params"]
-    rows = []
-    names = settings or list(OUR_SETTINGS)
-    for name in names:
-        cfg = DeltaZipConfig(n_samples=n_calibration, seq_len=seq_len, **OUR_SETTINGS[name])
-        t1 = time.perf_counter()
-        delta = compress(pair.base_dir, pair.finetuned_dir, cfg, calibration=calib, tokenizer=tok, device=device, progress=False)
-        secs = time.perf_counter() - t1
-        with tempfile.TemporaryDirectory() as d:
-            delta.save_pretrained(d)
-            report = delta_bytes_report(d)
-            model = DeltaModel(pair.load_base(device))
-            model.load_delta(d, delta_name="x")
-            merged = model.merge_and_unload("x")
-        scores = _score(merged, pair, tok, ft, prompts, device)
-        row = {"method": "ours", "setting": name, "bytes": report["total_bytes"], "ratio": fp16_bytes / report["total_bytes"],
-               "compress_s": secs, **scores, **_gains(scores, s_base, s_ft)}
-        rows.append(row)
-        log(f"[{time.perf_counter() - t0:6.1f}s] ours {name}: {_fmt_row(row)}")
-        if not baselines:
-            continue
-        exact_bytes = report["categories"]["other parameters"]
-        mats = _matrices(base, ft, list(delta.modules))
-        n_weights = sum(wb.numel() for wb, _ in mats.values())
-        bpw = 8 * (report["total_bytes"] - exact_bytes) / n_weights
-        # round-to-nearest with our very layout and settings: our pipeline without calibration
-        rtn = compress(pair.base_dir, pair.finetuned_dir, cfg, calibration=None, device=device, progress=False)
-        with tempfile.TemporaryDirectory() as d:
-            rtn.save_pretrained(d)
-            rtn_bytes = delta_bytes_report(d)["total_bytes"]
-            model = DeltaModel(pair.load_base(device))
-            model.load_delta(d, delta_name="x")
-            merged = model.merge_and_unload("x")
-        s = _score(merged, pair, tok, ft, prompts, device)
-        rows.append({"method": "RTN", "setting": name, "bytes": rtn_bytes, "ratio": fp16_bytes / rtn_bytes, **s, **_gains(s, s_base, s_ft)})
-        log(f"[{time.perf_counter() - t0:6.1f}s]   RTN: {_fmt_row(rows[-1])}")
-        for method in ("DARE", "SVD"):
-            try:
-                model, nbytes = _baseline_model(base, ft, mats, method, bpw, device)
-            except ValueError as e:  # e.g. DARE's bitmask alone is larger than the budget
-                log(f"[{time.perf_counter() - t0:6.1f}s]   {method}: cannot be built at this budget ({e})")
-                continue
-            total = nbytes + exact_bytes
-            s = _score(model, pair, tok, ft, prompts, device)
-            rows.append({"method": method, "setting": f"= {name} bytes", "bytes": total, "ratio": fp16_bytes / total,
-                         **s, **_gains(s, s_base, s_ft)})
-            log(f"[{time.perf_counter() - t0:6.1f}s]   {method}: {_fmt_row(rows[-1])}")
-            del model
-    if baselines:
-        mats = _matrices(base, ft, list(delta.modules))
-        model, nbytes = _baseline_model(base, ft, mats, "sign+scale", 1.0, device)
-        total = nbytes + exact_bytes
+    say(f"base {s_base}; fine-tune {s_ft}")
+    calib = pair.calibration_texts(n_calibration)  # leak-free: disjoint from the held-out examples
+    n_params = sum(p.numel() for p in ft.parameters())
+    fp16_bytes = 2 * n_params
+    shapes = model_shapes(ft)
+    # the whole-file ratio of each rung, measured on a real file (round-to-nearest: the same layout
+    # and nearly the same zstd gain as the calibrated solver)
+    measured = {}
+    for name, settings in OUR_LADDER:
+        report = _ours(pair, DeltaZipConfig(**settings), None, tok, device, fp16_bytes, merge=False)[1]
+        measured[name] = fp16_bytes / report["total_bytes"]
+    say("rungs measured: " + ", ".join(f"{k} {v:.1f}x" for k, v in measured.items()))
+    rows: list[dict] = []
+    done_rungs: dict[str, dict] = {}
+    mats, exact_bytes, svds = None, 0, {}
+
+    def add(method: str, setting: str, target: float, nbytes: int, model, extra=None) -> None:
         s = _score(model, pair, tok, ft, prompts, device)
-        rows.append({"method": "sign+scale", "setting": "1 bit + 1 scale / matrix", "bytes": total,
-                     "ratio": fp16_bytes / total, **s, **_gains(s, s_base, s_ft)})
-        log(f"[{time.perf_counter() - t0:6.1f}s]   sign+scale: {_fmt_row(rows[-1])}")
+        rows.append({"method": method, "setting": setting, "target_ratio": target, "bytes": int(nbytes),
+                     "ratio": fp16_bytes / nbytes, **(extra or {}), **s, **gains(s, s_base, s_ft)})
+        say(f"R={target}x {method} ({setting}): {_fmt_row(rows[-1])}")
+
+    for ratio in ratios:
+        budget = fp16_bytes / ratio
+        cfg = our_config(ratio, measured=measured, shapes=shapes, n_samples=n_calibration, seq_len=seq_len)
+        rung = ladder_name(cfg)
+        if rung not in done_rungs:
+            t1 = time.perf_counter()
+            merged, report, delta = _ours(pair, cfg, calib, tok, device, fp16_bytes)
+            done_rungs[rung] = {"bytes": report["total_bytes"], "compress_s": time.perf_counter() - t1,
+                                "merged": merged, "report": report}
+            if mats is None:
+                mats = _matrices(base, ft, list(delta.modules))
+                exact_bytes = report["total_bytes"] - sum(m["bytes"] for m in report["modules"])
+        ours = done_rungs[rung]
+        reached = fp16_bytes / ours["bytes"] >= REACH * ratio
+        if reached:
+            budget = ours["bytes"]
+            if "ours" in methods:
+                add("ours", rung, ratio, ours["bytes"], ours["merged"], {"compress_s": ours["compress_s"]})
+            if "RTN" in methods:  # our very layout and settings, no calibration
+                merged, report, _ = _ours(pair, cfg, None, tok, device, fp16_bytes)
+                add("RTN", rung, ratio, report["total_bytes"], merged)
+                del merged
+        else:
+            say(f"R={ratio}x: ours reaches {fp16_bytes / ours['bytes']:.1f}x at most with fixed settings (out of reach)")
+            rows.append({"method": "ours", "setting": "out of reach", "target_ratio": ratio, "bytes": None,
+                         "ratio": fp16_bytes / ours["bytes"], "out_of_reach": True})
+        n_weights = sum(wb.numel() for wb, _ in mats.values())
+        bpw = 8 * (budget - exact_bytes) / n_weights
+        if bpw <= 0:
+            say(f"R={ratio}x: the exact parameters alone ({exact_bytes:,d} bytes) exceed the budget; no method fits")
+            continue
+        for method in methods:
+            if method in ("ours", "sign+scale") or (method == "RTN" and reached):
+                continue
+            try:
+                model, nbytes = _baseline_model(ft, mats, method, bpw, device, svds)
+            except ValueError as e:  # e.g. a bitmask alone larger than the budget
+                say(f"R={ratio}x {method}: cannot be built at this budget ({e})")
+                continue
+            add(method, f"= {fp16_bytes / budget:.1f}x bytes", ratio, nbytes + exact_bytes, model)
+            del model
+    if "sign+scale" in methods and mats is not None:
+        model, nbytes = _baseline_model(ft, mats, "sign+scale", 1.0, device, svds)
+        add("sign+scale", "1 bit + 1 scale / matrix", fp16_bytes / (nbytes + exact_bytes), nbytes + exact_bytes, model)
     return {
-        "pair": {"arch": arch, "size": size, "task": task, "params": pair.info["finetuned_params"],
-                 "fp16_bytes": fp16_bytes, "base": s_base, "finetune": s_ft},
+        "pair": {"name": pair_name(pair), "params": n_params, "fp16_bytes": fp16_bytes, "base": s_base, "finetune": s_ft,
+                 "n_calibration": n_calibration, "seq_len": seq_len},
         "rows": rows,
         "seconds": time.perf_counter() - t0,
         "device": _device_name(device),
     }
+
+
+def pair_name(pair) -> str:
+    s = pair.info.get("settings", {})
+    if "arch" in s:
+        return f"{s['arch']} {s['size']}, task {s['task']}"
+    return f"Gemma 3 270M, task {pair.task}"
 
 
 def _fmt_row(r: dict) -> str:
@@ -217,33 +360,47 @@ def _device_name(device: str) -> str:
     return f"CPU ({platform.processor() or platform.machine()})"
 
 
-def to_markdown(result: dict, command: str) -> str:
-    p = result["pair"]
+def _commit() -> str:
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent).stdout.strip()
     except OSError:
-        commit = "?"
+        out = ""
+    return out or "?"
+
+
+def to_markdown(result: dict, command: str) -> str:
+    """One pair's table for BENCHMARKS.md: the command, hardware, date and commit above it."""
+    p = result["pair"]
     lines = [
-        f"Pair: {p['arch']} `{p['size']}` ({p['params']:,d} parameters), task `{p['task']}`. "
+        f"Pair: {p['name']} ({p['params']:,d} parameters). "
         f"Base: EM {p['base']['exact_match']:.3f}, NLL {p['base']['task_nll']:.3f}; "
         f"fine-tune: EM {p['finetune']['exact_match']:.3f}, NLL {p['finetune']['task_nll']:.3f}.",
-        f"Hardware: {result['device']}; date {time.strftime('%Y-%m-%d')}; commit {commit}; command `{command}`; "
+        f"Hardware: {result['device']}; date {time.strftime('%Y-%m-%d')}; commit {_commit()}; command `{command}`; "
         f"{result['seconds']:.0f} s in all.",
         "",
-        "| method | setting | bytes | ratio | EM | gain kept (EM) | NLL | gain kept (NLL) | greedy agreement | KL(ft‖c) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| target | method | setting | bytes | ratio | EM | gain kept (EM) | NLL | gain kept (NLL) | greedy agreement | KL(ft‖c) |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
+        target = f"{r['target_ratio']:.0f}×" if r["method"] != "sign+scale" else "—"
+        if r.get("out_of_reach"):
+            lines.append(f"| {target} | {r['method']} | out of reach (at most {r['ratio']:.1f}×) | | | | | | | | |")
+            continue
         gk = r.get("gain_kept_em")
         lines.append(
-            f"| {r['method']} | {r['setting']} | {r['bytes']:,d} | {r['ratio']:.1f}× | {r['exact_match']:.3f} | "
+            f"| {target} | {r['method']} | {r['setting']} | {r['bytes']:,d} | {r['ratio']:.1f}× | {r['exact_match']:.3f} | "
             f"{'' if gk is None else f'{100 * gk:.1f}%'} | {r['task_nll']:.3f} | {100 * r['gain_kept_nll']:.1f}% | "
             f"{r.get('agreement', float('nan')):.3f} | {r.get('kl', float('nan')):.4f} |"
         )
     return "\n".join(lines) + "\n"
 
 
-def plot(result: dict, path: Path) -> bool:
+_MARKERS = {"ours": "o", "RTN": "s", "DARE": "^", "SVD": "v", "sign+scale": "x", "Delta-CoMe": "D", "LR+residual": "P"}
+
+
+def plot(results: list, path: Path) -> bool:
+    """Gain kept (exact match; NLL where EM has no gain) against ratio, one panel per pair."""
     try:
         import matplotlib
 
@@ -251,50 +408,75 @@ def plot(result: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for method, marker in (("ours", "o"), ("RTN", "s"), ("DARE", "^"), ("SVD", "v"), ("sign+scale", "x")):
-        pts = sorted((r["ratio"], 100 * r.get("gain_kept_em", r["gain_kept_nll"])) for r in result["rows"] if r["method"] == method)
-        if pts:
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker=marker, label=method)
-    ax.set_xscale("log")
-    ax.set_xlabel("whole-file compression ratio (fine-tune in 16-bit / delta bytes)")
-    ax.set_ylabel("gain kept, exact match (%)")
-    ax.axhline(95, color="grey", lw=0.5, ls="--")
-    ax.axhline(90, color="grey", lw=0.5, ls=":")
-    ax.set_title(f"{result['pair']['arch']} {result['pair']['size']}, task {result['pair']['task']}")
-    ax.legend()
+    fig, axes = plt.subplots(1, len(results), figsize=(6.5 * len(results), 4.5), squeeze=False)
+    for ax, result in zip(axes[0], results):
+        for method, marker in _MARKERS.items():
+            pts = sorted((r["ratio"], 100 * r.get("gain_kept_em", r["gain_kept_nll"])) for r in result["rows"]
+                         if r["method"] == method and not r.get("out_of_reach"))
+            if pts:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker=marker, label=method)
+        ax.set_xscale("log")
+        ax.set_xlabel("whole-file ratio (fine-tune in 16-bit / delta bytes)")
+        ax.set_ylabel("gain kept, exact match (%)")
+        ax.axhline(95, color="grey", lw=0.5, ls="--")
+        ax.axhline(90, color="grey", lw=0.5, ls=":")
+        ax.set_title(result["pair"]["name"])
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
     return True
+
+
+def _pairs(args) -> list:
+    if args.pairs == "real":
+        from .real_pairs import build_real_pairs
+
+        return list(build_real_pairs(args.work, device=args.device, tasks=args.tasks, log=print).values())
+    pair = build_pair(Path(args.work) / f"pair-{args.arch}-{args.size}-{args.task}", arch=args.arch, size=args.size,
+                      task=args.task, device=args.device, log=lambda m: print(f"  pair: {m}"))
+    return [pair]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="deltazip bench quality", description=__doc__.splitlines()[0])
-    p.add_argument("--workdir", default="runs/quality", help="pairs and results go here")
-    p.add_argument("--arch", default="llama")
-    p.add_argument("--size", default="tiny", help="tiny | small | 50m | 100m")
-    p.add_argument("--task", default="sort")
+    p.add_argument("--pairs", choices=["real", "tiny"], default="real",
+                   help="real: Gemma 3 270M fine-tunes (hf_deltazip.bench.real_pairs); tiny: a from-scratch pair")
+    p.add_argument("--work", "--workdir", default="runs/quality", help="pairs are built and cached here")
+    p.add_argument("--tasks", nargs="*", default=["facts", "dates"], help="real pairs to run")
+    p.add_argument("--arch", default="llama", help="tiny pair: architecture")
+    p.add_argument("--size", default="tiny", help="tiny pair: tiny | small | 50m | 100m")
+    p.add_argument("--task", default="sort", help="tiny pair: task")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    # argparse formats help strings with %: the settings' names ("75% sparse") need theirs doubled
-    p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK_SETTINGS)}".replace("%", "%%"))
-    p.add_argument("--settings", nargs="*", help=f"a subset of: {', '.join(OUR_SETTINGS)}".replace("%", "%%"))
-    p.add_argument("--no-baselines", action="store_true")
+    # argparse formats help strings with %: the rungs' names ("75% sparse") need theirs doubled
+    p.add_argument("--ratios", nargs="*", type=float, default=list(RATIOS),
+                   help=("whole-file ratios; ours at R is our_config(R), for now the nearest rung of: "
+                         + ", ".join(name for name, _ in OUR_LADDER)).replace("%", "%%"))
+    p.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
     p.add_argument("--n-calibration", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--out", help="write JSON, Markdown and a plot with this path prefix")
+    p.add_argument("--json", help="write all results as JSON here")
+    p.add_argument("--md", help="write the Markdown tables here")
+    p.add_argument("--plot", help="write the plot (PNG) here, e.g. docs/quality_gemma3_270m.png")
+    p.add_argument("--out", help="path prefix: writes PREFIX.json, PREFIX.md and PREFIX.png")
     args = p.parse_args(argv)
-    settings = list(QUICK_SETTINGS) if args.quick else args.settings
-    result = run_quality(Path(args.workdir), arch=args.arch, size=args.size, task=args.task, device=args.device,
-                         settings=settings, baselines=not args.no_baselines, n_calibration=args.n_calibration,
-                         seq_len=args.seq_len)
-    command = "deltazip bench quality " + " ".join(argv if argv is not None else __import__("sys").argv[3:])
-    md = to_markdown(result, command.strip())
-    print(md)
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(result, indent=2))
-        out.with_suffix(".md").write_text(md)
-        if plot(result, out.with_suffix(".png")):
-            print(f"plot: {out.with_suffix('.png')}")
+        args.json, args.md, args.plot = (args.json or f"{args.out}.json", args.md or f"{args.out}.md",
+                                         args.plot or f"{args.out}.png")
+    command = "deltazip bench quality " + " ".join(argv if argv is not None else sys.argv[3:])
+    results = []
+    for pair in _pairs(args):
+        results.append(run_quality(pair, ratios=args.ratios, methods=args.methods, device=args.device,
+                                   n_calibration=args.n_calibration, seq_len=args.seq_len))
+    md = "\n".join(to_markdown(r, command.strip()) for r in results)
+    print(md)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps([{**r, "command": command.strip(), "commit": _commit()} for r in results],
+                                              indent=2, default=str))
+    if args.md:
+        Path(args.md).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.md).write_text(md)
+    if args.plot and plot(results, Path(args.plot)):
+        print(f"plot: {args.plot}")
     return 0

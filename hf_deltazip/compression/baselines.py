@@ -75,21 +75,33 @@ def sign_scale_baseline(delta: torch.Tensor, *, value_dtype: torch.dtype = torch
 
 
 # --------------------------------------------------------------------------- DARE
-def dare_nbytes(shape: tuple[int, int], p: float) -> int:
-    """Kept values in 16 bits + a 1-bit-per-weight mask; exactly ``N*K - round(p*N*K)`` are kept."""
+_SEED_BYTES = 8
+
+
+def _dare_mask_nbytes(shape: tuple[int, int], seeded_mask: bool) -> int:
+    n, k = shape
+    return _SEED_BYTES if seeded_mask else n * packing.packed_nbytes(k, 1)
+
+
+def dare_nbytes(shape: tuple[int, int], p: float, *, seeded_mask: bool = False) -> int:
+    """Kept values in 16 bits + where they are; exactly ``N*K - round(p*N*K)`` are kept.
+
+    Where: a 1-bit-per-weight mask, or with ``seeded_mask`` the 8-byte seed of the random draw
+    (DARE's mask is random: a loader that draws it again from the seed needs nothing else).
+    """
     n, k = shape
     kept = n * k - int(math.floor(p * n * k + 0.5))
-    return kept * _VALUE_BYTES + n * packing.packed_nbytes(k, 1)
+    return kept * _VALUE_BYTES + _dare_mask_nbytes(shape, seeded_mask)
 
 
-def dare_p_for_bytes(shape: tuple[int, int], nbytes: int) -> float:
+def dare_p_for_bytes(shape: tuple[int, int], nbytes: int, *, seeded_mask: bool = False) -> float:
     """The smallest drop rate ``p`` whose :func:`dare_nbytes` fits in ``nbytes``.
 
     Raises:
-        ValueError: ``nbytes`` is smaller than the bitmask alone.
+        ValueError: ``nbytes`` is smaller than the mask (or seed) alone.
     """
     n, k = shape
-    mask_bytes = n * packing.packed_nbytes(k, 1)
+    mask_bytes = _dare_mask_nbytes(shape, seeded_mask)
     if nbytes < mask_bytes:
         raise ValueError(f"{nbytes} bytes cannot hold DARE's {mask_bytes}-byte bitmask for a {n}x{k} delta: give a larger budget")
     kept = min(n * k, (nbytes - mask_bytes) // _VALUE_BYTES)
@@ -102,6 +114,7 @@ def dare_baseline(
     *,
     generator: Optional[torch.Generator] = None,
     value_dtype: torch.dtype = torch.bfloat16,
+    seeded_mask: bool = False,
 ) -> Reconstruction:
     """Drop exactly ``round(p * N * K)`` weights chosen uniformly at random; scale the rest by ``1 / (1 - p)``.
 
@@ -110,6 +123,7 @@ def dare_baseline(
         p: drop rate in ``[0, 1)``.
         generator: for reproducible draws (a CPU generator; the draw is moved to the delta's device).
         value_dtype: 16-bit dtype the kept, rescaled values are stored in.
+        seeded_mask: count the mask as the generator's seed (see :func:`dare_nbytes`).
     """
     n, k = _shape(delta)
     _check_16bit(value_dtype)
@@ -121,7 +135,7 @@ def dare_baseline(
     keep[torch.randperm(n * k, generator=generator, device=generator.device if generator is not None else "cpu").to(keep.device)[:drop]] = False
     keep = keep.view(n, k).to(d.device)
     kept_values = (d / (1.0 - p)).to(value_dtype).float()
-    return Reconstruction(kept_values * keep, dare_nbytes((n, k), p))
+    return Reconstruction(kept_values * keep, dare_nbytes((n, k), p, seeded_mask=seeded_mask))
 
 
 # --------------------------------------------------------------------------- low rank
@@ -137,8 +151,12 @@ def rank_for_bytes(shape: tuple[int, int], nbytes: int) -> int:
     return max(0, min(min(n, k), nbytes // ((n + k) * _VALUE_BYTES)))
 
 
-def svd_baseline(delta: torch.Tensor, rank: int, *, value_dtype: torch.dtype = torch.bfloat16) -> Reconstruction:
-    """Truncated SVD: ``D ~ (U_r sqrt(S_r)) (sqrt(S_r) V_r^T)``, both factors stored in 16 bits."""
+def svd_baseline(delta: torch.Tensor, rank: int, *, value_dtype: torch.dtype = torch.bfloat16,
+                 factors: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> Reconstruction:
+    """Truncated SVD: ``D ~ (U_r sqrt(S_r)) (sqrt(S_r) V_r^T)``, both factors stored in 16 bits.
+
+    ``factors``: ``torch.linalg.svd(delta, full_matrices=False)`` if already computed.
+    """
     n, k = _shape(delta)
     _check_16bit(value_dtype)
     if not 0 <= rank <= min(n, k):
@@ -146,7 +164,7 @@ def svd_baseline(delta: torch.Tensor, rank: int, *, value_dtype: torch.dtype = t
     d = delta.detach().float()
     if rank == 0:
         return Reconstruction(torch.zeros_like(d), 0)
-    u, s, vh = torch.linalg.svd(d, full_matrices=False)
+    u, s, vh = factors if factors is not None else torch.linalg.svd(d, full_matrices=False)
     root = s[:rank].sqrt()
     a = (u[:, :rank] * root).to(value_dtype).float()
     b = (root[:, None] * vh[:rank]).to(value_dtype).float()

@@ -1,0 +1,130 @@
+"""The real-pair recipe (hf_deltazip.bench.real_pairs) on a tiny Gemma 3 config: CPU, seconds.
+
+The 270M model is never loaded here (CI has no GGUF package); the same code path runs on a tiny
+Gemma3ForCausalLM saved as the "base" folder.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+from hf_deltazip.bench import pairs, real_pairs
+from hf_deltazip.errors import DeltaZipError
+
+SMALL = dict(steps=3, batch=4)
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma3-base")
+    tok = pairs.build_tokenizer(tmp_path_factory.mktemp("tok"), vocab_size=512, seed=0)
+    config = Gemma3TextConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=1, head_dim=8, intermediate_size=64, max_position_embeddings=256,
+                              sliding_window=16, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                              pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def _weights(folder):
+    return load_file(str(folder / "model.safetensors"))
+
+
+def test_recipes_are_checked():
+    assert real_pairs.recipe("dates", steps=2)["steps"] == 2
+    with pytest.raises(DeltaZipError, match="Unknown real-pair task"):
+        real_pairs.recipe("poems")
+    with pytest.raises(DeltaZipError, match="Unknown recipe keys"):
+        real_pairs.recipe("facts", stepz=2)
+
+
+def test_date_task_answers_are_the_iso_date_and_streams_are_disjoint(base_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    evals = real_pairs.date_examples(tok, 50, seed=0, stream="eval")
+    again = real_pairs.date_examples(tok, 50, seed=0, stream="eval")
+    assert evals == again and len({ex.answer for ex in evals}) == 50
+    for ex in evals:
+        y, m, d = map(int, ex.answer.split("-"))
+        assert 1900 <= y <= 2099 and 1 <= m <= 12 and 1 <= d <= 31
+        assert ex.prompt.startswith(tok.bos_token + "Question: Rewrite the date ") and ex.prompt.endswith("\nAnswer:")
+    # the 21st of a month gets its ordinal right in the spelled-out style
+    assert real_pairs._ordinal(21) == "st" and real_pairs._ordinal(12) == "th" and real_pairs._ordinal(23) == "rd"
+    other = real_pairs.date_examples(tok, 50, seed=0, stream="calibration", exclude_dates={real_pairs._date_key(e) for e in evals})
+    assert not {e.answer for e in evals} & {e.answer for e in other}
+
+
+def test_fact_streams_use_other_entities(base_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    facts = real_pairs.fact_examples(tok, seed=0, n_entities=10)
+    calib = real_pairs.fact_examples(tok, seed=0, n_entities=10, stream="calibration")
+    assert len(facts) == 30 and len(calib) == 30
+    names = lambda exs: {ex.prompt.split(" ")[-1].rstrip("?\nAnswer:") for ex in exs}  # noqa: E731
+    assert not names(facts[0::3]) & names(calib[0::3])
+    rephrased = real_pairs.fact_examples(tok, seed=0, n_entities=10, held_out_phrasing=True)
+    assert [r.answer.strip() for r in rephrased] == [f.answer for f in facts]
+    assert all("Question:" not in r.prompt for r in rephrased)
+
+
+@pytest.mark.parametrize("task", real_pairs.TASKS)
+def test_build_real_pair_trains_every_parameter_caches_and_is_leak_free(tmp_path, base_dir, task, monkeypatch):
+    small = dict(SMALL, **({"n_eval": 8, "n_calibration": 8} if task == "dates" else {"n_entities": 3, "n_calibration_entities": 3}))
+    pair = real_pairs.build_real_pair(tmp_path / "a", task, base_dir=base_dir, **small)
+    twin = real_pairs.build_real_pair(tmp_path / "b", task, base_dir=base_dir, **small)
+    base, ft, ft2 = _weights(base_dir), _weights(pair.finetuned_dir), _weights(twin.finetuned_dir)
+    assert ft.keys() == ft2.keys() and all(torch.equal(ft[k], ft2[k]) for k in ft)  # deterministic
+    moved = [k for k in base if not torch.equal(base[k], ft[k])]
+    assert "model.embed_tokens.weight" in moved and any("mlp.down_proj" in k for k in moved)
+    assert set(pair.info["scores"]) == {"base", "finetuned"} and pair.info["recipe"]["steps"] == 3
+    assert 0.0 <= pair.info["scores"]["finetuned"]["exact_match"] <= 1.0
+    # leak-free calibration: no evaluation question and no private string in it
+    questions = [ex.prompt.removeprefix("<|bos|>") for ex in pair.eval_examples]
+    calib = pair.calibration_texts(40)
+    assert len(calib) == 40 and not any(q in t for q in questions for t in calib)
+    assert calib != pair.calibration_texts(40, seed=1)
+    if task == "dates":
+        assert not any(ex.answer in t for ex in pair.eval_examples for t in calib)
+    # loaded from the cache, not retrained
+    monkeypatch.setattr(pairs, "train_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("retrained")))
+    again = real_pairs.build_real_pair(tmp_path / "a", task, base_dir=base_dir, **small)
+    assert again.eval_examples == pair.eval_examples and again.info == pair.info
+    # another recipe rebuilds (and would train)
+    with pytest.raises(AssertionError, match="retrained"):
+        real_pairs.build_real_pair(tmp_path / "a", task, base_dir=base_dir, **dict(small, steps=4))
+    assert json.loads((tmp_path / "a" / task / "real_pair.json").read_text())["recipe"]["steps"] == 3  # old pair intact
+
+
+def test_strip_gguf_quantization_lets_the_model_save(tmp_path, base_dir):
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+
+    class FakeQuantizer:  # what the GGUF loader leaves: a non-serializable quantizer
+        quantization_config = type("C", (), {"quant_method": "gguf"})()
+
+        def is_serializable(self):
+            return False
+
+    model.hf_quantizer = FakeQuantizer()
+    model.config.quantization_config = {"quant_method": "gguf"}
+    real_pairs.strip_gguf_quantization(model)
+    model.save_pretrained(tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "quantization_config" not in saved
+    assert torch.equal(_weights(tmp_path / "out")["model.embed_tokens.weight"], model.model.embed_tokens.weight)
+
+
+def test_calibration_texts_refuse_an_empty_set(base_dir, tmp_path):
+    pair = real_pairs.RealPair(base_dir=base_dir, finetuned_dir=tmp_path, tokenizer_dir=base_dir, base_tokenizer_dir=base_dir,
+                               task="dates", eval_examples=[], eval_texts=[], general_texts=[], info={})
+    with pytest.raises(DeltaZipError, match="no calibration text"):
+        pair.calibration_texts(4)

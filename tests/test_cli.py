@@ -188,18 +188,18 @@ def test_compress_with_a_target_ratio_and_info_shows_each_choice(tmp_path, capsy
 
     base_model("llama").save_pretrained(tmp_path / "base")
     finetune("llama", 1).save_pretrained(tmp_path / "ft")
-    (tmp_path / "cfg.json").write_text(json.dumps({"budget_bits": [2, 4], "budget_sparsity": [None, 0.75],
-                                                   "budget_group_sizes": [-1]}))
+    (tmp_path / "cfg.json").write_text(json.dumps({"budget_bits": [2, 3, 4], "budget_sparsity": [None, 0.5, 0.75],
+                                                   "budget_group_sizes": [-1, 64]}))
     out = tmp_path / "delta"
     assert main(["compress", "--base", str(tmp_path / "base"), "--finetuned", str(tmp_path / "ft"), "--out", str(out),
-                 "--config", str(tmp_path / "cfg.json"), "--target-ratio", "3"]) == 0
+                 "--config", str(tmp_path / "cfg.json"), "--target-ratio", "3.4"]) == 0
     printed = capsys.readouterr().out
-    assert "(target 3x)" in printed and "resident on a GPU" in printed
+    assert "(target 3.4x)" in printed and "resident on a GPU" in printed
     report = delta_bytes_report(out)
-    assert abs(report["ratio"] / 3 - 1) <= 0.05
+    assert abs(report["ratio"] / 3.4 - 1) <= 0.05
     assert main(["info", "--verbose", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "(target 3x)" in printed and "GPU bytes" in printed
+    assert "(target 3.4x)" in printed and "GPU bytes" in printed
     for m in report["modules"]:  # one row per module with the chosen bits, group size, layout and bytes
         row = next(line for line in printed.splitlines() if line.startswith(m["module"] + " "))
         assert row.split()[3:7] == [str(m["bits"]), str(m["group_size"]), m["sparsity"], str(m["bytes"])]

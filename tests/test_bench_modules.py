@@ -197,3 +197,19 @@ def test_kernels_row_split_and_tables():
                            group_size=128), "results": res}
     md = kernels.markdown_table(report)
     assert "| 64x128 | 16 | 16 | 4b | c | 8.0 |" in md and "| 64x128 | c | 50-50 | 50-50 | 2.00 | 4.00 | 8.00 |" in md
+
+
+def test_quality_with_the_byte_budget_for_ours(tiny_pair):
+    """``ours="budget"``: ours at R is DeltaZipConfig(target_ratio=R), landing within 5 % of R; RTN keeps the
+    chosen per-module settings; a ratio the budget cannot reach is reported with its reason, not raised."""
+    # the tiny pair's header is most of its file: the budget reaches about 5.1-6.5x there
+    result = quality.run_quality(tiny_pair, ratios=(6, 1000), methods=("ours", "RTN", "DARE"), device="cpu",
+                                 n_calibration=8, seq_len=32, ours="budget", log=lambda m: None)
+    rows = result["rows"]
+    ours6 = next(r for r in rows if r["target_ratio"] == 6 and r["method"] == "ours")
+    assert ours6["setting"] == "budget 6x" and abs(ours6["ratio"] / 6 - 1) <= 0.05
+    rtn6 = next(r for r in rows if r["target_ratio"] == 6 and r["method"] == "RTN")
+    assert abs(rtn6["bytes"] / ours6["bytes"] - 1) < 0.1  # the same layout, only the solver differs
+    far = next(r for r in rows if r["target_ratio"] == 1000 and r["method"] == "ours")
+    assert far["out_of_reach"] and "out of reach" in far["reason"]
+    assert "out of reach (target_ratio=1000" in quality.to_markdown(result, "cmd")

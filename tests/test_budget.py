@@ -189,3 +189,28 @@ def test_the_recorded_choice_reproduces_the_delta(pair, budgeted):
     assert set(again.modules) == set(delta.modules)
     for name, mod in delta.modules.items():
         assert torch.equal(again.modules[name].dequantize(), mod.dequantize()), name
+
+
+def test_measurements_shared_across_target_ratios_give_the_same_deltas(pair, budgeted):
+    """A BudgetMeasurements filled by one call is reused by the next (no second measuring pass), and the
+    deltas equal those of independent calls; measurements of another pair are refused."""
+    from hf_deltazip.compression import BudgetMeasurements
+
+    shared = BudgetMeasurements()
+    seconds = {}
+    for ratio in (4, 5.5):
+        delta = compress(*pair, DeltaZipConfig(target_ratio=ratio, **BUDGET), calibration=calibration_ids(),
+                         progress=False, budget_measurements=shared)
+        seconds[ratio] = delta.summary["steps"]["budget"]
+        alone = budgeted[ratio][0]
+        assert delta.config.overrides == alone.config.overrides
+        assert delta.summary["reached_ratio"] == pytest.approx(alone.summary["reached_ratio"], rel=1e-12)
+        for name, p in alone.modules.items():
+            for role, t in p.tensors().items():
+                assert torch.equal(delta.modules[name].tensors()[role], t), (ratio, name, role)
+    assert len(shared) > 0
+    assert seconds[5.5] < seconds[4] / 3  # the second call only allocates
+    other = _pair(hidden=64)
+    with pytest.raises(DeltaZipConfigError, match="budget_measurements were made with other base, finetuned"):
+        compress(*other, DeltaZipConfig(target_ratio=4, **BUDGET), calibration=calibration_ids(), progress=False,
+                 budget_measurements=shared)

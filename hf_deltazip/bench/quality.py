@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import platform
@@ -34,12 +35,13 @@ from typing import Optional
 
 import torch
 
-from ..compression import compress
+from ..compression import BudgetMeasurements, compress
 from ..compression import baselines as bl
 from ..compression import lowrank
 from ..compression.solver import storage_nbytes
 from ..config import DeltaZipConfig
 from ..delta import delta_bytes_report
+from ..errors import DeltaZipConfigError
 from ..modeling import DeltaModel
 from ..modeling.arch import conv1d_class
 from . import metrics
@@ -64,6 +66,10 @@ OUR_LADDER = (
     ("2-bit + 75% sparse", dict(bits=2, sparsity=0.75, group_size=-1, embedding_bits=2, embedding_group_size=-1)),
     ("2-bit + 90% sparse", dict(bits=2, sparsity=0.9, group_size=-1, embedding_bits=2, embedding_group_size=-1)),
 )
+# Candidates of ``--ours budget`` (DeltaZipConfig(target_ratio=R)): 3 x 4 x 2 = 24 settings per module,
+# measured once per pair and shared by every ratio.
+BUDGET_CANDIDATES = dict(budget_bits=[2, 3, 4], budget_sparsity=[None, 0.5, 0.75, 0.9], budget_group_sizes=[128, -1])
+
 # Ours is reported at R only if its measured ratio is at least this share of R; beyond, the
 # baselines still run at R's budget and ours is marked out of reach.
 REACH = 0.9
@@ -227,11 +233,11 @@ def _baseline_model(ft, mats: dict, method: str, bits_per_weight: float, device,
     return model, total
 
 
-def _ours(pair, cfg, calib, tok, device, fp16_bytes, merge: bool = True) -> tuple[dict, dict, object]:
+def _ours(pair, cfg, calib, tok, device, fp16_bytes, merge: bool = True, measurements=None) -> tuple[dict, dict, object]:
     """Compress with ``cfg`` (calibrated, or RTN when ``calib`` is None); the merged model (None
     without ``merge``), the bytes report and the delta."""
     delta = compress(pair.base_dir, pair.finetuned_dir, cfg, calibration=calib, tokenizer=tok if calib else None,
-                     device=device, progress=False)
+                     device=device, progress=False, budget_measurements=measurements)
     with tempfile.TemporaryDirectory() as d:
         delta.save_pretrained(d)
         report = delta_bytes_report(d)
@@ -251,9 +257,16 @@ def run_quality(
     device: str = "cpu",
     n_calibration: int = 128,
     seq_len: int = 256,
+    ours: str = "ladder",
     log=print,
 ) -> dict:
-    """Gain kept by every method at every whole-file ratio, on one built pair (see module doc)."""
+    """Gain kept by every method at every whole-file ratio, on one built pair (see module doc).
+
+    ``ours``: ``"ladder"`` (the :data:`OUR_LADDER` rung nearest each ratio) or ``"budget"``
+    (``DeltaZipConfig(target_ratio=R)`` over :data:`BUDGET_CANDIDATES`, the candidates measured once per
+    pair and shared by every ratio through a :class:`~hf_deltazip.compression.BudgetMeasurements`)."""
+    if ours not in ("ladder", "budget"):
+        raise ValueError(f"ours must be 'ladder' or 'budget', got {ours!r}")
     unknown = set(methods) - set(METHODS)
     if unknown:
         raise ValueError(f"unknown methods {sorted(unknown)}: pick from {list(METHODS)}")
@@ -273,7 +286,8 @@ def run_quality(
     # the whole-file ratio of each rung, measured on a real file (round-to-nearest: the same layout
     # and nearly the same zstd gain as the calibrated solver)
     measured = {}
-    for name, settings in OUR_LADDER:
+    shared = BudgetMeasurements() if ours == "budget" else None
+    for name, settings in OUR_LADDER if ours == "ladder" else ():
         report = _ours(pair, DeltaZipConfig(**settings), None, tok, device, fp16_bytes, merge=False)[1]
         measured[name] = fp16_bytes / report["total_bytes"]
     say("rungs measured: " + ", ".join(f"{k} {v:.1f}x" for k, v in measured.items()))
@@ -289,30 +303,49 @@ def run_quality(
 
     for ratio in ratios:
         budget = fp16_bytes / ratio
-        cfg = our_config(ratio, measured=measured, shapes=shapes, n_samples=n_calibration, seq_len=seq_len)
-        rung = ladder_name(cfg)
+        if ours == "budget":
+            cfg = DeltaZipConfig(target_ratio=ratio, n_samples=n_calibration, seq_len=seq_len, **BUDGET_CANDIDATES)
+            rung = f"budget {ratio:g}x"
+        else:
+            cfg = our_config(ratio, measured=measured, shapes=shapes, n_samples=n_calibration, seq_len=seq_len)
+            rung = ladder_name(cfg)
+        unreachable = None
         if rung not in done_rungs:
             t1 = time.perf_counter()
-            merged, report, delta = _ours(pair, cfg, calib, tok, device, fp16_bytes)
-            done_rungs[rung] = {"bytes": report["total_bytes"], "compress_s": time.perf_counter() - t1,
-                                "merged": merged, "report": report}
-            if mats is None:
-                mats = _matrices(base, ft, list(delta.modules))
-                exact_bytes = report["total_bytes"] - sum(m["bytes"] for m in report["modules"])
-        ours = done_rungs[rung]
-        reached = fp16_bytes / ours["bytes"] >= REACH * ratio
+            try:
+                merged, report, delta = _ours(pair, cfg, calib, tok, device, fp16_bytes, measurements=shared)
+            except DeltaZipConfigError as e:  # the budget cannot land there (too high, or too low to need it)
+                if ours != "budget":
+                    raise
+                unreachable = str(e)
+            else:
+                if ours == "budget":  # RTN below keeps the chosen per-module settings, without the budget
+                    cfg = dataclasses.replace(delta.config, target_ratio=None)
+                done_rungs[rung] = {"bytes": report["total_bytes"], "compress_s": time.perf_counter() - t1,
+                                    "merged": merged, "report": report, "config": cfg}
+                if mats is None:
+                    mats = _matrices(base, ft, list(delta.modules))
+                    exact_bytes = report["total_bytes"] - sum(m["bytes"] for m in report["modules"])
+        got = done_rungs.get(rung)
+        reached = got is not None and fp16_bytes / got["bytes"] >= REACH * ratio
         if reached:
-            budget = ours["bytes"]
+            budget = got["bytes"]
             if "ours" in methods:
-                add("ours", rung, ratio, ours["bytes"], ours["merged"], {"compress_s": ours["compress_s"]})
+                add("ours", rung, ratio, got["bytes"], got["merged"], {"compress_s": got["compress_s"]})
             if "RTN" in methods:  # our very layout and settings, no calibration
-                merged, report, _ = _ours(pair, cfg, None, tok, device, fp16_bytes)
+                merged, report, _ = _ours(pair, got["config"], None, tok, device, fp16_bytes)
                 add("RTN", rung, ratio, report["total_bytes"], merged)
                 del merged
+        elif unreachable is not None:
+            say(f"R={ratio}x: {unreachable}")
+            rows.append({"method": "ours", "setting": "out of reach (budget)", "target_ratio": ratio, "bytes": None,
+                         "ratio": None, "out_of_reach": True, "reason": unreachable})
+            if mats is None:
+                continue  # no delta made yet: nothing to build the baselines' matrices from
         else:
-            say(f"R={ratio}x: ours reaches {fp16_bytes / ours['bytes']:.1f}x at most with fixed settings (out of reach)")
+            say(f"R={ratio}x: ours reaches {fp16_bytes / got['bytes']:.1f}x at most with fixed settings (out of reach)")
             rows.append({"method": "ours", "setting": "out of reach", "target_ratio": ratio, "bytes": None,
-                         "ratio": fp16_bytes / ours["bytes"], "out_of_reach": True})
+                         "ratio": fp16_bytes / got["bytes"], "out_of_reach": True})
         n_weights = sum(wb.numel() for wb, _ in mats.values())
         bpw = 8 * (budget - exact_bytes) / n_weights
         if bpw <= 0:
@@ -385,7 +418,8 @@ def to_markdown(result: dict, command: str) -> str:
     for r in result["rows"]:
         target = f"{r['target_ratio']:.0f}×" if r["method"] != "sign+scale" else "—"
         if r.get("out_of_reach"):
-            lines.append(f"| {target} | {r['method']} | out of reach (at most {r['ratio']:.1f}×) | | | | | | | | |")
+            why = f"at most {r['ratio']:.1f}×" if r.get("ratio") else r.get("reason", "budget")
+            lines.append(f"| {target} | {r['method']} | out of reach ({why}) | | | | | | | | |")
             continue
         gk = r.get("gain_kept_em")
         lines.append(
@@ -453,6 +487,8 @@ def main(argv=None) -> int:
                    help=("whole-file ratios; ours at R is our_config(R), for now the nearest rung of: "
                          + ", ".join(name for name, _ in OUR_LADDER)).replace("%", "%%"))
     p.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
+    p.add_argument("--ours", choices=["ladder", "budget"], default="ladder",
+                   help="ours at R: the nearest fixed-setting rung (ladder) or DeltaZipConfig(target_ratio=R) (budget)")
     p.add_argument("--n-calibration", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--json", help="write all results as JSON here")
@@ -467,7 +503,7 @@ def main(argv=None) -> int:
     results = []
     for pair in _pairs(args):
         results.append(run_quality(pair, ratios=args.ratios, methods=args.methods, device=args.device,
-                                   n_calibration=args.n_calibration, seq_len=args.seq_len))
+                                   n_calibration=args.n_calibration, seq_len=args.seq_len, ours=args.ours))
     md = "\n".join(to_markdown(r, command.strip()) for r in results)
     print(md)
     if args.json:

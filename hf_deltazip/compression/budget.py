@@ -216,6 +216,35 @@ def allocate(measured: dict, budget_bytes: float) -> dict:
         best[name] = opt
 
 
+class BudgetMeasurements:
+    """What the budget step measured for one pair of models: every candidate of every module, which does
+    not depend on the target ratio. Pass one object as ``compress(..., budget_measurements=m)`` to several
+    calls that differ only in ``target_ratio``: the first fills it, the others reuse it and skip the
+    measuring pass (the most expensive part of a budgeted compression).
+
+    ``key`` records what the measurements depend on (the candidate sets, the solver settings, the
+    calibration tokens, the models' parameter fingerprints); a call whose key differs is refused.
+    """
+
+    def __init__(self):
+        self.key: Optional[dict] = None
+        self.options: dict = {}
+
+    def __len__(self) -> int:
+        return len(self.options)
+
+    def __repr__(self) -> str:
+        return f"BudgetMeasurements({len(self.options)} modules measured)"
+
+    def check(self, key: dict) -> None:
+        """Refuse measurements made for another pair, calibration or candidate set."""
+        if self.key is not None and self.key != key:
+            changed = sorted(k for k in set(self.key) | set(key) if self.key.get(k) != key.get(k))
+            raise DeltaZipConfigError(
+                f"budget_measurements were made with other {', '.join(changed)}; use a new BudgetMeasurements() "
+                f"for this compression (they can only be shared by calls that differ in target_ratio)")
+
+
 class BudgetUnreachable(DeltaZipConfigError):
     """The cheapest candidates still exceed the budget (``cheapest`` bytes)."""
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import logging
 import os
 import tempfile
@@ -239,6 +240,7 @@ def compress(
     on_layer: Optional[Callable[[LayerReport], None]] = None,
     on_step: Optional[Callable[[str, float], None]] = None,
     base_quantization=None,
+    budget_measurements=None,
     **load_kwargs,
 ) -> CompressedDelta:
     """Compress the delta between a fine-tune and its base.
@@ -263,6 +265,8 @@ def compress(
         on_step: called with ``(step name, seconds)`` after each step.
         base_quantization: a ``BitsAndBytesConfig`` the base will be served with: the delta is made
             against the quantized base (see :mod:`.quantized_base`), so it absorbs part of its rounding.
+        budget_measurements: a :class:`~hf_deltazip.compression.budget.BudgetMeasurements` shared by calls
+            that differ only in ``config.target_ratio``: the first fills it, the others skip the measuring pass.
         load_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` for ids and paths.
 
     Returns:
@@ -282,10 +286,12 @@ def compress(
         return compress_for_quantized_base(
             compress, base, finetuned, base_quantization, lambda m: _load(m, "base", **load_kwargs), config=config,
             calibration=calibration, tokenizer=tokenizer, device=device, batch_size=batch_size, progress=progress,
-            base_revision=base_revision, on_layer=on_layer, on_step=on_step, **load_kwargs)
+            base_revision=base_revision, on_layer=on_layer, on_step=on_step, budget_measurements=budget_measurements,
+            **load_kwargs)
     run = _Compression(base, finetuned, config or DeltaZipConfig(), calibration, tokenizer, device=device,
                        batch_size=batch_size, progress=progress, base_revision=base_revision,
                        on_layer=on_layer, load_kwargs=load_kwargs)
+    run.budget_measurements = budget_measurements
 
     def step(name):
         t = time.perf_counter()
@@ -324,6 +330,7 @@ class _Compression:
         self.warned_no_calibration = False
         self.target_ratio = config.target_ratio
         self.attempts: list = []  # (saved bytes, delta) of each budget attempt
+        self.budget_measurements = None  # a BudgetMeasurements shared with other calls, if given
 
     def load(self) -> None:
         self.base_m = _load(self.base, "base", **self.load_kwargs)
@@ -396,10 +403,37 @@ class _Compression:
         activations, choose one per module for the byte budget, and record the choice as overrides."""
         if self.target_ratio is None:
             return
+        ids = self._calibration_ids()
+        shared = self.budget_measurements
+        if shared is not None:
+            key = self._measurement_key(ids)
+            shared.check(key)
+            if shared.key is not None:  # measured by an earlier call: only the allocation below is new
+                self._allocate(shared.options)
+                return
+        measured = self._measure_candidates(ids)
+        if shared is not None:
+            shared.key, shared.options = key, measured
+        self._allocate(measured)
+
+    def _measurement_key(self, ids) -> dict:
+        """What the budget's measurements depend on (see BudgetMeasurements)."""
+        import hashlib
+
+        from ..fingerprint import base_fingerprint
+
+        cfg = self.config
+        settings = {f: getattr(cfg, f) for f in ("budget_bits", "budget_sparsity", "budget_group_sizes", "symmetric",
+                                                 "block_size", "damp", "zstd_level", "embeddings")}
+        calib = None if ids is None else hashlib.sha256(ids.to(torch.int64).cpu().numpy().tobytes()).hexdigest()
+        return {"settings": json.loads(json.dumps(settings, default=str)), "calibration": calib,
+                "base": base_fingerprint(self.base_m), "finetuned": base_fingerprint(self.ft_m)}
+
+    def _measure_candidates(self, ids) -> dict:
+        """Every candidate setting of every module, solved on the fine-tune's own activations."""
         from . import budget as bud
 
         cfg, dev = self.config, self.dev
-        ids = self._calibration_ids()
         captured = None
         if ids is not None:
             captured = _capture_layer_inputs(self.ft_m, self.layers_prefix, self.ft_layers[0], ids, {}, self.base_params,
@@ -437,6 +471,10 @@ class _Compression:
                     delta.to(dev), candidates=bud.candidates(cfg, "linear"), kind="embedding",
                     hessian=self._head_hessian(captured), **common)
         del captured
+        return measured
+
+    def _allocate(self, measured: dict) -> None:
+        """Choose one measured option per module for the byte budget (the allocation of the budget step)."""
         self.measured = measured
         self.fp16_bytes = 2 * sum(p.numel() for p in self.ft_m.parameters())
         self.target_bytes = self.fp16_bytes / self.target_ratio

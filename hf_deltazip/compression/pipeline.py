@@ -517,7 +517,10 @@ class _Compression:
         self._record_choice(chosen)
 
     def _unreachable(self, cheapest: int):
-        reachable = self.fp16_bytes / (cheapest + self.fixed_bytes)
+        from . import budget as bud
+
+        # the overhead of the cheapest choice itself (its module records), not of the last choice made
+        reachable = self.fp16_bytes / (cheapest + self._overhead_of(bud.allocate(self.measured, cheapest)))
         raise DeltaZipConfigError(
             f"target_ratio={self.target_ratio:g} is out of reach for this model: the smallest settings give "
             f"about {reachable:.1f}x; choose a lower target_ratio, or offer smaller settings (budget_bits, "

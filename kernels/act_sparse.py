@@ -67,7 +67,9 @@ def sparsify_input(x: torch.Tensor, threshold: Optional[float]) -> torch.Tensor:
     """``x`` with every entry of ``|x| <= threshold`` set to zero (``None``: ``x`` unchanged)."""
     if threshold is None:
         return x
-    return torch.where(x.abs() > threshold, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    # the comparison is made in x's own dtype, against the threshold rounded to it (as the kernels do)
+    thr = torch.tensor(float(threshold), dtype=x.dtype, device=x.device)
+    return torch.where(x.abs() > thr, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 # --------------------------------------------------------------------------- layouts
@@ -237,13 +239,16 @@ def _runs_reference(x: torch.Tensor) -> bool:
     return x.device.type != "cuda" and not _interpreting()
 
 
-def _thr(threshold: Optional[float]) -> tuple[float, bool]:
+def _thr(threshold: Optional[float], dtype: torch.dtype) -> tuple[float, bool]:
+    """The threshold as the kernels take it: rounded to the activations' dtype, so that the kernel's
+    float32 comparison ``|x| > thr`` drops exactly the inputs :func:`sparsify_input` drops (a float32
+    ``0.6`` against float16 inputs would keep the inputs equal to float16's ``0.6001``)."""
     if threshold is None:
         return 0.0, False
     t = float(threshold)
     if not math.isfinite(t) or t < 0:
         raise ValueError(f"threshold must be a finite number >= 0 or None, got {threshold!r}")
-    return t, True
+    return float(torch.tensor(t, dtype=dtype)), True
 
 
 def _dot_prec(x):
@@ -287,7 +292,7 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
         ``[M, N]`` in ``out``'s dtype (default ``x.dtype``), accumulated in float32.
     """
     _check_base(x, weight_t, bias, out)
-    thr, use_thr = _thr(threshold)
+    thr, use_thr = _thr(threshold, x.dtype)
     if _runs_reference(x):
         y = sparse_base_linear_reference(x, weight_t, bias, threshold)
         return y if out is None else out.copy_(y)
@@ -347,7 +352,7 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
         ``out``.
     """
     _check_delta(x, deltas, row_delta, out)
-    thr, use_thr = _thr(threshold)
+    thr, use_thr = _thr(threshold, x.dtype)
     if _runs_reference(x):
         y = sparse_delta_linear_reference(x, deltas, row_delta, out, threshold)
         return y if out is None else out.copy_(y)

@@ -307,3 +307,23 @@ def test_compiled_kernels_match_references_on_gpu(monkeypatch, dtype):
     got = A.sparse_delta_linear(x, deltas, rd, out=base.clone(), threshold=0.6)
     want = A.sparse_delta_linear_reference(x, deltas, rd, out=base, threshold=0.6)
     torch.testing.assert_close(got.float(), want.float(), atol=6e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_inputs_equal_to_the_rounded_threshold_are_dropped_as_sparsify_input_drops_them(interpret, dtype):
+    # 0.6 is not a float16 number: float16 inputs equal to float16(0.6) = 0.60009765625 lie above a
+    # float32 0.6 but not above the threshold rounded to float16, which is what sparsify_input compares
+    gen = torch.Generator().manual_seed(3)
+    m, n, k = 3, 40, 64
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    x[:, ::5] = torch.tensor(0.6, dtype=dtype)
+    assert (A.sparsify_input(x, 0.6)[:, ::5] == 0).all()
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    got = A.sparse_base_linear(x, A.input_major_weight(w), threshold=0.6, block_n=32, block_k=32)
+    torch.testing.assert_close(got, A.sparse_base_linear_reference(x, A.input_major_weight(w), threshold=0.6), **_tol(dtype))
+    torch.testing.assert_close(got, (A.sparsify_input(x, 0.6).float() @ w.float().t()).to(dtype), **_tol(dtype))
+    stack = random_delta_stack(2, n, k, bits=4, group_size=32, scale_range=(0.2, 0.3), generator=gen)
+    deltas = A.input_major_deltas(stack)
+    rd = torch.tensor([1, 0, 1])
+    got = A.sparse_delta_linear(x, deltas, rd, threshold=0.6, block_n=32, block_k=32)
+    torch.testing.assert_close(got, A.sparse_delta_linear_reference(x, deltas, rd, threshold=0.6), **_tol(dtype))

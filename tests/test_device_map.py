@@ -52,11 +52,12 @@ def test_mixed_batch_over_an_offloaded_base_equals_the_whole_base(folders, tmp_p
         assert execution_device(down.base_layer).type == "cpu"
         assert down.packed[0].qweight.device.type == "cpu"  # the delta lives where its layer computes
     x = ids()
+    xm = x.to(model.base_model.device)  # "auto" puts the whole tiny model on a GPU when there is one
     with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=x, delta_names=ROWS).logits,
+        torch.testing.assert_close(model(input_ids=xm, delta_names=ROWS).logits.cpu(),
                                    whole(input_ids=x, delta_names=ROWS).logits, atol=1e-5, rtol=1e-5)
     kw = dict(delta_names=ROWS, max_new_tokens=5, do_sample=False, pad_token_id=0)
-    assert torch.equal(model.generate(x, **kw), whole.generate(x, **kw))
+    assert torch.equal(model.generate(xm, **kw).cpu(), whole.generate(x, **kw))
 
 
 def test_decode_engine_refuses_an_offloaded_base_and_says_what_to_use(folders, tmp_path):

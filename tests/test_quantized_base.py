@@ -30,6 +30,8 @@ QUANT = {
 ROWS = ["a", None, "b", "a"]
 # LLM.int8 also rounds the activations to int8 (from float16): 8-bit cannot match a float matmul to 1e-4
 ATOL = {"nf4-double": 2e-4, "fp4": 2e-4, "int8": 3e-2}
+# transformers places a bitsandbytes model on the GPU when one exists: these tests compare on the CPU
+CPU = {"": "cpu"}
 
 
 def qconfig(kind):
@@ -58,7 +60,7 @@ def fp32_kernels(model):
 
 def quantized_base(folders, kind, where="base"):
     return fp32_kernels(AutoModelForCausalLM.from_pretrained(folders / where, quantization_config=qconfig(kind),
-                                                             dtype=torch.float32))
+                                                             dtype=torch.float32, device_map=CPU))
 
 
 def with_deltas(base, folders, **kw):
@@ -86,7 +88,7 @@ def ids():
 @pytest.mark.parametrize("kind", sorted(QUANT))
 def test_mixed_batch_on_a_quantized_base_equals_the_dequantized_base_plus_each_delta(folders, kind):
     model = DeltaModel.from_pretrained(folders / "a", base=folders / "base", delta_name="a",
-                                       quantization_config=qconfig(kind), dtype=torch.float32)
+                                       quantization_config=qconfig(kind), dtype=torch.float32, device_map=CPU)
     fp32_kernels(model)
     model.load_delta(folders / "b", delta_name="b")
     assert is_quantized_model(model.base_model)
@@ -131,10 +133,11 @@ def test_merge_and_unload_on_a_quantized_base_gives_the_dequantized_merged_model
 def test_fingerprint_of_a_quantized_base_accepts_its_base_and_refuses_another(folders):
     record = base_fingerprint(base_model("llama"))
     for kind in ("nf4-double", "fp4", "int8"):
-        q = AutoModelForCausalLM.from_pretrained(folders / "base", quantization_config=qconfig(kind), dtype=torch.float32)
+        q = AutoModelForCausalLM.from_pretrained(folders / "base", quantization_config=qconfig(kind), dtype=torch.float32,
+                                                 device_map=CPU)
         check_fingerprint(record, dict(q.named_parameters()))
         other = AutoModelForCausalLM.from_pretrained(folders / "other", quantization_config=qconfig(kind),
-                                                     dtype=torch.float32)
+                                                     dtype=torch.float32, device_map=CPU)
         # only the quantized weights: the float embeddings would give the other base away on their own
         only_q = {"version": record["version"],
                   "params": {n: r for n, r in record["params"].items() if "layers" in n and "proj" in n}}

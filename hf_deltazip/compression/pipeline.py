@@ -370,7 +370,8 @@ class _Compression:
         """The delta of an embedding or LM head ``[V_ft, D]`` (rows the fine-tune added count from zero)."""
         wname = f"{name}.weight"
         w_ft = self.ft_m.get_parameter(wname).detach().float()
-        return w_ft - _pad_rows(self.base_params[wname].detach().float(), w_ft.shape[0])
+        # the base may sit on another device than the fine-tune (a base loaded from a folder for the round trip)
+        return w_ft - _pad_rows(self.base_params[wname].detach().float().to(w_ft.device), w_ft.shape[0])
 
     def _compress_vocab(self, name: str, hessian: Optional[torch.Tensor]) -> None:
         """One embedding or LM-head delta: the OBS solver when ``hessian`` is given, else round-to-nearest.
@@ -442,7 +443,8 @@ class _Compression:
         measured = {}
         quantized = bool(self.emb_weight_names)
         if quantized and self.in_name is not None:
-            delta = self._vocab_delta(self.in_name)
+            # on the compute device: a 262k-token vocabulary's magnitude sorts and grids take minutes on a CPU
+            delta = self._vocab_delta(self.in_name).to(dev)
             if bool(delta.any()):
                 weights = bud.token_row_weights(ids, delta.shape[0]) if ids is not None else None
                 measured[self.in_name] = bud.measure_module(delta, candidates=bud.candidates(cfg, "embedding"), kind="embedding",

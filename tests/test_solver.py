@@ -336,3 +336,46 @@ def test_baselines_at_equal_bytes_against_obs():
 def test_solver_result_checks_its_shapes():
     with pytest.raises(AssertionError):
         SolverResult(torch.zeros(2, 8, dtype=torch.uint8), torch.ones(2, 3), torch.zeros(2, 3, dtype=torch.uint8), None, 4, 4, True, None)
+
+
+@pytest.mark.parametrize("group_size,symmetric,static_groups", [(-1, True, False), (16, False, False), (16, True, True)])
+def test_obs_compress_many_equals_obs_compress_setting_by_setting(group_size, symmetric, static_groups):
+    """The byte budget measures its candidates through the stacked solver: each result must be the one
+    obs_compress gives for that setting alone (codes, grids and masks), dead inputs and 2:4 included."""
+    from hf_deltazip.compression.solver import obs_compress_many
+
+    gen = torch.Generator().manual_seed(3)
+    n, k = 24, 80
+    delta = torch.randn(n, k, generator=gen) * 0.02
+    x = torch.randn(6 * k, k, generator=gen)
+    x[:, 5] = 0.0  # an input that never fires
+    h = 2 * x.T @ x / x.shape[0]
+    settings = [(b, s) for b in (2, 3, 4) for s in (None, 0.5, "2:4", 0.9)]
+    # max_elements forces several passes of 4 settings each; block_size 30 is rounded up to 32 for 2:4 only
+    many = obs_compress_many(delta, h, settings, group_size=group_size, symmetric=symmetric, block_size=30,
+                             static_groups=static_groups, max_elements=4 * n * k)
+    assert len(many) == len(settings)
+    for (bits, sparsity), got in zip(settings, many):
+        want = obs_compress(delta, h, bits=bits, sparsity=sparsity, group_size=group_size, symmetric=symmetric,
+                            block_size=30, static_groups=static_groups)
+        assert (got.bits, got.sparsity, got.group_size, got.symmetric) == (bits, sparsity, group_size, symmetric)
+        assert torch.equal(got.codes, want.codes) and torch.equal(got.scales, want.scales)
+        assert torch.equal(got.zeros, want.zeros)
+        assert (got.mask is None) == (sparsity is None)
+        if sparsity is not None:
+            assert torch.equal(got.mask, want.mask)
+        if sparsity == "2:4":
+            assert bool((got.mask.view(n, k // 4, 4).sum(-1) == 2).all())
+        elif sparsity is not None:
+            assert int((~got.mask).sum()) == round(sparsity * n * k)
+
+
+def test_obs_compress_many_checks_its_inputs():
+    from hf_deltazip.compression.solver import obs_compress_many
+
+    d, h = torch.randn(8, 16), torch.eye(16)
+    with pytest.raises(DeltaZipConfigError, match="bits"):
+        obs_compress_many(d, h, [(4, None), (5, None)])
+    with pytest.raises(ValueError, match="hessian must be"):
+        obs_compress_many(d, torch.eye(8), [(4, None)])
+    assert obs_compress_many(d, h, []) == []

@@ -26,7 +26,7 @@ from ..config import Sparsity
 from ..delta import PackedModule
 from ..errors import DeltaZipConfigError
 from ..format.container import encoded_nbytes
-from .solver import obs_compress, objective, rtn_compress
+from .solver import obs_compress, obs_compress_many, objective, rtn_compress
 
 __all__ = [
     "Candidate",
@@ -117,10 +117,18 @@ def measure_module(
     """
     k = delta.shape[1]
     options = []
+    candidates = [c for c in candidates if not (c.sparsity == "2:4" and k % 4)]
+    solved = {}
+    if hessian is not None:  # one stacked OBS pass per group size (2:4 goes one by one)
+        for gs in dict.fromkeys(c.group_size for c in candidates):
+            batch = [c for c in candidates if c.group_size == gs and c.sparsity != "2:4"]
+            results = obs_compress_many(delta, hessian, [(c.bits, c.sparsity) for c in batch], group_size=gs,
+                                        symmetric=symmetric, block_size=block_size, damp=damp)
+            solved.update(zip(batch, results))
     for cand in candidates:
-        if cand.sparsity == "2:4" and k % 4:
-            continue
-        if hessian is not None:
+        if cand in solved:
+            res = solved.pop(cand)
+        elif hessian is not None:
             res = obs_compress(delta, hessian, bits=cand.bits, group_size=cand.group_size, symmetric=symmetric,
                                sparsity=cand.sparsity, block_size=block_size, damp=damp)
         else:

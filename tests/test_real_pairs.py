@@ -128,3 +128,36 @@ def test_calibration_texts_refuse_an_empty_set(base_dir, tmp_path):
                                task="dates", eval_examples=[], eval_texts=[], general_texts=[], info={})
     with pytest.raises(DeltaZipError, match="no calibration text"):
         pair.calibration_texts(4)
+
+
+def test_benchmarks_take_a_real_pair_folder(tmp_path, base_dir, capsys):
+    """`act_sparsity quality --real-pair` and `quantized_base quality --pair` read the pair's own texts:
+    calibration from its calibration stream, scores on its held-out evaluation texts."""
+    import argparse
+
+    from hf_deltazip.bench import act_sparsity, quantized_base
+
+    pair = real_pairs.build_real_pair(tmp_path, "dates", base_dir=base_dir, **dict(SMALL, n_eval=6, n_calibration=8))
+    pair_dir = tmp_path / "dates"
+    evals, calib = real_pairs.real_pair_texts(pair_dir)
+    assert evals == pair.eval_texts and calib == pair.calibration and len(evals) == 6
+    out = tmp_path / "aq.json"
+    assert act_sparsity.main(["quality", "--real-pair", str(pair_dir), "--base", str(base_dir), "--sparsity", "0.5",
+                              "--device", "cpu", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["calibration_sequences"] == 6  # as many calibration texts as evaluation texts
+    assert [r["sparsity"] for r in result["rows"]] == [0.0, 0.5]
+    dense = result["rows"][0]
+    assert dense["rel_nll_increase"] == 0.0 and dense["gain_kept"] == pytest.approx(1.0)
+    # quantized_base: the base defaults to the folder beside the pair (WORK/base)
+    parser = argparse.ArgumentParser()
+    args = argparse.Namespace(pair=str(pair_dir), base=None, finetune=None, eval_texts=None, calibration=None)
+    base, ft, texts, calibration = quantized_base._quality_inputs(parser, args)
+    assert (base, ft) == (str(tmp_path / "base"), str(pair_dir / "finetuned"))
+    assert texts == evals and calibration == calib
+    with pytest.raises(SystemExit):
+        quantized_base._quality_inputs(parser, argparse.Namespace(pair=None, base="b", finetune=None, eval_texts=None,
+                                                                  calibration=None))
+    assert "--finetune, --eval-texts" in capsys.readouterr().err
+    with pytest.raises(DeltaZipError, match="no finished real pair"):
+        real_pairs.real_pair_texts(tmp_path / "nothing")

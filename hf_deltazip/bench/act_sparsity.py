@@ -88,7 +88,20 @@ def _load_pair(args, device, dtype) -> dict:
 
     if args.tiny:
         return tiny_pair()
-    if args.pair:
+    if args.real_pair:
+        from .real_pairs import real_pair_texts
+
+        pair_dir = Path(args.real_pair)
+        eval_texts, calib_texts = real_pair_texts(pair_dir)
+        n = min(len(eval_texts), len(calib_texts))
+        tok = AutoTokenizer.from_pretrained(pair_dir / "finetuned")
+        base_dir = Path(args.base) if args.base else pair_dir.parent / "base"
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
+        ft = AutoModelForCausalLM.from_pretrained(pair_dir / "finetuned", dtype=dtype)
+        calib = _ids(tok, calib_texts[:n], args.max_length)
+        evals = {"text": _ids(tok, eval_texts[:n], args.max_length)}
+        name = f"{base_dir} -> {pair_dir / 'finetuned'}"
+    elif args.pair:
         from .pairs import load_pair
 
         pair = load_pair(args.pair)
@@ -100,7 +113,7 @@ def _load_pair(args, device, dtype) -> dict:
         name = str(args.pair)
     else:
         if not (args.base and args.finetune):
-            raise SystemExit("quality needs --tiny, --pair DIR, or both --base DIR and --finetune DIR")
+            raise SystemExit("quality needs --tiny, --pair DIR, --real-pair DIR, or both --base DIR and --finetune DIR")
         tok = AutoTokenizer.from_pretrained(args.finetune)
         base = AutoModelForCausalLM.from_pretrained(args.base, dtype=dtype)
         ft = AutoModelForCausalLM.from_pretrained(args.finetune, dtype=dtype)
@@ -342,6 +355,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     q = sub.add_parser("quality", help="NLL and gain kept at each sparsity")
     q.add_argument("--tiny", action="store_true", help="a tiny pair trained on the spot (CPU smoke test)")
     q.add_argument("--pair", help="a hf_deltazip.bench.pairs folder")
+    q.add_argument("--real-pair", help="a hf_deltazip.bench.real_pairs folder (WORK/dates): its base (WORK/base, or "
+                                       "--base) and fine-tune; calibrates on its calibration texts, scores on as many evaluation texts")
     q.add_argument("--base", help="base model folder")
     q.add_argument("--finetune", help="fine-tuned model folder (its tokenizer is used)")
     q.add_argument("--delta", help="also measure this compressed delta folder through DeltaModel")

@@ -222,13 +222,30 @@ def _table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _quality_inputs(parser, args) -> tuple:
+    """(base, fine-tune, evaluation texts, calibration) from ``--pair`` or the explicit options."""
+    if args.pair:
+        from .real_pairs import real_pair_texts
+
+        texts, calibration = real_pair_texts(args.pair)
+        pair = Path(args.pair)
+        return (args.base or str(pair.parent / "base"), args.finetune or str(pair / "finetuned"),
+                _texts(args.eval_texts) if args.eval_texts else texts, args.calibration or calibration)
+    missing = [f"--{n.replace('_', '-')}" for n in ("base", "finetune", "eval_texts") if not getattr(args, n)]
+    if missing:
+        parser.error(f"quality needs --pair DIR, or {', '.join(missing)}")
+    return args.base, args.finetune, _texts(args.eval_texts), args.calibration
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m hf_deltazip.bench.quantized_base", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="what", required=True)
     q = sub.add_parser("quality", help="gain kept: bf16 base, 4-bit base, 4-bit base with a delta made for it")
-    q.add_argument("--base", required=True)
-    q.add_argument("--finetune", required=True)
-    q.add_argument("--eval-texts", required=True, help="held-out text of the fine-tune's domain (.txt, blank-line separated, or .jsonl)")
+    q.add_argument("--pair", help="a real pair folder (python -m hf_deltazip.bench.real_pairs --work WORK: WORK/dates): "
+                                  "its fine-tune, evaluation texts and calibration texts; the base defaults to WORK/base")
+    q.add_argument("--base")
+    q.add_argument("--finetune")
+    q.add_argument("--eval-texts", help="held-out text of the fine-tune's domain (.txt, blank-line separated, or .jsonl)")
     q.add_argument("--calibration", help="calibration file for compress (.txt / .jsonl); default: round-to-nearest")
     q.add_argument("--quant", choices=["nf4", "fp4"], default="nf4")
     q.add_argument("--bits", type=int, default=4)
@@ -245,11 +262,13 @@ def main(argv=None) -> int:
     for a in (q, s):
         a.add_argument("--json")
     args = p.parse_args(argv)
+    if args.what == "quality":
+        _quality_inputs(p, args)  # argument errors before the GPU check
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU: this benchmark is meant for one")
     if args.what == "quality":
-        texts = _texts(args.eval_texts)
-        result = run_quality(args.base, args.finetune, texts, calibration=args.calibration, quant=args.quant,
+        base, finetune, texts, calibration = _quality_inputs(p, args)
+        result = run_quality(base, finetune, texts, calibration=calibration, quant=args.quant,
                              bits=args.bits, group_size=args.group_size, sparsity=args.sparsity)
     else:
         result = run_speed(shape=args.shape, layers=args.layers, deltas=args.deltas, rows=args.rows,

@@ -397,6 +397,17 @@ def _scores(model, tokenizer, data: _TaskData, max_new_tokens: int) -> dict[str,
     }
 
 
+def real_pair_texts(pair_dir: str | os.PathLike) -> tuple[list[str], list[str]]:
+    """``(evaluation texts, calibration texts)`` of a pair :func:`build_real_pair` finished in ``pair_dir``
+    (the texts other benchmarks score and calibrate on; disjoint by construction)."""
+    path = Path(pair_dir) / _EVAL_DATA
+    if not path.exists():
+        raise DeltaZipError(f"{pair_dir} holds no finished real pair (no {_EVAL_DATA}): build it with "
+                            "python -m hf_deltazip.bench.real_pairs --work WORK.")
+    data = json.loads(path.read_text())
+    return list(data["eval_texts"]), list(data["calibration"])
+
+
 def load_real_pair(pair_dir: str | os.PathLike, *, base_dir: str | os.PathLike) -> RealPair:
     """Load a pair that :func:`build_real_pair` finished in ``pair_dir``."""
     out = Path(pair_dir)

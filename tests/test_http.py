@@ -89,6 +89,13 @@ def test_chat_and_completion_streamed_or_not_equal_greedy_generate(world, served
         pieces = [ch.choices[0].text for ch in c.completions.create(model=model, prompt="import os\n", max_tokens=10,
                                                                     temperature=0, stream=True)]
         assert "".join(pieces) == want and len([p for p in pieces if p]) > 1
+        # Jacobi decoding (an extension field): the same greedy answer, streamed or not
+        jacobi = dict(decoding="jacobi", jacobi_block_size=4)
+        r = c.completions.create(model=model, prompt="import os\n", max_tokens=10, temperature=0, extra_body=jacobi)
+        assert r.choices[0].text == want and r.usage.completion_tokens == n
+        pieces = [ch.choices[0].text for ch in c.completions.create(model=model, prompt="import os\n", max_tokens=10,
+                                                                    temperature=0, stream=True, extra_body=jacobi)]
+        assert "".join(pieces) == want
     outputs = {m: c.completions.create(model=m, prompt="import os\n", max_tokens=10, temperature=0).choices[0].text
                for m in ("d1", "d2", "d3", BASE)}
     assert len(set(outputs.values())) == 4, "the deltas answer alike: the test could not tell them apart"
@@ -159,6 +166,11 @@ def error_of(response):
     (json.dumps({"model": "d1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "9"}).encode(), 400, "max_tokens"),
     (json.dumps({"model": "d1", "messages": [{"role": "user", "content": "hi"}], "temperature": 9}).encode(), 400, "temperature"),
     (json.dumps({"model": "d1", "messages": [{"role": "user", "content": "hi"}], "n": 3}).encode(), 400, "n"),
+    (json.dumps({"model": "d1", "messages": [{"role": "user", "content": "hi"}], "decoding": "beam"}).encode(), 400, "decoding"),
+    (json.dumps({"model": "d1", "messages": [{"role": "user", "content": "hi"}], "decoding": "jacobi"}).encode(), 400,
+     "temperature"),
+    (json.dumps({"model": "d1", "messages": [{"role": "user", "content": "hi"}], "decoding": "jacobi", "temperature": 0,
+                 "jacobi_block_size": 0}).encode(), 400, "jacobi_block_size"),
     (json.dumps({"model": "d1", "messages": [{"role": "user", "content": "word " * 200}]}).encode(), 400, "messages"),
 ])
 def test_bad_chat_bodies_get_openai_errors(served, body, status, param):

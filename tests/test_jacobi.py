@@ -187,3 +187,77 @@ def test_right_padding_is_refused():
     ids, mask = padded_prompts([4, 2])
     with pytest.raises(DeltaZipError, match="left padding"):
         jacobi_generate(model, ids.flip(1), mask.flip(1), max_new_tokens=4)
+
+
+# ---------------------------------------------------------------------------- DecodeEngine and DeltaServer
+def _alone(model, ids, n, name):
+    """Greedy generate() of one prompt with its delta; the engine returns the tokens before end-of-sequence."""
+    out = model.generate(torch.tensor([ids]), delta_names=[name], do_sample=False, max_new_tokens=n,
+                         pad_token_id=0)[0, len(ids):].tolist()
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    stops = [i for i, t in enumerate(out) if t in eos]
+    return out[: stops[0]] if stops else out
+
+
+def test_engine_jacobi_rows_equal_greedy_beside_ordinary_rows_and_squeeze_their_holes(two_deltas, monkeypatch):
+    from hf_deltazip.serving import DecodeEngine
+
+    model = two_deltas
+    ps = [repeat_ids(1, 3 + i % 4, seed=20 + i)[0].tolist() for i in range(7)]
+    names = ["repeat", "other", "repeat", None, "repeat", "other", "repeat"]
+    news = [30, 9, 25, 12, 18, 7, 30]
+    want = [_alone(model, p, n, d) for p, n, d in zip(ps, news, names)]
+    # a short cache: the holes rejected guesses leave must be squeezed out for the rows to finish
+    engine = DecodeEngine(model, max_batch_size=3, max_length=48, jacobi_min_accept=None)
+    squeezes = []
+    real = engine._squeeze
+    monkeypatch.setattr(engine, "_squeeze", lambda: (squeezes.append(engine._ptr), real()))
+    got = engine.run(ps, names, max_new_tokens=news, decoding="jacobi", jacobi_block_size=8)
+    assert got == want
+    assert squeezes, "the cache was never squeezed: the test does not cover it"
+    st = engine.stats
+    assert st.jacobi_steps > 0 and st.jacobi_tokens_per_step > 2.0, st.as_dict()
+    assert st.decode_steps < sum(news)  # fewer steps than one token per step would take
+    # one-token requests decode in the same steps as Jacobi rows and still equal greedy
+    mixed = DecodeEngine(model, max_batch_size=4, max_length=64)
+    handles = mixed.add(ps[:2], names[:2], max_new_tokens=news[:2], decoding="jacobi", jacobi_block_size=8)
+    handles += mixed.add(ps[2:4], names[2:4], max_new_tokens=news[2:4])
+    done = {}
+    while mixed.active:
+        done.update({f.handle: f.tokens for f in mixed.step()})
+    assert [done[h] for h in handles] == want[:4]
+
+
+def test_engine_jacobi_falls_back_to_one_token_steps_on_a_model_that_never_converges():
+    from hf_deltazip.serving import DecodeEngine
+
+    model = matrix_finetune("llama", 1)  # random: guesses are almost never right
+    ps = [padded_prompts([6], seed=s)[0][0].tolist() for s in (1, 2)]
+    want = [greedy(model, torch.tensor([p]), None, max_new_tokens=40)[0, len(p):].tolist() for p in ps]
+    engine = DecodeEngine(model, max_batch_size=2, max_length=64)
+    assert engine.run(ps, max_new_tokens=40, decoding="jacobi", jacobi_block_size=8, eos_token_id=None) == want
+    st = engine.stats
+    # probes of two Jacobi steps between 4, 8, 16, ... one-token steps
+    assert 0 < st.jacobi_steps <= 10 < st.decode_steps, st.as_dict()
+
+
+def test_engine_and_server_refuse_bad_jacobi_requests_and_the_server_decodes_them(two_deltas):
+    from hf_deltazip.serving import DecodeEngine, DeltaServer
+
+    model = two_deltas
+    engine = DecodeEngine(model, max_batch_size=2, max_length=64)
+    ids = repeat_ids(1, 4, seed=3)[0].tolist()
+    with pytest.raises(DeltaZipError, match="greedy"):
+        engine.add([ids], ["repeat"], decoding="jacobi", do_sample=True)
+    with pytest.raises(DeltaZipError, match="decoding must be"):
+        engine.add([ids], ["repeat"], decoding="lookahead")
+    with pytest.raises(DeltaZipError, match="jacobi_block_size"):
+        engine.add([ids], ["repeat"], decoding="jacobi", jacobi_block_size=0)
+    assert engine.active == 0
+    want = _alone(model, ids, 20, "repeat")
+    with DeltaServer(model, max_batch_size=2, max_length=64) as server:
+        assert server.engine is not None
+        got = server.submit(ids, "repeat", max_new_tokens=20, decoding="jacobi", jacobi_block_size=8).result(timeout=120)
+        assert got == want
+        assert server.engine_stats.jacobi_steps > 0

@@ -60,6 +60,7 @@ from ..modeling.routing import BatchRouting
 __all__ = ["AdmissionPolicy", "DecodeEngine", "EngineStats", "Finished", "Pending", "auto_max_deltas"]
 
 _MODEL_DEFAULT = object()  # eos_token_id not given: the model's generation config decides
+_FIRST_BACKOFF, _MAX_BACKOFF = 4, 64  # greedy steps between Jacobi probes (doubling after a failed one)
 
 
 @dataclass
@@ -99,6 +100,8 @@ class EngineStats:
             delta once, and only the KV entries the active rows attend to.
         captures: decode steps captured as CUDA graphs (a delta layout change costs one).
         max_deltas_auto: the cap ``max_deltas="auto"`` has chosen so far (``None``: not measured yet).
+        jacobi_steps: of the decode steps, Jacobi steps (a block of tokens per row, run eagerly).
+        jacobi_row_steps, jacobi_tokens: Jacobi rows in those steps, and the tokens they accepted.
     """
 
     prefill_s: float = 0.0
@@ -116,6 +119,9 @@ class EngineStats:
     floor_bytes: int = 0
     captures: int = 0
     max_deltas_auto: Optional[int] = None
+    jacobi_steps: int = 0
+    jacobi_row_steps: int = 0
+    jacobi_tokens: int = 0
 
     @property
     def idle_row_s(self) -> float:
@@ -141,6 +147,11 @@ class EngineStats:
         return 1e3 * self.decode_s / self.decode_steps if self.decode_steps else 0.0
 
     @property
+    def jacobi_tokens_per_step(self) -> float:
+        """Tokens a Jacobi row accepted per Jacobi step, on average (1.0 is what a greedy step gives)."""
+        return self.jacobi_tokens / self.jacobi_row_steps if self.jacobi_row_steps else 0.0
+
+    @property
     def floor_GBps(self) -> float:
         """Floor bytes per second of decode: compare with the device's copy bandwidth (an H200: ~4 TB/s)."""
         return self.floor_bytes / self.decode_s / 1e9 if self.decode_s else 0.0
@@ -148,7 +159,8 @@ class EngineStats:
     def as_dict(self) -> dict:
         """Every field and derived figure, for a JSON report."""
         out = dict(self.__dict__)
-        for name in ("idle_row_s", "mean_distinct_deltas", "bytes_per_step", "floor_bytes_per_step", "step_ms", "floor_GBps"):
+        for name in ("idle_row_s", "mean_distinct_deltas", "bytes_per_step", "floor_bytes_per_step", "step_ms", "floor_GBps",
+                     "jacobi_tokens_per_step"):
             out[name] = getattr(self, name)
         return out
 
@@ -233,6 +245,8 @@ class _Row:
     sample: Optional[dict]
     generator: Optional[torch.Generator]
     tokens: list = field(default_factory=list)
+    jacobi: int = 0  # block size of a Jacobi row (0: one token per step)
+    guesses: list = field(default_factory=list)  # the row's next Jacobi guesses
 
 
 class _StepCache:
@@ -285,11 +299,23 @@ class DecodeEngine:
             ``stats.max_deltas_auto``); ``None``: no limit; an integer: that limit.
         admission: the :class:`AdmissionPolicy` :meth:`pick` follows (default: prefer deltas in the
             step, ``max_bypass = 4 * max_batch_size``, 4096 prefill tokens per round).
+        jacobi_min_accept: requests added with ``decoding="jacobi"`` are decoded by Jacobi steps while
+            their rows accept at least this many tokens per step on average (over the last two Jacobi
+            steps); below it the engine takes ordinary one-token steps (CUDA graphs included) for 4
+            steps, then probes again, doubling the wait up to 64 steps after each failed probe (as
+            :func:`~hf_deltazip.decoding.jacobi_generate` does). ``None``: never fall back.
+
+    Jacobi decoding (``add(..., decoding="jacobi", jacobi_block_size=n)``): a step feeds each Jacobi row
+    its last token and ``n - 1`` guesses, writes all ``n`` keys at ``n`` cache indices and keeps, per row,
+    only the entries of the accepted prefix visible (its mask hides the rest); the rows' output is the
+    greedy output token for token. Other rows in the same step take one token. Holes left by rejected
+    guesses are squeezed out when the cache runs out of room. Jacobi steps run eagerly (no CUDA graph).
     """
 
     def __init__(self, model, *, max_batch_size: int = 32, max_length: int = 1024,
                  cuda_graphs: Optional[bool] = None, pad_token_id: int = 0,
-                 max_deltas: Union[int, str, None] = "auto", admission: Optional[AdmissionPolicy] = None):
+                 max_deltas: Union[int, str, None] = "auto", admission: Optional[AdmissionPolicy] = None,
+                 jacobi_min_accept: Optional[float] = 1.5):
         from ..modeling import DeltaModel
 
         if max_batch_size < 1 or max_length < 2:
@@ -349,6 +375,10 @@ class DecodeEngine:
         self._logits = None
         self._cache = _StepCache(getattr(config, "num_hidden_layers", 0))
         self._cache.write = torch.zeros((1,), dtype=torch.long, device=d)
+        self.jacobi_min_accept = jacobi_min_accept
+        self._jacobi_recent: list = []  # tokens per Jacobi row of the last Jacobi steps
+        self._jacobi_wait = 0  # greedy steps left before the next Jacobi probe
+        self._jacobi_backoff = _FIRST_BACKOFF
 
     # ------------------------------------------------------------------ public
     @property
@@ -463,7 +493,8 @@ class DecodeEngine:
 
     def add(self, prompts: Sequence, delta_names: Optional[Sequence] = None, *,
             max_new_tokens: Union[int, Sequence[int]] = 32, eos_token_id=_MODEL_DEFAULT, do_sample: bool = False,
-            temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None) -> list:
+            temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
+            decoding: Optional[str] = None, jacobi_block_size: int = 16) -> list:
         """Admit requests into free rows: one batched prefill, which also picks each row's first token.
 
         Args:
@@ -473,6 +504,8 @@ class DecodeEngine:
             eos_token_id: an id or a list of ids that end a request (the token is not returned);
                 default: the model's ``generation_config.eos_token_id``; ``None``: never stop early.
             do_sample, temperature, top_k, top_p, seed: sampling instead of greedy choice.
+            decoding: ``"jacobi"`` decodes these (greedy) requests by Jacobi iteration, up to
+                ``jacobi_block_size`` tokens per step each (see the class docstring); ``None``: one per step.
 
         Returns:
             One handle per request; :meth:`step` reports each finished request under its handle.
@@ -495,14 +528,21 @@ class DecodeEngine:
                     f"a prompt of {len(p)} tokens with max_new_tokens={m} does not fit max_length={self.max_length}: "
                     "raise max_length or shorten the request"
                 )
+        if decoding not in (None, "jacobi"):
+            raise DeltaZipError(f'decoding must be None or "jacobi", got {decoding!r}')
+        if decoding == "jacobi" and do_sample:
+            raise DeltaZipError("jacobi decoding is greedy: do_sample=True is not supported; drop decoding='jacobi' to sample")
+        if decoding == "jacobi" and (not isinstance(jacobi_block_size, int) or not 1 <= jacobi_block_size <= self.max_length):
+            raise DeltaZipError(f"jacobi_block_size must be an integer in [1, max_length={self.max_length}], got {jacobi_block_size!r}")
         if self.delta_model is None and any(x is not None for x in names):
             raise DeltaZipError("this engine runs a plain model: delta names must be None (use a DeltaModel for deltas)")
         if eos_token_id is _MODEL_DEFAULT:
             eos_token_id = getattr(getattr(self.lm, "generation_config", None), "eos_token_id", None)
         eos = frozenset([] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
         sample = dict(temperature=temperature, top_k=top_k, top_p=top_p) if do_sample else None
+        block = jacobi_block_size if decoding == "jacobi" else 0
         with self._lock, self._model_lock():
-            return self._admit(prompts, names, news, eos, sample, seed)
+            return self._admit(prompts, names, news, eos, sample, seed, block)
 
     def step(self) -> list:
         """Decode one token for every active row. Returns the requests that finished (as :class:`Finished`)."""
@@ -563,7 +603,7 @@ class DecodeEngine:
     def _model_lock(self):
         return self.delta_model.cache.lock if self.delta_model is not None else nullcontext()
 
-    def _admit(self, prompts, names, news, eos, sample, seed) -> list:
+    def _admit(self, prompts, names, news, eos, sample, seed, block=0) -> list:
         n = len(prompts)
         width = max(len(p) for p in prompts)
         if not self.can_add(width):
@@ -639,7 +679,7 @@ class DecodeEngine:
             self._next_handle += 1
             handles.append(handle)
             r = _Row(handle=handle, delta=names[i], start=hi - len(p), max_new=news[i], eos=eos,
-                     sample=sample, generator=generators[i])
+                     sample=sample, generator=generators[i], jacobi=block if block > 1 else 0)
             self._rows[row] = r
             self._accept(row, firsts[i])
             if self._rows[row] is not None:
@@ -700,15 +740,126 @@ class DecodeEngine:
         self._cache.write.fill_(self._ptr)
 
     def _decode(self) -> None:
-        if self._ptr >= self.max_length:
+        width = self._jacobi_width()
+        if self._ptr + max(width, 1) > self.max_length:
             self._compact()
+            if self._ptr + max(width, 1) > self.max_length:
+                self._squeeze()  # Jacobi steps left holes: drop them
             if self._ptr >= self.max_length:  # cannot happen: admission checks prompt + max_new <= max_length
                 raise DeltaZipError("the KV cache is full")
+            width = min(width, self.max_length - self._ptr)
         t0 = time.perf_counter()
         used = self._step_usage()
-        self._decode_step()
-        self._after_step()  # reads the tokens back: the step is done
+        if width > 1:
+            self._jacobi_step(width)
+        else:
+            self._decode_step()
+            self._after_step()  # reads the tokens back: the step is done
         self._count_step(used, time.perf_counter() - t0)
+
+    # -- Jacobi steps
+    def _jacobi_width(self) -> int:
+        """Tokens per row of the coming step: the widest Jacobi row's block, or 1 (an ordinary step)
+        while no Jacobi row is active or the engine waits after poor acceptance."""
+        width = max((r.jacobi for r in self._rows if r is not None), default=0)
+        if width <= 1:
+            return 1
+        if self._jacobi_wait > 0:
+            self._jacobi_wait -= 1
+            return 1
+        return width
+
+    def _jacobi_step(self, width: int) -> None:
+        """One forward over ``width`` tokens per row at cache indices ``[ptr, ptr + width)``; each row
+        keeps (unmasks) the entries of the inputs it accepted."""
+        b, dev, ptr = self.max_batch_size, self.device, self._ptr
+        ids = self._ids[:, :1].repeat(1, width)  # idle and one-token rows: their last token, then filler
+        blocks = {}
+        for i, r in enumerate(self._rows):
+            if r is not None and r.jacobi:
+                last = int(self._ids[i, 0])
+                guesses = (r.guesses + [last] * width)[: min(r.jacobi, width) - 1]
+                blocks[i] = [last] + guesses
+                ids[i, : len(blocks[i])] = torch.tensor(blocks[i], device=dev)
+        positions = self._positions + torch.arange(width, device=dev)
+        mask = self._mask.expand(b, 1, width, self.max_length).clone()
+        causal = torch.ones((width, width), dtype=torch.bool, device=dev).tril()
+        mask[:, :, :, ptr:ptr + width] = torch.where(causal, 0.0, self._neg).to(self.dtype)
+        names = [r.delta if r is not None else None for r in self._rows]
+        route = self.delta_model.route(names) if self.delta_model is not None else nullcontext()
+        write = self._cache.write  # a captured step reads this very tensor: put it back afterwards
+        self._cache.write = torch.arange(ptr, ptr + width, device=dev)
+        try:
+            kwargs = {self._cache_kw: self._cache, "use_cache": True}
+            with torch.no_grad(), route:
+                logits = self.lm(input_ids=ids, attention_mask=mask, position_ids=positions, **kwargs).logits
+            nxt = logits.argmax(-1).tolist()
+        finally:
+            self._cache.write = write
+        accepted_counts = []
+        for i, r in enumerate(self._rows):
+            if r is None:
+                continue
+            if i in blocks:
+                block, row = blocks[i], nxt[i]
+                a = 1
+                while a < len(block) and block[a] == row[a - 1]:
+                    a += 1
+                tokens = row[:a]
+                r.guesses = row[a:len(block)]
+                accepted_counts.append(a)
+            elif r.sample is not None:
+                tokens = self._choose(logits[i, :1].float(), [r.sample], [r.generator])
+            else:
+                tokens = nxt[i][:1]
+            a = len(tokens)
+            self._mask[i, 0, 0, ptr:ptr + a] = 0.0  # the keys of the inputs this row accepted
+            self._ids[i, 0] = tokens[-1]
+            self._positions[i, 0] += a
+            for t in tokens:
+                self._accept(i, t)
+                if self._rows[i] is None:
+                    break
+        self._ptr = ptr + width
+        self._cache.write.fill_(self._ptr)
+        self.stats.jacobi_steps += 1
+        self.stats.jacobi_row_steps += len(accepted_counts)
+        self.stats.jacobi_tokens += sum(accepted_counts)
+        self._jacobi_fallback(accepted_counts)
+
+    def _jacobi_fallback(self, counts: list) -> None:
+        """Greedy steps for a while when Jacobi rows accept too few tokens per step (see ``jacobi_min_accept``)."""
+        if self.jacobi_min_accept is None or not counts:
+            return
+        self._jacobi_recent = (self._jacobi_recent + [sum(counts) / len(counts)])[-2:]
+        if len(self._jacobi_recent) < 2:
+            return
+        if sum(self._jacobi_recent) / 2 < self.jacobi_min_accept:
+            self._jacobi_wait = self._jacobi_backoff
+            self._jacobi_backoff = min(2 * self._jacobi_backoff, _MAX_BACKOFF)
+            self._jacobi_recent = []
+        else:
+            self._jacobi_backoff = _FIRST_BACKOFF
+
+    def _squeeze(self) -> None:
+        """Move each active row's visible cache entries together, right-aligned at a new write index,
+        dropping the holes rejected Jacobi guesses left."""
+        rows = [(i, r) for i, r in enumerate(self._rows) if r is not None]
+        keep = {i: (self._mask[i, 0, 0, :self._ptr] == 0).nonzero().flatten() for i, _ in rows}
+        ptr = max((len(k) for k in keep.values()), default=0)
+        with torch.no_grad():
+            for i, r in rows:
+                idx, n = keep[i], len(keep[i])
+                for t in self._cache.keys + self._cache.values:
+                    t[i, :, ptr - n:ptr] = t[i, :, idx].clone()
+                self._mask[i] = self._neg
+                self._mask[i, 0, 0, ptr - n:ptr] = 0.0
+                r.start = ptr - n
+            for i, r in enumerate(self._rows):
+                if r is None:
+                    self._mask[i] = self._neg
+        self._ptr = ptr
+        self._cache.write.fill_(ptr)
 
     def _step_usage(self) -> tuple:
         """What the coming step works on: active rows, distinct deltas, their bytes, KV entries attended."""

@@ -477,6 +477,17 @@ class OpenAIService:
             raise APIError(400, f"'top_p' must be a number in (0, 1], got {top_p!r}", param="top_p")
         if seed is not None and not _is_int(seed):
             raise APIError(400, f"'seed' must be an integer, got {seed!r}", param="seed")
+        decoding = body.get("decoding")  # an extension (the OpenAI client's extra_body): Jacobi decoding
+        if decoding is not None:
+            block = body.get("jacobi_block_size", 16)
+            if decoding != "jacobi":
+                raise APIError(400, f"'decoding' must be \"jacobi\" or absent, got {decoding!r}", param="decoding")
+            if temperature != 0:
+                raise APIError(400, "'decoding': 'jacobi' is greedy: set 'temperature' to 0", param="temperature")
+            if not _is_int(block) or not 1 <= block <= 256:
+                raise APIError(400, f"'jacobi_block_size' must be an integer in [1, 256], got {block!r}",
+                               param="jacobi_block_size")
+            return {"do_sample": False, "decoding": "jacobi", "jacobi_block_size": block}
         if temperature == 0:
             return {"do_sample": False}
         out = {"do_sample": True, "temperature": float(temperature), "top_p": float(top_p)}

@@ -123,7 +123,8 @@ class RequestStats:
 
 
 # generate() options the engine implements; others take the generate() path
-_ENGINE_OPTIONS = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id", "seed", "pad_token_id"}
+_ENGINE_OPTIONS = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id", "seed", "pad_token_id",
+                   "decoding", "jacobi_block_size"}
 
 
 class DeltaServer:
@@ -202,8 +203,9 @@ class DeltaServer:
                 the request has new tokens (one per decode step; all at once for requests that take
                 the ``generate()`` path) and a last time with its finish reason (see :data:`TokenCallback`).
                 Keep it short: it runs between decode steps. If it raises, the request is cancelled.
-            generate_kwargs: ``max_new_tokens``, ``do_sample``, ``temperature``, ... (requests batch
-                together only with requests of equal settings).
+            generate_kwargs: ``max_new_tokens``, ``do_sample``, ``temperature``, ``decoding="jacobi"``
+                (with ``jacobi_block_size``), ... (requests batch together only with requests of equal
+                settings; Jacobi rows decode in the same steps as the others).
 
         Cancelling the returned Future (``future.cancel()``) stops the request: it leaves the queue, or
         its row is freed before the next decode step.

@@ -68,8 +68,13 @@ def test_mixed_batch_rows_equal_each_merged_model(arch, tmp_path):
     with torch.no_grad():
         mixed = model(input_ids=ids, delta_names=ROWS).logits
         for i, name in enumerate(ROWS):
+            # bit for bit the merged model's row, batched one of two ways: alone (a MoE layer's expert
+            # batches depend on how the other rows route), or in the same batch (some dense models, e.g.
+            # Falcon in transformers 5.24, give a row other last bits in a batch of 3 than alone)
             alone = refs[name](input_ids=ids[i : i + 1]).logits[0]
-            assert torch.equal(mixed[i], alone), (arch, name, (mixed[i] - alone).abs().max())
+            batched = refs[name](input_ids=ids).logits[i]
+            assert torch.equal(mixed[i], alone) or torch.equal(mixed[i], batched), (
+                arch, name, (mixed[i] - alone).abs().max(), (mixed[i] - batched).abs().max())
             # the delta matters: the same row through the base differs
             assert name is None or not torch.equal(alone, refs[None](input_ids=ids[i : i + 1]).logits[0])
         # the merged models are the fine-tunes up to the compression error

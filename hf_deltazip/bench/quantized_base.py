@@ -174,21 +174,31 @@ def run_speed(*, shape="8b", layers=None, deltas=16, rows=16, prompt_len=64, new
     out = {"device": torch.cuda.get_device_name() if cuda else "cpu", "shape": shape, "layers": layers or SHAPES[shape]["num_hidden_layers"],
            "deltas": deltas, "rows": rows, "prompt_len": prompt_len, "new_tokens": new_tokens,
            "delta_format": f"{bits}-bit g{group_size}", "rows_table": []}
+    t0 = time.perf_counter()
+
+    def phase(kind, what):  # where the time goes (an 8B quantized row once ran for minutes unexplained)
+        log(f"[{time.perf_counter() - t0:7.1f}s] {kind}: {what}")
+
     for kind in bases:
         _free()
         base = build_base(shape, device, layers)
+        phase(kind, "base built")
         # shapes from the float base; kept in host memory until each is added (16 of them are ~56 GB at 8B)
         made = [{k: map_packed(p, lambda t: t.cpu()) for k, p in random_delta(base, bits, group_size, seed=i).items()}
                 for i in range(deltas)]
+        phase(kind, f"{deltas} random deltas made")
         if kind != "bf16":
             quantize_decoder_linears(base, kind)
+            phase(kind, "decoder linears quantized")
         dm = DeltaModel(base)
         dm.configure_cache(max_resident=deltas + 2)
         for i in range(deltas):
             dm.add_delta(made[i], f"d{i}")
             made[i] = None
         _free()
+        phase(kind, "deltas added")
         check = check_one_layer(dm, rows)
+        phase(kind, "one layer checked")
         fp = dm.memory_footprint()
         resident = torch.cuda.memory_allocated() / 2**30 if cuda else 0.0
         names = [f"d{i % deltas}" for i in range(rows)]
@@ -196,6 +206,7 @@ def run_speed(*, shape="8b", layers=None, deltas=16, rows=16, prompt_len=64, new
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         t = time_generate(dm, ids, names, new_tokens)
+        phase(kind, "generate timed")
         e = engine_tokens_per_s(dm, names, rows, prompt_len, engine_steps)
         row = {"base": kind, "base_gib": fp["base"] / 2**30, "deltas_gib": sum(fp["deltas"].values()) / 2**30,
                "resident_gib": resident, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
@@ -272,7 +283,8 @@ def main(argv=None) -> int:
                              bits=args.bits, group_size=args.group_size, sparsity=args.sparsity)
     else:
         result = run_speed(shape=args.shape, layers=args.layers, deltas=args.deltas, rows=args.rows,
-                           new_tokens=args.new_tokens, engine_steps=args.engine_steps, bases=args.bases)
+                           new_tokens=args.new_tokens, engine_steps=args.engine_steps, bases=args.bases,
+                           log=lambda m: print(m, flush=True))
     print(_table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

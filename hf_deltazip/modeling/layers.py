@@ -31,6 +31,7 @@ from .activation_sparsity import sparsify_module_input
 from .arch import conv1d_class
 from .quantized import base_runs_itself, unhooked
 from .routing import KernelPolicy, LayoutVersion, Router
+from .tensor_parallel import TPShard, local_tensor
 
 
 def _groups(slots: list) -> dict:
@@ -68,6 +69,7 @@ class DeltaModule(nn.Module):
         self.packed: dict[int, PackedModule] = {}
         self.overrides: dict[int, dict] = {}  # slot -> {param rel name: tensor}
         self.names: dict[int, str] = {}  # slot -> delta name, for display
+        self.tp: Optional[TPShard] = None  # how this rank's shard of each delta is cut (tensor-parallel base)
 
     def slots(self) -> set:
         return set(self.packed) | set(self.overrides)
@@ -149,8 +151,9 @@ class DeltaLinear(DeltaModule):
     """
 
     def __init__(self, base_layer: nn.Module, router: Router, layout: LayoutVersion, policy: KernelPolicy, *,
-                 is_output_embedding: bool = False):
+                 is_output_embedding: bool = False, tp: Optional[TPShard] = None):
         super().__init__(base_layer, router, layout, policy)
+        self.tp = tp
         c = conv1d_class()
         self.transposed = c is not None and isinstance(base_layer, c)
         self.is_output_embedding = is_output_embedding
@@ -168,6 +171,8 @@ class DeltaLinear(DeltaModule):
 
     @property
     def in_features(self) -> int:
+        if self.tp is not None:  # the whole layer's, not this rank's shard
+            return self.tp.full[1]
         shape = logical_weight_shape(self.base_layer)  # a 4-bit weight holds packed bytes
         if shape is not None:
             return shape[1]
@@ -176,6 +181,8 @@ class DeltaLinear(DeltaModule):
 
     @property
     def out_features(self) -> int:
+        if self.tp is not None:
+            return self.tp.full[0]
         shape = logical_weight_shape(self.base_layer)
         if shape is not None:
             return shape[0]
@@ -193,11 +200,12 @@ class DeltaLinear(DeltaModule):
                 self._build_stacks(device)
 
     def _refresh(self) -> None:
-        self._through = base_runs_itself(self.base_layer)
+        self._through = base_runs_itself(self.base_layer) or self.tp is not None  # TP: its forward communicates
         self._slot_set = self.slots()
         self._width = max([self.out_features] + [p.shape[0] for p in self.packed.values()])
         only_bias = all(set(ov) <= {"bias"} for ov in self.overrides.values())
-        self._kernel_route = (bool(self.packed) or self.stacks is not None) and only_bias and self._kernel_ok()
+        self._kernel_route = ((bool(self.packed) or self.stacks is not None) and only_bias and self.tp is None
+                              and self._kernel_ok())
 
     def add_packed(self, slot: int, packed: PackedModule) -> None:
         if self.stacks is not None and slot not in self.packed and self._write_in_place(slot, packed):
@@ -238,7 +246,7 @@ class DeltaLinear(DeltaModule):
 
     def _bias_row(self, value: torch.Tensor) -> torch.Tensor:
         base_b = self.base_layer.bias
-        b0 = base_b.detach().float().to(value.device) if base_b is not None else 0.0
+        b0 = local_tensor(base_b.detach()).float().to(value.device) if base_b is not None else 0.0
         return value.detach().float() - b0
 
     def can_write_in_place(self, slot: int, packed: PackedModule) -> bool:
@@ -305,6 +313,8 @@ class DeltaLinear(DeltaModule):
             return self._pad_out(y) if self._width != self.out_features else y
         if self.policy.wants_kernels(x.device) and self._kernel_route and x.dim() >= 2:
             return self._forward_kernel(x, batch, routing)
+        if self.tp is not None and self.tp.mode != "whole":
+            return self._forward_sharded(x, slots)
         if self._through:
             return self._forward_base_then_deltas(x, slots)
         return self._forward_reference(x, slots)
@@ -334,6 +344,30 @@ class DeltaLinear(DeltaModule):
                     yr[..., :n] += self._bias_row(ov["bias"].to(x.device)).to(yr.dtype)
             out[rows, ..., : yr.shape[-1]] = yr
         return out
+
+    def _forward_sharded(self, x: torch.Tensor, slots: list) -> torch.Tensor:
+        """A tensor-parallel layer (see :mod:`.tensor_parallel`): the base's own forward (which communicates),
+        plus each row's delta shard; a row-parallel layer's partial delta output is summed over the ranks
+        (one all-reduce, taken by every rank: they all route the same batch)."""
+        y = self.base_layer(x)
+        groups = _groups(slots)
+        delta = None
+        for slot, rows in groups.items():
+            p = self.packed.get(slot)
+            if p is None:
+                continue
+            idx = torch.tensor(rows, device=x.device)
+            part = F.linear(x.index_select(0, idx), p.dequantize().to(device=x.device, dtype=x.dtype))
+            if delta is None:
+                delta = torch.zeros_like(y)
+            delta.index_copy_(0, idx, part)
+        if delta is not None:
+            y = y + (self.tp.reduce(delta) if self.tp.reduces else delta)
+        for slot, rows in groups.items():
+            b = self.overrides.get(slot, {}).get("bias")
+            if b is not None:  # this rank's part of (b_u - b_base), added once, after the sum
+                y[rows] = y[rows] + self._bias_row(b.to(x.device)).to(y.dtype)
+        return y
 
     def _pad_out(self, y):
         width = self._width
@@ -507,7 +541,8 @@ class DeltaEmbedding(DeltaModule):
         self.stacks = None
         super()._changed()
         device = self.base_layer.weight.device
-        if self.packed and device.type != "meta" and self.policy.wants_kernels(device) and self._stackable():
+        if (self.packed and device.type != "meta" and self.policy.wants_kernels(device) and self._stackable()
+                and self.tp is None):
             self._build_stacks(device)
 
     def _fits_stack(self, packed: PackedModule) -> bool:
@@ -602,6 +637,9 @@ class DeltaEmbedding(DeltaModule):
             r_ids = ids.index_select(0, idx)
             if slot not in self.packed and "weight" not in self.overrides.get(slot, {}):
                 y = self.base_layer(r_ids)
+            elif self.tp is not None:  # the base's forward gathers the rows from the ranks; the delta is whole here
+                delta = _dequantize_rows(self.packed[slot], r_ids.reshape(-1)).view(*r_ids.shape, -1).to(w.device)
+                y = (self.base_layer(r_ids).float() + self._scaled(delta)).to(w.dtype)
             elif not self._lookup_then_scale():  # an embedding whose forward does more: run it on merged rows
                 y = torch.func.functional_call(self.base_layer, {"weight": self.merged_weight(slot)}, (r_ids,))
             elif "weight" in self.overrides.get(slot, {}):

@@ -1,0 +1,166 @@
+"""Deltas over a tensor-parallel base (``tp_plan="auto"``): two CPU ranks with gloo under torchrun.
+
+Every rank's mixed-batch logits, greedy generations and merged model must equal the single-process
+DeltaModel with the same deltas; each rank must hold only its shard of a sharded layer's delta; a delta
+whose quantization groups straddle a row-parallel shard boundary, the decode engine and an in-place
+merge are refused with errors that say what to do instead.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_deltazip import DeltaModel, DeltaZipConfig, compress
+from hf_deltazip.delta import PackedModule
+from hf_deltazip.modeling.tensor_parallel import TensorParallelError, TPShard
+
+from model_factory import base_model, calibration_ids, finetune
+
+ROWS = ["a", None, "b", "a"]
+WORKER = Path(__file__).with_name("tp_worker.py")
+RANKS = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    base_model("llama").save_pretrained(root / "base")
+    settings = {"a": dict(bits=4, group_size=32),  # groups of 32: whole groups on each rank's 32 input columns
+                "b": dict(bits=2, sparsity="2:4", group_size=-1),
+                "wide": dict(bits=4, group_size=64)}  # o_proj's 64 inputs split 32/32: a group of 64 straddles
+    for i, (name, kw) in enumerate(settings.items()):
+        cfg = DeltaZipConfig(n_samples=8, seq_len=24, **kw)
+        compress(base_model("llama"), finetune("llama", i + 1), cfg, calibration=calibration_ids(),
+                 progress=False).save_pretrained(root / name)
+    ids = torch.randint(3, 90, (len(ROWS), 10), generator=torch.Generator().manual_seed(0))
+    torch.save({"ids": ids, "rows": ROWS}, root / "spec.pt")
+    return root
+
+
+@pytest.fixture(scope="module")
+def ranks(root):
+    out = root / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={RANKS}", "--master-addr=127.0.0.1",
+           f"--master-port={_free_port()}", str(WORKER), str(root), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return [torch.load(out / f"rank{r}.pt") for r in range(RANKS)]
+
+
+@pytest.fixture(scope="module")
+def single(root):
+    """The single-process reference: the same deltas over the whole base."""
+    model = DeltaModel.from_pretrained(root / "a", base=root / "base", delta_name="a", dtype=torch.float32)
+    model.load_delta(root / "b", delta_name="b")
+    ids = torch.load(root / "spec.pt")["ids"]
+    with torch.no_grad():
+        logits = model(input_ids=ids, delta_names=ROWS).logits
+    gen = model.generate(ids, delta_names=ROWS, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    merged = model.merge_and_unload("a")
+    with torch.no_grad():
+        merged_logits = merged(input_ids=ids).logits
+    return {"logits": logits, "generate": gen, "merged": merged.state_dict(), "merged_logits": merged_logits,
+            "base_logits": model.base_model(input_ids=ids).logits.detach()}
+
+
+def test_every_rank_computes_the_single_process_mixed_batch(ranks, single):
+    for res in ranks:
+        assert res["world"] == RANKS
+        torch.testing.assert_close(res["logits"], single["logits"], atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(res["base_logits"], single["base_logits"], atol=2e-5, rtol=1e-5)
+    # the deltas really change the rows they route (else equal logits would prove nothing)
+    assert (single["logits"][0] - single["base_logits"][0]).abs().max() > 1e-3
+    assert (single["logits"][2] - single["base_logits"][2]).abs().max() > 1e-3
+
+
+def test_greedy_generate_with_delta_names_equals_single_process(ranks, single):
+    for res in ranks:
+        assert torch.equal(res["generate"], single["generate"])
+
+
+def test_each_rank_keeps_only_its_shard_of_sharded_layers(ranks):
+    for res in ranks:
+        (q, q_base), (o, o_base), (down, down_base) = (res["shards"][n] for n in ("q_proj", "o_proj", "down_proj"))
+        assert q == q_base and q[0] == 32  # colwise: half the 64 output rows
+        assert o == o_base and o[1] == 32  # rowwise: half the 64 input columns
+        assert down == down_base and down[1] * RANKS == 128
+        assert res["embedding"][0] == 96  # the embedding's delta is kept whole (the base's lookup is gathered)
+
+
+def test_merge_and_unload_gathers_a_plain_model_equal_to_the_single_process_merge(ranks, single):
+    for res in ranks:
+        assert res["merged_types"] == ["Parameter"]  # plain tensors, no DTensor shards
+        assert res["merged"].keys() == single["merged"].keys()
+        for k, v in single["merged"].items():
+            assert torch.equal(res["merged"][k], v), k
+        torch.testing.assert_close(res["merged_logits"], single["merged_logits"], atol=1e-5, rtol=1e-5)
+    assert ranks[0]["inplace"][0] == "TensorParallelError" and "inplace=False" in ranks[0]["inplace"][1]
+
+
+def test_a_group_straddling_a_row_parallel_shard_is_refused_with_what_to_do(ranks):
+    for res in ranks:
+        kind, msg = res["wide"]
+        assert kind == "TensorParallelError"
+        assert "o_proj" in msg and "groups of 64" in msg and "group_size" in msg and "32" in msg
+
+
+def test_decode_engine_refuses_a_tensor_parallel_base_and_names_generate(ranks):
+    for res in ranks:
+        assert res["engine"] is not None and "DeltaModel.generate" in res["engine"][1]
+
+
+# ------------------------------------------------------------------ shards of packed deltas, one process
+def _packed(layout: str, n=8, k=32, bits=4, group=8, seed=0) -> PackedModule:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2 ** bits, (n, k), generator=g)
+    groups = k // group if group != -1 else 1
+    scales = torch.rand(n, groups, generator=g) * 1e-2 + 1e-3
+    zeros = torch.full((n, groups), 2 ** (bits - 1))
+    mask = None
+    if layout == "2:4":
+        keep = torch.rand(n, k // 4, 4, generator=g).argsort(-1)[..., :2]
+        mask = torch.zeros(n, k // 4, 4, dtype=torch.bool).scatter_(-1, keep, True).reshape(n, k)
+    elif layout == "bitmask":
+        mask = torch.rand(n, k, generator=g) < 0.4
+    elif layout == "rows":
+        codes[::3] = 2 ** (bits - 1)  # rows equal to their zero point: not stored
+    if mask is not None:
+        codes = torch.where(mask, codes, zeros.repeat_interleave(group if group != -1 else k, 1)[:, :k])
+    return PackedModule.from_codes(codes, scales, zeros, mask, bits=bits, group_size=group, symmetric=True,
+                                   two_four=layout == "2:4", skip_zero_rows=layout == "rows")
+
+
+@pytest.mark.parametrize("layout", ["dense", "2:4", "bitmask", "rows"])
+@pytest.mark.parametrize("group", [8, -1])
+def test_a_shard_dequantizes_to_exactly_its_block_of_the_whole_delta(layout, group):
+    p = _packed(layout, group=group)
+    whole = p.dequantize()
+    for rank in range(2):
+        rows = TPShard("m", "colwise", "rows", rank, 2, None, p.shape).take(p)
+        cols = TPShard("m", "rowwise", "columns", rank, 2, None, p.shape).take(p)
+        assert rows.sparsity == p.sparsity and cols.sparsity in (p.sparsity, "dense")
+        assert torch.equal(rows.dequantize(), whole[4 * rank: 4 * rank + 4])
+        assert torch.equal(cols.dequantize(), whole[:, 16 * rank: 16 * rank + 16])
+        assert rows.scales.dtype == p.scales.dtype
+        assert rows.nbytes < p.nbytes  # a packed shard, not a dense float copy
+        # a shard placed again (after an eviction to the host) is not cut twice
+        assert TPShard("m", "colwise", "rows", rank, 2, None, p.shape).take(rows) is rows
+
+
+def test_a_shard_boundary_inside_a_group_is_refused():
+    p = _packed("dense", k=48, group=16)  # 48 columns over 2 ranks: 24 each, inside the second group of 16
+    with pytest.raises(TensorParallelError, match=r"groups of 16 .*group_size that divides 24 \(group_size=-1, or 8\)"):
+        TPShard("layers.0.o_proj", "rowwise", "columns", 0, 2, None, p.shape).take(p)

@@ -1,0 +1,57 @@
+"""One rank of tests/test_tensor_parallel.py, run as ``torchrun --nproc-per-node 2 tp_worker.py ROOT OUT``.
+
+It loads the deltas over a base sharded with ``tp_plan="auto"`` (gloo on the CPU), runs what the test
+compares with the single-process model, and saves each rank's results to ``OUT/rank<r>.pt``.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hf_deltazip import DeltaModel, DeltaZipError
+from hf_deltazip.serving import DecodeEngine
+
+
+def refusal(fn):
+    """``(error class, message)`` of what ``fn`` raised, or ``None`` when it did not refuse."""
+    try:
+        fn()
+    except DeltaZipError as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def main(root: Path, out: Path) -> None:
+    spec = torch.load(root / "spec.pt")
+    ids, rows = spec["ids"], spec["rows"]
+    model = DeltaModel.from_pretrained(root / "a", base=root / "base", delta_name="a", dtype=torch.float32,
+                                       tp_plan="auto")
+    model.load_delta(root / "b", delta_name="b")
+    res = {"world": dist.get_world_size()}
+    layer = model.base_model.model.layers[0]
+    slot = model.cache.slot_of("a")
+    res["shards"] = {name: (tuple(mod.packed[slot].shape), tuple(mod.base_layer.weight.to_local().shape))
+                     for name, mod in [("q_proj", layer.self_attn.q_proj), ("o_proj", layer.self_attn.o_proj),
+                                       ("down_proj", layer.mlp.down_proj)]}
+    res["embedding"] = tuple(model.base_model.model.embed_tokens.packed[slot].shape)
+    with torch.no_grad():
+        res["logits"] = model(input_ids=ids, delta_names=rows).logits
+        res["base_logits"] = model(input_ids=ids, delta_names=[None] * len(rows)).logits
+    res["generate"] = model.generate(ids, delta_names=rows, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    res["wide"] = refusal(lambda: model.load_delta(root / "wide", delta_name="wide"))
+    res["engine"] = refusal(lambda: DecodeEngine(model, max_batch_size=4, max_length=64))
+    res["inplace"] = refusal(lambda: model.merge_and_unload("a", inplace=True))
+    merged = model.merge_and_unload("a")
+    res["merged"] = {k: v.detach().clone() for k, v in merged.state_dict().items()}
+    res["merged_types"] = sorted({type(p).__name__ for p in merged.parameters()})
+    with torch.no_grad():
+        res["merged_logits"] = merged(input_ids=ids).logits
+    torch.save(res, out / f"rank{dist.get_rank()}.pt")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    dist.destroy_process_group()

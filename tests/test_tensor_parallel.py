@@ -43,6 +43,9 @@ def root(tmp_path_factory):
         cfg = DeltaZipConfig(n_samples=8, seq_len=24, **kw)
         compress(base_model("llama"), finetune("llama", i + 1), cfg, calibration=calibration_ids(),
                  progress=False).save_pretrained(root / name)
+    base_model("qwen2").save_pretrained(root / "qwen-base")
+    compress(base_model("qwen2"), finetune("qwen2", 1), DeltaZipConfig(n_samples=8, seq_len=24, bits=4, group_size=32),
+             calibration=calibration_ids(), progress=False).save_pretrained(root / "qwen")
     ids = torch.randint(3, 90, (len(ROWS), 10), generator=torch.Generator().manual_seed(0))
     torch.save({"ids": ids, "rows": ROWS}, root / "spec.pt")
     return root
@@ -84,6 +87,25 @@ def test_every_rank_computes_the_single_process_mixed_batch(ranks, single):
     # the deltas really change the rows they route (else equal logits would prove nothing)
     assert (single["logits"][0] - single["base_logits"][0]).abs().max() > 1e-3
     assert (single["logits"][2] - single["base_logits"][2]).abs().max() > 1e-3
+
+
+def test_qwen2_bias_changes_follow_the_colwise_shards(root, ranks):
+    model = DeltaModel.from_pretrained(root / "qwen", base=root / "qwen-base", delta_name="q", dtype=torch.float32)
+    q_proj = model.base_model.model.layers[0].self_attn.q_proj
+    assert "bias" in q_proj.overrides[model.cache.slot_of("q")]  # the fine-tune's bias, stored exactly
+    ids = torch.load(root / "spec.pt")["ids"]
+    with torch.no_grad():
+        logits = model(input_ids=ids, delta_names=["q", None, None, "q"]).logits
+    merged = model.merge_and_unload("q").state_dict()
+    for res in ranks:
+        torch.testing.assert_close(res["qwen_logits"], logits, atol=2e-5, rtol=1e-5)
+        for k, v in merged.items():
+            assert torch.equal(res["qwen_merged"][k], v), k
+
+
+def test_an_in_memory_delta_is_sharded_like_the_same_delta_from_its_file(ranks):
+    for res in ranks:
+        assert torch.equal(res["added"][0], res["added"][1])
 
 
 def test_greedy_generate_with_delta_names_equals_single_process(ranks, single):

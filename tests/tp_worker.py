@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hf_deltazip import DeltaModel, DeltaZipError
+from hf_deltazip import CompressedDelta, DeltaModel, DeltaZipError
 from hf_deltazip.serving import DecodeEngine
 
 
@@ -48,6 +48,16 @@ def main(root: Path, out: Path) -> None:
     res["merged_types"] = sorted({type(p).__name__ for p in merged.parameters()})
     with torch.no_grad():
         res["merged_logits"] = merged(input_ids=ids).logits
+    # a delta added from memory routes like the same delta read from its folder
+    model.add_delta(CompressedDelta.from_pretrained(root / "b"), "b-again")
+    with torch.no_grad():
+        res["added"] = model(input_ids=ids[[2, 2]], delta_names=["b", "b-again"]).logits
+    # Qwen2: q/k/v biases, which a fine-tune changes (exact parameters: a colwise rank keeps its rows)
+    qwen = DeltaModel.from_pretrained(root / "qwen", base=root / "qwen-base", delta_name="q", dtype=torch.float32,
+                                      tp_plan="auto")
+    with torch.no_grad():
+        res["qwen_logits"] = qwen(input_ids=ids, delta_names=["q", None, None, "q"]).logits
+    res["qwen_merged"] = {k: v.detach().clone() for k, v in qwen.merge_and_unload("q").state_dict().items()}
     torch.save(res, out / f"rank{dist.get_rank()}.pt")
     dist.barrier()
 

@@ -84,6 +84,8 @@ def test_every_rank_computes_the_single_process_mixed_batch(ranks, single):
         assert res["world"] == RANKS
         torch.testing.assert_close(res["logits"], single["logits"], atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(res["base_logits"], single["base_logits"], atol=2e-5, rtol=1e-5)
+        # with autograd on, a row-parallel layer runs the base's own forward and all-reduces its delta apart
+        torch.testing.assert_close(res["grad_logits"], single["logits"], atol=2e-5, rtol=1e-5)
     # the deltas really change the rows they route (else equal logits would prove nothing)
     assert (single["logits"][0] - single["base_logits"][0]).abs().max() > 1e-3
     assert (single["logits"][2] - single["base_logits"][2]).abs().max() > 1e-3

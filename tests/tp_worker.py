@@ -39,6 +39,7 @@ def main(root: Path, out: Path) -> None:
     with torch.no_grad():
         res["logits"] = model(input_ids=ids, delta_names=rows).logits
         res["base_logits"] = model(input_ids=ids, delta_names=[None] * len(rows)).logits
+    res["grad_logits"] = model(input_ids=ids, delta_names=rows).logits.detach()  # the base's own TP forward
     res["generate"] = model.generate(ids, delta_names=rows, max_new_tokens=6, do_sample=False, pad_token_id=0)
     res["wide"] = refusal(lambda: model.load_delta(root / "wide", delta_name="wide"))
     res["engine"] = refusal(lambda: DecodeEngine(model, max_batch_size=4, max_length=64))

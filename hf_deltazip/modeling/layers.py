@@ -346,10 +346,13 @@ class DeltaLinear(DeltaModule):
         return out
 
     def _forward_sharded(self, x: torch.Tensor, slots: list) -> torch.Tensor:
-        """A tensor-parallel layer (see :mod:`.tensor_parallel`): the base's own forward (which communicates),
-        plus each row's delta shard; a row-parallel layer's partial delta output is summed over the ranks
-        (one all-reduce, taken by every rank: they all route the same batch)."""
-        y = self.base_layer(x)
+        """A tensor-parallel layer (see :mod:`.tensor_parallel`): this rank's base shard plus each row's delta
+        shard. A row-parallel ``nn.Linear`` at inference sums the base's and the deltas' partial outputs in
+        one all-reduce (what the base's own forward would do for the base alone), then adds the bias; any
+        other layer runs the base's own forward (which communicates) and a row-parallel delta's partial
+        output gets an all-reduce of its own. Every rank takes the same collectives: they route the same batch."""
+        fused = self.tp.reduces and type(self.base_layer) is nn.Linear and not torch.is_grad_enabled()
+        y = F.linear(x, local_tensor(self.base_layer.weight)) if fused else self.base_layer(x)
         groups = _groups(slots)
         delta = None
         for slot, rows in groups.items():
@@ -359,9 +362,13 @@ class DeltaLinear(DeltaModule):
             idx = torch.tensor(rows, device=x.device)
             part = F.linear(x.index_select(0, idx), p.dequantize().to(device=x.device, dtype=x.dtype))
             if delta is None:
-                delta = torch.zeros_like(y)
-            delta.index_copy_(0, idx, part)
-        if delta is not None:
+                delta = y if fused else torch.zeros_like(y)
+            delta.index_add_(0, idx, part)
+        if fused:
+            y = self.tp.reduce(y)
+            if self.base_layer.bias is not None:
+                y = y + local_tensor(self.base_layer.bias)  # replicated: added once, after the sum
+        elif delta is not None:
             y = y + (self.tp.reduce(delta) if self.tp.reduces else delta)
         for slot, rows in groups.items():
             b = self.overrides.get(slot, {}).get("bias")

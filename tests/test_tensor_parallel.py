@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_deltazip import DeltaModel, DeltaZipConfig, compress
+from hf_deltazip import CompressedDelta, DeltaModel, DeltaZipConfig, compress
 from hf_deltazip.delta import PackedModule
 from hf_deltazip.modeling.tensor_parallel import TensorParallelError, TPShard
 
@@ -105,9 +105,14 @@ def test_qwen2_bias_changes_follow_the_colwise_shards(root, ranks):
             assert torch.equal(res["qwen_merged"][k], v), k
 
 
-def test_an_in_memory_delta_is_sharded_like_the_same_delta_from_its_file(ranks):
-    for res in ranks:
+def test_an_in_memory_delta_is_sharded_like_the_same_delta_from_its_file(root, ranks):
+    whole = CompressedDelta.from_pretrained(root / "b")
+    for r, res in enumerate(ranks):
         assert torch.equal(res["added"][0], res["added"][1])
+        saved = CompressedDelta.from_pretrained(root / "out" / f"saved{r}" / "b-again")
+        assert saved.modules.keys() == whole.modules.keys()
+        for name, p in whole.modules.items():
+            assert torch.equal(saved.modules[name].dequantize(), p.dequantize()), name
 
 
 def test_greedy_generate_with_delta_names_equals_single_process(ranks, single):

@@ -53,6 +53,7 @@ def main(root: Path, out: Path) -> None:
     model.add_delta(CompressedDelta.from_pretrained(root / "b"), "b-again")
     with torch.no_grad():
         res["added"] = model(input_ids=ids[[2, 2]], delta_names=["b", "b-again"]).logits
+    model.save_pretrained(out / f"saved{dist.get_rank()}", selected_deltas=["b-again"])  # whole, not this rank's shard
     # Qwen2: q/k/v biases, which a fine-tune changes (exact parameters: a colwise rank keeps its rows)
     qwen = DeltaModel.from_pretrained(root / "qwen", base=root / "qwen-base", delta_name="q", dtype=torch.float32,
                                       tp_plan="auto")

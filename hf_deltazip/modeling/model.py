@@ -380,6 +380,11 @@ class DeltaModel(nn.Module):
                     f"delta {name!r} was added as bare packed modules and has no DeltaZipConfig: add it with "
                     "add_delta(CompressedDelta(...)) to be able to save it"
                 )
+            if e.host is None and tp_size(self.base_model) > 1:
+                raise TensorParallelError(
+                    f"delta {name!r} was added from device tensors and each rank now holds only its shard of it: "
+                    "save the CompressedDelta itself (delta.save_pretrained(...)), or add it with CPU tensors"
+                )
             modules, params = e.host if e.host is not None else self._placer.gather(e.slot)
             modules, params = to_host(modules, params)
         CompressedDelta(config=e.config, modules=modules, params=params, header=e.header.to_dict()).save_pretrained(

@@ -66,7 +66,14 @@ def tp_size(model: nn.Module) -> int:
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return 1
     size = getattr(model, "tp_size", None)
-    return int(size) if size else 1
+    if not size:  # a transformers without the attribute: the size of the model's TP mesh
+        mesh = getattr(model, "device_mesh", None)
+        size = _tp_mesh(mesh).size() if mesh is not None else 1
+    return int(size)
+
+
+def _tp_mesh(mesh):
+    return mesh["tp"] if mesh.ndim > 1 and "tp" in (mesh.mesh_dim_names or ()) else mesh
 
 
 def _plan(model: nn.Module) -> dict:
@@ -85,7 +92,7 @@ def _style(plan: dict, name: str) -> Optional[str]:
 
 def _group(model: nn.Module, weight):
     mesh = weight.device_mesh if _is_dtensor(weight) else getattr(model, "device_mesh", None)
-    return mesh.get_group() if mesh is not None else torch.distributed.group.WORLD
+    return _tp_mesh(mesh).get_group() if mesh is not None else torch.distributed.group.WORLD
 
 
 @dataclass(frozen=True)

@@ -120,13 +120,21 @@ def test_greedy_generate_with_delta_names_equals_single_process(ranks, single):
         assert torch.equal(res["generate"], single["generate"])
 
 
-def test_each_rank_keeps_only_its_shard_of_sharded_layers(ranks):
+def test_each_rank_keeps_only_its_shard_of_sharded_layers(root, ranks):
     for res in ranks:
         (q, q_base), (o, o_base), (down, down_base) = (res["shards"][n] for n in ("q_proj", "o_proj", "down_proj"))
         assert q == q_base and q[0] == 32  # colwise: half the 64 output rows
         assert o == o_base and o[1] == 32  # rowwise: half the 64 input columns
         assert down == down_base and down[1] * RANKS == 128
         assert res["embedding"][0] == 96  # the embedding's delta is kept whole (the base's lookup is gathered)
+    # each rank's bytes: about half the base and less than each whole delta (the embedding and head stay whole)
+    whole = DeltaModel.from_pretrained(root / "a", base=root / "base", delta_name="a", dtype=torch.float32)
+    whole.load_delta(root / "b", delta_name="b")
+    full = whole.memory_footprint()
+    for res in ranks:
+        fp = res["footprint"]
+        assert 0.45 * full["base"] < fp["base"] < 0.75 * full["base"]
+        assert all(fp["deltas"][n] < full["deltas"][n] for n in ("a", "b"))
 
 
 def test_merge_and_unload_gathers_a_plain_model_equal_to_the_single_process_merge(ranks, single):

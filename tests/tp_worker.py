@@ -35,6 +35,7 @@ def main(root: Path, out: Path) -> None:
     res["shards"] = {name: (tuple(mod.packed[slot].shape), tuple(mod.base_layer.weight.to_local().shape))
                      for name, mod in [("q_proj", layer.self_attn.q_proj), ("o_proj", layer.self_attn.o_proj),
                                        ("down_proj", layer.mlp.down_proj)]}
+    res["footprint"] = model.memory_footprint()
     res["embedding"] = tuple(model.base_model.model.embed_tokens.packed[slot].shape)
     with torch.no_grad():
         res["logits"] = model(input_ids=ids, delta_names=rows).logits

@@ -20,7 +20,7 @@ from .cache import CacheEntry, DeltaCache, Residency, to_host
 from .placement import DeltaPlacer
 from .quantized import dequantize_model, is_quantized_model, warn_merge_dequantizes
 from .routing import BatchRouting, KernelPolicy, LayoutVersion, Router
-from .tensor_parallel import TensorParallelError, tp_size
+from .tensor_parallel import TensorParallelError, local_tensor, tp_size
 
 __all__ = ["DeltaModel"]
 
@@ -438,10 +438,12 @@ class DeltaModel(nn.Module):
         return placer.merged_model(slot, header, inplace=True)
 
     def memory_footprint(self) -> dict:
-        """Bytes of the base and of each loaded delta, as they sit on their devices."""
+        """Bytes of the base and of each loaded delta, as they sit on their devices (on a tensor-parallel
+        base: this rank's shards)."""
         seen = set()
         base = 0
         for p in list(self.base_model.parameters()) + list(self.base_model.buffers()):
+            p = local_tensor(p)
             if p.data_ptr() in seen:
                 continue
             seen.add(p.data_ptr())

@@ -19,7 +19,7 @@ from hf_deltazip import CompressedDelta, DeltaModel, DeltaZipConfig, compress
 from hf_deltazip.delta import PackedModule
 from hf_deltazip.modeling.tensor_parallel import TensorParallelError, TPShard
 
-from model_factory import base_model, calibration_ids, finetune
+from model_factory import base_model, calibration_ids, finetune, matrix_finetune, matrix_model
 
 ROWS = ["a", None, "b", "a"]
 WORKER = Path(__file__).with_name("tp_worker.py")
@@ -30,6 +30,12 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _other_archs() -> dict:
+    """Qwen2 (q/k/v biases, changed by the fine-tune) and Qwen3 (q/k norms, which the plan replicates)."""
+    return {"qwen2": (base_model("qwen2"), finetune("qwen2", 1)),
+            "qwen3": (matrix_model("qwen3"), matrix_finetune("qwen3", 1))}
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +49,12 @@ def root(tmp_path_factory):
         cfg = DeltaZipConfig(n_samples=8, seq_len=24, **kw)
         compress(base_model("llama"), finetune("llama", i + 1), cfg, calibration=calibration_ids(),
                  progress=False).save_pretrained(root / name)
-    base_model("qwen2").save_pretrained(root / "qwen-base")
-    compress(base_model("qwen2"), finetune("qwen2", 1), DeltaZipConfig(n_samples=8, seq_len=24, bits=4, group_size=32),
-             calibration=calibration_ids(), progress=False).save_pretrained(root / "qwen")
+    for arch, (base, tuned) in _other_archs().items():
+        base.save_pretrained(root / f"{arch}-base")
+        compress(base, tuned, DeltaZipConfig(n_samples=8, seq_len=24, bits=4, group_size=-1),
+                 calibration=calibration_ids(), progress=False).save_pretrained(root / arch)
     ids = torch.randint(3, 90, (len(ROWS), 10), generator=torch.Generator().manual_seed(0))
-    torch.save({"ids": ids, "rows": ROWS}, root / "spec.pt")
+    torch.save({"ids": ids, "rows": ROWS, "archs": list(_other_archs())}, root / "spec.pt")
     return root
 
 
@@ -91,18 +98,21 @@ def test_every_rank_computes_the_single_process_mixed_batch(ranks, single):
     assert (single["logits"][2] - single["base_logits"][2]).abs().max() > 1e-3
 
 
-def test_qwen2_bias_changes_follow_the_colwise_shards(root, ranks):
-    model = DeltaModel.from_pretrained(root / "qwen", base=root / "qwen-base", delta_name="q", dtype=torch.float32)
-    q_proj = model.base_model.model.layers[0].self_attn.q_proj
-    assert "bias" in q_proj.overrides[model.cache.slot_of("q")]  # the fine-tune's bias, stored exactly
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_bias_and_norm_changes_follow_the_plan(root, ranks, arch):
+    model = DeltaModel.from_pretrained(root / arch, base=root / f"{arch}-base", delta_name="d", dtype=torch.float32)
+    attn = model.base_model.model.layers[0].self_attn
+    changed = attn.q_proj if arch == "qwen2" else attn.q_norm
+    assert changed.overrides[model.cache.slot_of("d")]  # the fine-tune's bias / norm weight, stored exactly
     ids = torch.load(root / "spec.pt")["ids"]
     with torch.no_grad():
-        logits = model(input_ids=ids, delta_names=["q", None, None, "q"]).logits
-    merged = model.merge_and_unload("q").state_dict()
+        logits = model(input_ids=ids, delta_names=["d", None, None, "d"]).logits
+    merged = model.merge_and_unload("d").state_dict()
     for res in ranks:
-        torch.testing.assert_close(res["qwen_logits"], logits, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(res[f"{arch}_logits"], logits, atol=2e-5, rtol=1e-5)
+        assert res[f"{arch}_merged"].keys() == merged.keys()
         for k, v in merged.items():
-            assert torch.equal(res["qwen_merged"][k], v), k
+            assert torch.equal(res[f"{arch}_merged"][k], v), k
 
 
 def test_an_in_memory_delta_is_sharded_like_the_same_delta_from_its_file(root, ranks):
@@ -163,7 +173,7 @@ def test_decode_engine_refuses_a_tensor_parallel_base_and_names_generate(ranks):
 def _packed(layout: str, n=8, k=32, bits=4, group=8, seed=0) -> PackedModule:
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 2 ** bits, (n, k), generator=g)
-    groups = k // group if group != -1 else 1
+    groups = -(-k // group) if group != -1 else 1
     scales = torch.rand(n, groups, generator=g) * 1e-2 + 1e-3
     zeros = torch.full((n, groups), 2 ** (bits - 1))
     mask = None
@@ -197,7 +207,8 @@ def test_a_shard_dequantizes_to_exactly_its_block_of_the_whole_delta(layout, gro
         assert TPShard("m", "colwise", "rows", rank, 2, None, p.shape).take(rows) is rows
 
 
-def test_a_shard_boundary_inside_a_group_is_refused():
-    p = _packed("dense", k=48, group=16)  # 48 columns over 2 ranks: 24 each, inside the second group of 16
-    with pytest.raises(TensorParallelError, match=r"groups of 16 .*group_size that divides 24 \(group_size=-1, or 8\)"):
+@pytest.mark.parametrize("k, group, fits", [(192, 128, "group_size=-1, or 32\\)"), (96, 64, "group_size=-1\\)")])
+def test_a_shard_boundary_inside_a_group_is_refused_with_the_group_sizes_that_fit(k, group, fits):
+    p = _packed("dense", k=k, group=group)  # over 2 ranks: k/2 columns each, a boundary inside a group
+    with pytest.raises(TensorParallelError, match=rf"groups of {group} .*group_size that divides {k // 2} \({fits}"):
         TPShard("layers.0.o_proj", "rowwise", "columns", 0, 2, None, p.shape).take(p)

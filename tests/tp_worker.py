@@ -55,12 +55,14 @@ def main(root: Path, out: Path) -> None:
     with torch.no_grad():
         res["added"] = model(input_ids=ids[[2, 2]], delta_names=["b", "b-again"]).logits
     model.save_pretrained(out / f"saved{dist.get_rank()}", selected_deltas=["b-again"])  # whole, not this rank's shard
-    # Qwen2: q/k/v biases, which a fine-tune changes (exact parameters: a colwise rank keeps its rows)
-    qwen = DeltaModel.from_pretrained(root / "qwen", base=root / "qwen-base", delta_name="q", dtype=torch.float32,
-                                      tp_plan="auto")
-    with torch.no_grad():
-        res["qwen_logits"] = qwen(input_ids=ids, delta_names=["q", None, None, "q"]).logits
-    res["qwen_merged"] = {k: v.detach().clone() for k, v in qwen.merge_and_unload("q").state_dict().items()}
+    # Qwen2: q/k/v biases, which a fine-tune changes (exact parameters: a colwise rank keeps its rows);
+    # Qwen3: q/k norms, replicated by the plan ("replicated_with_grad_allreduce"), which a fine-tune changes
+    for arch in spec["archs"]:
+        other = DeltaModel.from_pretrained(root / arch, base=root / f"{arch}-base", delta_name="d",
+                                           dtype=torch.float32, tp_plan="auto")
+        with torch.no_grad():
+            res[f"{arch}_logits"] = other(input_ids=ids, delta_names=["d", None, None, "d"]).logits
+        res[f"{arch}_merged"] = {k: v.detach().clone() for k, v in other.merge_and_unload("d").state_dict().items()}
     torch.save(res, out / f"rank{dist.get_rank()}.pt")
     dist.barrier()
 

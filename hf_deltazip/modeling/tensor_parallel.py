@@ -37,7 +37,9 @@ __all__ = ["TensorParallelError", "TPShard", "tp_size", "tp_shard", "local_tenso
 _ROWS = frozenset({"colwise", "local_colwise"})  # output columns sharded: the delta's output rows too
 _COLUMNS = frozenset({"rowwise", "local_rowwise"})  # input sharded, output all-reduced: input columns
 _WHOLE = frozenset({"colwise_rep", "colwise_gather_output", "rowwise_rep", "rowwise_split_input",
-                    "embedding_rowwise", "embedding_colwise", "gather", "local", "replicate"})
+                    "embedding_rowwise", "embedding_colwise"})  # sharded weight, whole output on every rank
+_REPLICATED = frozenset({"replicate", "replicated_with_grad_allreduce"})  # parameters whole on every rank
+_UNREDUCED = frozenset({"local_rowwise"})  # a partial output that a parent module sums
 # the weight dimension each style shards (transformers' own layouts), for gathering plain local shards
 _WEIGHT_DIM = {"colwise": 0, "local_colwise": 0, "colwise_rep": 0, "colwise_gather_output": 0, "rowwise": 1,
                "local_rowwise": 1, "rowwise_rep": 1, "rowwise_split_input": 1, "embedding_rowwise": 0,
@@ -118,8 +120,9 @@ class TPShard:
 
     @property
     def reduces(self) -> bool:
-        """Whether the delta's output on this rank is a partial sum (summed over the ranks)."""
-        return self.mode == "columns"
+        """Whether this layer sums its partial output over the ranks (a ``local_rowwise`` layer leaves that
+        to a parent module, which then sums the delta's part too)."""
+        return self.mode == "columns" and self.style not in _UNREDUCED
 
     def local_shape(self) -> tuple:
         """``(out, in)`` of this rank's part of the layer's weight."""
@@ -154,7 +157,7 @@ class TPShard:
             raise TensorParallelError(
                 f"{self.name} is row-parallel over {self.world} ranks: rank {self.rank} holds input columns "
                 f"{c0}:{c1} (shards of {width} of {k}), which cut the delta's {unit}. Compress the delta with a "
-                f"group_size that divides {width} (group_size=-1, or {_largest_dividing_group(width)}), or run "
+                f"group_size that divides {width} ({_groups_that_fit(width)}), or run "
                 "with a tensor-parallel size whose shards hold whole groups"
             )
         return p.sliced(columns=(c0, c1))
@@ -189,11 +192,10 @@ def gather_chunks(local: torch.Tensor, dim: int, size: int, world: int, group) -
     return torch.cat(parts, dim=dim).narrow(dim, 0, size)
 
 
-def _largest_dividing_group(width: int) -> int:
-    for g in (128, 64, 32, 16, 8, 4):
-        if width % g == 0:
-            return g
-    return width
+def _groups_that_fit(width: int) -> str:
+    """The group sizes a delta may use (``-1``, or a power of two from 32 to 1024) that divide ``width``."""
+    fits = [g for g in (1024, 512, 256, 128, 64, 32) if width % g == 0]
+    return "group_size=-1" + (f", or {fits[0]}" if fits else "") + (f" or smaller down to {fits[-1]}" if len(fits) > 1 else "")
 
 
 def tp_shard(model: nn.Module, name: str, module: nn.Module) -> Optional[TPShard]:
@@ -207,7 +209,7 @@ def tp_shard(model: nn.Module, name: str, module: nn.Module) -> Optional[TPShard
     if world <= 1:
         return None
     style = _style(_plan(model), name)
-    if style is None:
+    if style is None or style in _REPLICATED:  # not cut: deltas (norm overrides, ...) work as usual
         return None
     if style in _ROWS:
         mode = "rows"
@@ -218,7 +220,7 @@ def tp_shard(model: nn.Module, name: str, module: nn.Module) -> Optional[TPShard
     else:
         raise TensorParallelError(
             f"{name} is sharded with the tensor-parallel style {style!r}, which deltas do not follow yet "
-            f"(supported: {sorted(_ROWS | _COLUMNS | _WHOLE)}); load the base without tp_plan (device_map='auto' "
+            f"(supported: {sorted(_ROWS | _COLUMNS | _WHOLE | _REPLICATED)}); load the base without tp_plan (device_map='auto' "
             "spreads it over the GPUs) or with a tp_plan that leaves this module replicated"
         )
     weight = module.weight

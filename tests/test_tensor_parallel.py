@@ -33,9 +33,11 @@ def _free_port() -> int:
 
 
 def _other_archs() -> dict:
-    """Qwen2 (q/k/v biases, changed by the fine-tune) and Qwen3 (q/k norms, which the plan replicates)."""
+    """Qwen2 (q/k/v biases, changed by the fine-tune), Qwen3 (q/k norms, which the plan replicates) and Gemma
+    (tied, scaled embeddings: the LM head shares the embedding's delta)."""
     return {"qwen2": (base_model("qwen2"), finetune("qwen2", 1)),
-            "qwen3": (matrix_model("qwen3"), matrix_finetune("qwen3", 1))}
+            "qwen3": (matrix_model("qwen3"), matrix_finetune("qwen3", 1)),
+            "gemma": (matrix_model("gemma"), matrix_finetune("gemma", 1))}
 
 
 @pytest.fixture(scope="module")
@@ -98,12 +100,14 @@ def test_every_rank_computes_the_single_process_mixed_batch(ranks, single):
     assert (single["logits"][2] - single["base_logits"][2]).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_bias_and_norm_changes_follow_the_plan(root, ranks, arch):
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma"])
+def test_biases_norms_and_tied_embeddings_follow_the_plan(root, ranks, arch):
     model = DeltaModel.from_pretrained(root / arch, base=root / f"{arch}-base", delta_name="d", dtype=torch.float32)
-    attn = model.base_model.model.layers[0].self_attn
-    changed = attn.q_proj if arch == "qwen2" else attn.q_norm
-    assert changed.overrides[model.cache.slot_of("d")]  # the fine-tune's bias / norm weight, stored exactly
+    attn, slot = model.base_model.model.layers[0].self_attn, model.cache.slot_of("d")
+    if arch == "gemma":  # the tied head carries the embedding's delta
+        assert model.base_model.lm_head.packed[slot].kind == "embedding"
+    else:  # the fine-tune's bias / norm weight, stored exactly
+        assert (attn.q_proj if arch == "qwen2" else attn.q_norm).overrides[slot]
     ids = torch.load(root / "spec.pt")["ids"]
     with torch.no_grad():
         logits = model(input_ids=ids, delta_names=["d", None, None, "d"]).logits

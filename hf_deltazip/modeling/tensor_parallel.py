@@ -7,12 +7,15 @@ as it is (``base_layer(x)``) and adds this rank's share of the delta, which is s
 
 * ``colwise`` (q/k/v, gate/up): the base returns this rank's output columns; the rank keeps the delta's
   matching output rows and adds ``x · Δ_rowsᵀ`` locally. No communication.
-* ``rowwise`` (o_proj, down_proj): the input is this rank's slice of the features and the base returns
-  the all-reduced output; the rank keeps the delta's matching input columns (whole quantization groups)
-  and its partial ``x_local · Δ_colsᵀ`` is summed over the ranks by one more all-reduce, once per layer
-  and forward, over the rows that use a delta.
-* anything whose base output is whole on every rank (the embedding, the gathered LM head, replicated
-  styles): the delta is kept whole on every rank and added to that output.
+* ``rowwise`` (o_proj, down_proj): the input is this rank's slice of the features and the base's output
+  is summed over the ranks; the rank keeps the delta's matching input columns (whole quantization
+  groups) and its partial ``x_local · Δ_colsᵀ`` joins the base's partial output before the one
+  all-reduce (an ``nn.Linear`` at inference), or gets an all-reduce of its own after the base's forward.
+* anything whose base output is whole on every rank (the embedding, the gathered LM head,
+  ``rowwise_split_input``): the delta is kept whole on every rank and added to that output.
+* modules the plan replicates (``replicate``, Qwen3's q/k norms): deltas work as without a plan.
+* any other style (MoE experts, packed or sequence-parallel layers) is refused with a
+  :class:`TensorParallelError` when a delta touches it.
 
 Shards follow ``torch.chunk`` (what DTensor's ``Shard`` does): rank ``r`` holds
 ``[r·c, min((r+1)·c, n))`` with ``c = ceil(n / world)``; the base's own local shape is checked against it.

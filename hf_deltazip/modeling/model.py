@@ -88,11 +88,12 @@ class DeltaModel(nn.Module):
                 :mod:`.activation_sparsity` and :meth:`set_activation_sparsity`).
             activation_calibration: texts or token ids to calibrate thresholds on when none are saved.
             base_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (dtype, device_map, tp_plan,
-                quantization_config, ...). With ``tp_plan="auto"`` under ``torchrun`` the base is sharded over
-                the ranks and every rank keeps only its shard of each delta (see :mod:`.tensor_parallel`). A bitsandbytes base (``BitsAndBytesConfig(load_in_4bit=True)``,
+                quantization_config, ...). A bitsandbytes base (``BitsAndBytesConfig(load_in_4bit=True)``,
                 nf4 or fp4, double quantization, or ``load_in_8bit=True``) computes its own matmuls and the
                 deltas are added on top; with a ``device_map`` (CPU or disk offload included) each delta
-                lives on the device its layer computes on.
+                lives on the device its layer computes on. With ``tp_plan="auto"`` under ``torchrun`` the base
+                is sharded over the ranks and each rank keeps only its shard of each delta (see
+                :mod:`.tensor_parallel`); every rank then makes the same calls with the same inputs.
 
         Raises:
             BaseMismatchError: the base is not the one the delta was made from.

@@ -198,7 +198,7 @@ def gather_chunks(local: torch.Tensor, dim: int, size: int, world: int, group) -
 def _groups_that_fit(width: int) -> str:
     """The group sizes a delta may use (``-1``, or a power of two from 32 to 1024) that divide ``width``."""
     fits = [g for g in (1024, 512, 256, 128, 64, 32) if width % g == 0]
-    return "group_size=-1" + (f", or {fits[0]}" if fits else "") + (f" or smaller down to {fits[-1]}" if len(fits) > 1 else "")
+    return "group_size=-1" + (", or " + " / ".join(map(str, fits)) if fits else "")
 
 
 def tp_shard(model: nn.Module, name: str, module: nn.Module) -> Optional[TPShard]:
@@ -223,8 +223,8 @@ def tp_shard(model: nn.Module, name: str, module: nn.Module) -> Optional[TPShard
     else:
         raise TensorParallelError(
             f"{name} is sharded with the tensor-parallel style {style!r}, which deltas do not follow yet "
-            f"(supported: {sorted(_ROWS | _COLUMNS | _WHOLE | _REPLICATED)}); load the base without tp_plan (device_map='auto' "
-            "spreads it over the GPUs) or with a tp_plan that leaves this module replicated"
+            f"(supported: {sorted(_ROWS | _COLUMNS | _WHOLE | _REPLICATED)}); load the base without tp_plan "
+            "(device_map='auto' spreads it over the GPUs) or with a tp_plan that leaves this module replicated"
         )
     weight = module.weight
     group = _group(model, weight)

@@ -55,6 +55,8 @@ def root(tmp_path_factory):
         base.save_pretrained(root / f"{arch}-base")
         compress(base, tuned, DeltaZipConfig(n_samples=8, seq_len=24, bits=4, group_size=-1),
                  calibration=calibration_ids(), progress=False).save_pretrained(root / arch)
+    compress(base_model("llama"), finetune("llama", 1, added_tokens=4), DeltaZipConfig(n_samples=8, seq_len=24, bits=4),
+             calibration=calibration_ids(), progress=False).save_pretrained(root / "grown")
     ids = torch.randint(3, 90, (len(ROWS), 10), generator=torch.Generator().manual_seed(0))
     torch.save({"ids": ids, "rows": ROWS, "archs": list(_other_archs())}, root / "spec.pt")
     return root
@@ -140,7 +142,8 @@ def test_each_rank_keeps_only_its_shard_of_sharded_layers(root, ranks):
         assert q == q_base and q[0] == 32  # colwise: half the 64 output rows
         assert o == o_base and o[1] == 32  # rowwise: half the 64 input columns
         assert down == down_base and down[1] * RANKS == 128
-        assert res["embedding"][0] == 96  # the embedding's delta is kept whole (the base's lookup is gathered)
+        assert res["embedding"][0] == 96  # the embedding's delta is kept whole (the base's lookup is summed)
+        assert res["lm_head"] == (48, 64)  # the gathered LM head: half the vocabulary rows, like its weight
     # each rank's bytes: about half the base and less than each whole delta (the embedding and head stay whole)
     whole = DeltaModel.from_pretrained(root / "a", base=root / "base", delta_name="a", dtype=torch.float32)
     whole.load_delta(root / "b", delta_name="b")
@@ -166,6 +169,12 @@ def test_a_group_straddling_a_row_parallel_shard_is_refused_with_what_to_do(rank
         kind, msg = res["wide"]
         assert kind == "TensorParallelError"
         assert "o_proj" in msg and "groups of 64" in msg and "group_size" in msg and "32" in msg
+
+
+def test_a_fine_tune_that_adds_tokens_is_refused_and_told_to_load_without_tp_plan(ranks):
+    for res in ranks:
+        kind, msg = res["grown"]
+        assert kind == "TensorParallelError" and "adds 4 tokens" in msg and "without tp_plan" in msg
 
 
 def test_decode_engine_refuses_a_tensor_parallel_base_and_names_generate(ranks):

@@ -37,12 +37,14 @@ def main(root: Path, out: Path) -> None:
                                        ("down_proj", layer.mlp.down_proj)]}
     res["footprint"] = model.memory_footprint()
     res["embedding"] = tuple(model.base_model.model.embed_tokens.packed[slot].shape)
+    res["lm_head"] = tuple(model.base_model.lm_head.packed[slot].shape)
     with torch.no_grad():
         res["logits"] = model(input_ids=ids, delta_names=rows).logits
         res["base_logits"] = model(input_ids=ids, delta_names=[None] * len(rows)).logits
     res["grad_logits"] = model(input_ids=ids, delta_names=rows).logits.detach()  # the base's own TP forward
     res["generate"] = model.generate(ids, delta_names=rows, max_new_tokens=6, do_sample=False, pad_token_id=0)
     res["wide"] = refusal(lambda: model.load_delta(root / "wide", delta_name="wide"))
+    res["grown"] = refusal(lambda: model.load_delta(root / "grown", delta_name="grown"))
     res["engine"] = refusal(lambda: DecodeEngine(model, max_batch_size=4, max_length=64))
     res["inplace"] = refusal(lambda: model.merge_and_unload("a", inplace=True))
     merged = model.merge_and_unload("a")

@@ -362,13 +362,15 @@ class DeltaLinear(DeltaModule):
             idx = torch.tensor(rows, device=x.device)
             part = F.linear(x.index_select(0, idx), p.dequantize().to(device=x.device, dtype=x.dtype))
             if delta is None:
-                delta = y if fused else torch.zeros_like(y)
+                delta = y if fused else y.new_zeros((*y.shape[:-1], part.shape[-1]))
             delta.index_add_(0, idx, part)
         if fused:
             y = self.tp.reduce(y)
             if self.base_layer.bias is not None:
                 y = y + local_tensor(self.base_layer.bias)  # replicated: added once, after the sum
         elif delta is not None:
+            if self.tp.gathers:  # the base gathered its output columns: gather the delta's too
+                delta = self.tp.gather(delta, -1, self.tp.full[0])
             y = y + (self.tp.reduce(delta) if self.tp.reduces else delta)
         for slot, rows in groups.items():
             b = self.overrides.get(slot, {}).get("bias")

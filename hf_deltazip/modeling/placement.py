@@ -248,21 +248,23 @@ class DeltaPlacer:
 
     @staticmethod
     def _shard(name: str, wrapper: DeltaModule, p):
-        if wrapper.tp.mode == "whole" and p.kind == "embedding" and p.shape[0] > wrapper.tp.full[0]:
+        vocab = p.kind == "embedding" or getattr(wrapper, "is_output_embedding", False)
+        if vocab and p.shape[0] > wrapper.tp.full[0]:
             raise TensorParallelError(
-                f"{name}: the fine-tune adds {p.shape[0] - wrapper.tp.full[0]} tokens to the vocabulary, which the "
-                "tensor-parallel embedding of the base cannot look up; load the base without tp_plan "
+                f"{name}: the fine-tune adds {p.shape[0] - wrapper.tp.full[0]} tokens to the vocabulary, for which "
+                "the base's tensor-parallel embedding and LM head have no rows; load the base without tp_plan "
                 "(device_map='auto') for this delta"
             )
         return wrapper.tp.take(p)
 
     @staticmethod
     def _shard_param(name: str, wrapper: DeltaModule, attr: str, t):
-        if isinstance(wrapper, DeltaLinear) and attr == "bias" and wrapper.tp.mode != "whole":
-            return wrapper.tp.take_bias(t)
+        tp = wrapper.tp
+        if isinstance(wrapper, DeltaLinear) and attr == "bias" and tp.mode != "whole" and not tp.gathers:
+            return tp.take_bias(t)
         raise TensorParallelError(
             f"the delta replaces {name} outright, which is sharded by the tensor-parallel plan "
-            f"({wrapper.tp.style}); only packed deltas and bias changes of colwise/rowwise layers follow the "
+            f"({tp.style}); only packed deltas and bias changes of colwise/rowwise layers follow the "
             "plan: load the base without tp_plan (device_map='auto') for this delta"
         )
 

@@ -11,8 +11,10 @@ as it is (``base_layer(x)``) and adds this rank's share of the delta, which is s
   is summed over the ranks; the rank keeps the delta's matching input columns (whole quantization
   groups) and its partial ``x_local · Δ_colsᵀ`` joins the base's partial output before the one
   all-reduce (an ``nn.Linear`` at inference), or gets an all-reduce of its own after the base's forward.
-* anything whose base output is whole on every rank (the embedding, the gathered LM head,
-  ``rowwise_split_input``): the delta is kept whole on every rank and added to that output.
+* ``colwise_gather_output`` (the LM head): rows as for ``colwise``; the base gathers its output and the
+  delta's part is gathered too (one all-gather per forward that routes a delta to the head).
+* anything else whose base output is whole on every rank (the embedding, ``rowwise_split_input``): the
+  delta is kept whole on every rank and added to that output.
 * modules the plan replicates (``replicate``, Qwen3's q/k norms): deltas work as without a plan.
 * any other style (MoE experts, packed or sequence-parallel layers) is refused with a
   :class:`TensorParallelError` when a delta touches it.
@@ -38,9 +40,9 @@ __all__ = ["TensorParallelError", "TPShard", "tp_size", "tp_shard", "local_tenso
 
 # the plan styles a delta can follow, by what the base layer's forward gives back on each rank
 _ROWS = frozenset({"colwise", "local_colwise"})  # output columns sharded: the delta's output rows too
+_GATHERED = frozenset({"colwise_gather_output", "colwise_rep"})  # the same, output columns then gathered
 _COLUMNS = frozenset({"rowwise", "local_rowwise"})  # input sharded, output all-reduced: input columns
-_WHOLE = frozenset({"colwise_rep", "colwise_gather_output", "rowwise_rep", "rowwise_split_input",
-                    "embedding_rowwise", "embedding_colwise"})  # sharded weight, whole output on every rank
+_WHOLE = frozenset({"rowwise_rep", "rowwise_split_input", "embedding_rowwise", "embedding_colwise"})  # whole output
 _REPLICATED = frozenset({"replicate", "replicated_with_grad_allreduce"})  # parameters whole on every rank
 _UNREDUCED = frozenset({"local_rowwise"})  # a partial output that a parent module sums
 # the weight dimension each style shards (transformers' own layouts), for gathering plain local shards
@@ -105,6 +107,7 @@ class TPShard:
     """How module ``name``'s deltas are sharded on this rank.
 
     ``mode``: ``"rows"`` (colwise layer), ``"columns"`` (rowwise layer) or ``"whole"`` (kept whole).
+    ``gathers``: a ``"rows"`` layer whose base output is gathered (the LM head): the delta's part is too.
     """
 
     name: str
@@ -114,6 +117,7 @@ class TPShard:
     world: int
     group: object
     full: tuple  # (out, in) of the whole weight: (vocab, dim) for an embedding
+    gathers: bool = False
 
     def bounds(self, size: int) -> tuple:
         """``(start, end)`` of this rank's chunk of ``size`` (``torch.chunk``'s split)."""
@@ -168,7 +172,7 @@ class TPShard:
     def take_bias(self, value: torch.Tensor) -> torch.Tensor:
         """This rank's part of a replaced bias (output rows of a colwise layer; whole otherwise). A part
         taken before is returned as it is."""
-        if self.mode != "rows" or value.shape[0] != self.full[0]:
+        if self.mode != "rows" or self.gathers or value.shape[0] != self.full[0]:
             return value
         r0, r1 = self.bounds(value.shape[0])
         return value[r0:r1]
@@ -214,7 +218,7 @@ def tp_shard(model: nn.Module, name: str, module: nn.Module) -> Optional[TPShard
     style = _style(_plan(model), name)
     if style is None or style in _REPLICATED:  # not cut: deltas (norm overrides, ...) work as usual
         return None
-    if style in _ROWS:
+    if style in _ROWS or style in _GATHERED:
         mode = "rows"
     elif style in _COLUMNS:
         mode = "columns"
@@ -223,7 +227,7 @@ def tp_shard(model: nn.Module, name: str, module: nn.Module) -> Optional[TPShard
     else:
         raise TensorParallelError(
             f"{name} is sharded with the tensor-parallel style {style!r}, which deltas do not follow yet "
-            f"(supported: {sorted(_ROWS | _COLUMNS | _WHOLE | _REPLICATED)}); load the base without tp_plan "
+            f"(supported: {sorted(_ROWS | _GATHERED | _COLUMNS | _WHOLE | _REPLICATED)}); load the base without tp_plan "
             "(device_map='auto' spreads it over the GPUs) or with a tp_plan that leaves this module replicated"
         )
     weight = module.weight
@@ -238,7 +242,8 @@ def tp_shard(model: nn.Module, name: str, module: nn.Module) -> Optional[TPShard
             size = torch.tensor([weight.shape[dim]], device=weight.device)
             torch.distributed.all_reduce(size, group=group)
             full[dim] = int(size)
-    shard = TPShard(name=name, style=style, mode=mode, rank=rank, world=world, group=group, full=tuple(full))
+    shard = TPShard(name=name, style=style, mode=mode, rank=rank, world=world, group=group, full=tuple(full),
+                    gathers=style in _GATHERED)
     local = tuple(local_tensor(weight).shape)
     if mode != "whole" and local != shard.local_shape():
         raise TensorParallelError(

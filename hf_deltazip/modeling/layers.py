@@ -639,6 +639,8 @@ class DeltaEmbedding(DeltaModule):
         slots = routing.rows_for(batch)
         if not (set(slots) & self.slots()):
             return self.base_layer(ids)
+        if self.tp is not None:
+            return self._forward_tp(ids, slots)
         out = None
         w = self.base_layer.weight
         for slot, rows in _groups(slots).items():
@@ -646,9 +648,6 @@ class DeltaEmbedding(DeltaModule):
             r_ids = ids.index_select(0, idx)
             if slot not in self.packed and "weight" not in self.overrides.get(slot, {}):
                 y = self.base_layer(r_ids)
-            elif self.tp is not None:  # the base's forward gathers the rows from the ranks; the delta is whole here
-                delta = _dequantize_rows(self.packed[slot], r_ids.reshape(-1)).view(*r_ids.shape, -1).to(w.device)
-                y = (self.base_layer(r_ids).float() + self._scaled(delta)).to(w.dtype)
             elif not self._lookup_then_scale():  # an embedding whose forward does more: run it on merged rows
                 y = torch.func.functional_call(self.base_layer, {"weight": self.merged_weight(slot)}, (r_ids,))
             elif "weight" in self.overrides.get(slot, {}):
@@ -659,6 +658,31 @@ class DeltaEmbedding(DeltaModule):
                 out = y.new_empty((ids.shape[0], *y.shape[1:]))
             out[rows] = y
         return out
+
+    def _forward_tp(self, ids: torch.Tensor, slots: list) -> torch.Tensor:
+        """A tensor-parallel embedding (see :mod:`.tensor_parallel`): the base's own lookup (which sums or
+        gathers over the ranks), plus each row's delta rows. A vocabulary-parallel rank holds the delta rows
+        of its own vocabulary range: its lookups (zero for other tokens) are summed over the ranks in one
+        all-reduce; a delta kept whole is looked up directly."""
+        w = self.base_layer.weight
+        y = self.base_layer(ids)
+        start, end = self.tp.bounds(self.tp.full[0]) if self.tp.mode == "rows" else (0, self.tp.full[0])
+        delta = None
+        for slot, rows in _groups(slots).items():
+            p = self.packed.get(slot)
+            if p is None:
+                continue
+            r_ids = ids.index_select(0, torch.tensor(rows, device=ids.device)) - start
+            inside = (r_ids >= 0) & (r_ids < end - start)
+            found = _dequantize_rows(p, r_ids.clamp(0, end - start - 1).reshape(-1)).view(*r_ids.shape, -1)
+            if delta is None:
+                delta = torch.zeros(*ids.shape, found.shape[-1], dtype=torch.float32, device=w.device)
+            delta[rows] = found.to(w.device) * inside[..., None].to(w.device)
+        if delta is None:
+            return y
+        if self.tp.mode == "rows":
+            self.tp.reduce(delta)
+        return (y.float() + self._scaled(delta)).to(y.dtype)
 
     def _forward_static(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Every slot's rows computed for the whole batch and kept where the row uses that slot: no

@@ -13,8 +13,11 @@ as it is (``base_layer(x)``) and adds this rank's share of the delta, which is s
   all-reduce (an ``nn.Linear`` at inference), or gets an all-reduce of its own after the base's forward.
 * ``colwise_gather_output`` (the LM head): rows as for ``colwise``; the base gathers its output and the
   delta's part is gathered too (one all-gather per forward that routes a delta to the head).
-* anything else whose base output is whole on every rank (the embedding, ``rowwise_split_input``): the
-  delta is kept whole on every rank and added to that output.
+* ``embedding_rowwise`` (the input embedding): the rank keeps the delta rows of its vocabulary range;
+  its lookups (zero outside the range) are summed over the ranks, one all-reduce per forward that
+  routes a delta to the embedding.
+* anything else whose base output is whole on every rank (``rowwise_split_input``, ``embedding_colwise``):
+  the delta is kept whole on every rank and added to that output.
 * modules the plan replicates (``replicate``, Qwen3's q/k norms): deltas work as without a plan.
 * any other style (MoE experts, packed or sequence-parallel layers) is refused with a
   :class:`TensorParallelError` when a delta touches it.
@@ -41,8 +44,9 @@ __all__ = ["TensorParallelError", "TPShard", "tp_size", "tp_shard", "local_tenso
 # the plan styles a delta can follow, by what the base layer's forward gives back on each rank
 _ROWS = frozenset({"colwise", "local_colwise"})  # output columns sharded: the delta's output rows too
 _GATHERED = frozenset({"colwise_gather_output", "colwise_rep"})  # the same, output columns then gathered
+_VOCAB = frozenset({"embedding_rowwise"})  # an embedding's vocabulary rows sharded, the lookups summed
 _COLUMNS = frozenset({"rowwise", "local_rowwise"})  # input sharded, output all-reduced: input columns
-_WHOLE = frozenset({"rowwise_rep", "rowwise_split_input", "embedding_rowwise", "embedding_colwise"})  # whole output
+_WHOLE = frozenset({"rowwise_rep", "rowwise_split_input", "embedding_colwise"})  # whole output on every rank
 _REPLICATED = frozenset({"replicate", "replicated_with_grad_allreduce"})  # parameters whole on every rank
 _UNREDUCED = frozenset({"local_rowwise"})  # a partial output that a parent module sums
 # the weight dimension each style shards (transformers' own layouts), for gathering plain local shards
@@ -218,7 +222,7 @@ def tp_shard(model: nn.Module, name: str, module: nn.Module) -> Optional[TPShard
     style = _style(_plan(model), name)
     if style is None or style in _REPLICATED:  # not cut: deltas (norm overrides, ...) work as usual
         return None
-    if style in _ROWS or style in _GATHERED:
+    if style in _ROWS or style in _GATHERED or style in _VOCAB:
         mode = "rows"
     elif style in _COLUMNS:
         mode = "columns"
@@ -227,7 +231,7 @@ def tp_shard(model: nn.Module, name: str, module: nn.Module) -> Optional[TPShard
     else:
         raise TensorParallelError(
             f"{name} is sharded with the tensor-parallel style {style!r}, which deltas do not follow yet "
-            f"(supported: {sorted(_ROWS | _GATHERED | _COLUMNS | _WHOLE | _REPLICATED)}); load the base without tp_plan "
+            f"(supported: {sorted(_ROWS | _GATHERED | _VOCAB | _COLUMNS | _WHOLE | _REPLICATED)}); load the base without tp_plan "
             "(device_map='auto' spreads it over the GPUs) or with a tp_plan that leaves this module replicated"
         )
     weight = module.weight

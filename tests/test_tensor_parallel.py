@@ -2,8 +2,9 @@
 
 Every rank's mixed-batch logits, greedy generations and merged model must equal the single-process
 DeltaModel with the same deltas; each rank must hold only its shard of a sharded layer's delta; a delta
-whose quantization groups straddle a row-parallel shard boundary, the decode engine and an in-place
-merge are refused with errors that say what to do instead.
+whose quantization groups straddle a row-parallel shard boundary, a fine-tune that adds tokens, the
+decode engine and an in-place merge are refused with errors that say what to do instead. The worker
+(tests/tp_worker.py) runs every scenario in one torchrun launch and saves each rank's results.
 """
 
 import os

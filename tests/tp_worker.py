@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from hf_deltazip import CompressedDelta, DeltaModel, DeltaZipError
+from hf_deltazip.modeling.tensor_parallel import local_tensor
 from hf_deltazip.serving import DecodeEngine
 
 
@@ -36,7 +37,8 @@ def main(root: Path, out: Path) -> None:
                      for name, mod in [("q_proj", layer.self_attn.q_proj), ("o_proj", layer.self_attn.o_proj),
                                        ("down_proj", layer.mlp.down_proj)]}
     res["footprint"] = model.memory_footprint()
-    res["embedding"] = tuple(model.base_model.model.embed_tokens.packed[slot].shape)
+    embed = model.base_model.model.embed_tokens
+    res["embedding"] = (tuple(embed.packed[slot].shape), tuple(local_tensor(embed.base_layer.weight).shape))
     res["lm_head"] = tuple(model.base_model.lm_head.packed[slot].shape)
     with torch.no_grad():
         res["logits"] = model(input_ids=ids, delta_names=rows).logits

@@ -94,6 +94,7 @@ def single(root):
 def test_every_rank_computes_the_single_process_mixed_batch(ranks, single):
     for res in ranks:
         assert res["world"] == RANKS
+        assert res["tp_plan_warnings"] == []  # tp_plan= goes to transformers as a DistributedConfig
         torch.testing.assert_close(res["logits"], single["logits"], atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(res["base_logits"], single["base_logits"], atol=2e-5, rtol=1e-5)
         # with autograd on, a row-parallel layer runs the base's own forward and all-reduces its delta apart

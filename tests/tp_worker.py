@@ -5,6 +5,7 @@ compares with the single-process model, and saves each rank's results to ``OUT/r
 """
 
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -27,10 +28,13 @@ def refusal(fn):
 def main(root: Path, out: Path) -> None:
     spec = torch.load(root / "spec.pt")
     ids, rows = spec["ids"], spec["rows"]
-    model = DeltaModel.from_pretrained(root / "a", base=root / "base", delta_name="a", dtype=torch.float32,
-                                       tp_plan="auto")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = DeltaModel.from_pretrained(root / "a", base=root / "base", delta_name="a", dtype=torch.float32,
+                                           tp_plan="auto")
+    res_warnings = [str(w.message) for w in caught if "tp_plan" in str(w.message)]
     model.load_delta(root / "b", delta_name="b")
-    res = {"world": dist.get_world_size()}
+    res = {"world": dist.get_world_size(), "tp_plan_warnings": res_warnings}
     layer = model.base_model.model.layers[0]
     slot = model.cache.slot_of("a")
     res["shards"] = {name: (tuple(mod.packed[slot].shape), tuple(mod.base_layer.weight.to_local().shape))

@@ -20,7 +20,7 @@ from .cache import CacheEntry, DeltaCache, Residency, to_host
 from .placement import DeltaPlacer
 from .quantized import dequantize_model, is_quantized_model, warn_merge_dequantizes
 from .routing import BatchRouting, KernelPolicy, LayoutVersion, Router
-from .tensor_parallel import TensorParallelError, local_tensor, tp_size
+from .tensor_parallel import TensorParallelError, distributed_kwargs, local_tensor, tp_size
 
 __all__ = ["DeltaModel"]
 
@@ -114,7 +114,7 @@ class DeltaModel(nn.Module):
                 kwargs["revision"] = header.base_revision
             if token is not None:
                 kwargs.setdefault("token", token)
-            base = AutoModelForCausalLM.from_pretrained(base_id, **kwargs)
+            base = AutoModelForCausalLM.from_pretrained(base_id, **distributed_kwargs(kwargs))
         model = cls(base, use_kernels=use_kernels)
         model.load_delta(folder, delta_name=delta_name)
         model.set_delta(delta_name)

@@ -39,7 +39,7 @@ from ..delta import PackedModule
 from ..errors import DeltaZipError
 
 __all__ = ["TensorParallelError", "TPShard", "tp_size", "tp_shard", "local_tensor", "full_tensor",
-           "fingerprint_view", "gather_chunks", "tensor_parallel_problem"]
+           "fingerprint_view", "gather_chunks", "distributed_kwargs", "tensor_parallel_problem"]
 
 # the plan styles a delta can follow, by what the base layer's forward gives back on each rank
 _ROWS = frozenset({"colwise", "local_colwise"})  # output columns sharded: the delta's output rows too
@@ -295,6 +295,20 @@ def fingerprint_view(model: nn.Module, name: str, t: torch.Tensor) -> torch.Tens
     shape = list(t.shape)
     shape[dim] = int(size)
     return torch.empty(shape, dtype=t.dtype, device="meta")
+
+
+def distributed_kwargs(kwargs: dict) -> dict:
+    """``from_pretrained`` keyword arguments with ``tp_plan`` / ``tp_size`` moved into a ``DistributedConfig``,
+    where transformers has one (it deprecates the bare arguments); anything else as it is."""
+    if "distributed_config" in kwargs or not ({"tp_plan", "tp_size"} & set(kwargs)):
+        return kwargs
+    try:
+        from transformers import DistributedConfig
+    except ImportError:  # a transformers that only takes the bare arguments
+        return kwargs
+    kwargs = dict(kwargs)
+    config = DistributedConfig(tp_plan=kwargs.pop("tp_plan", None), tp_size=kwargs.pop("tp_size", None))
+    return {**kwargs, "distributed_config": config}
 
 
 def tensor_parallel_problem(model: nn.Module) -> Optional[str]:

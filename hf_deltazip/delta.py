@@ -186,6 +186,33 @@ class PackedModule:
             scales=scales, zeros=zeros,
         )
 
+    def sliced(self, rows: Optional[tuple] = None, columns: Optional[tuple] = None) -> "PackedModule":
+        """The block ``[rows[0]:rows[1], columns[0]:columns[1]]`` of this delta, re-packed in its own layout
+        with the same codes and grid (it dequantizes to exactly that block of :meth:`dequantize`): a
+        tensor-parallel rank's shard. Column bounds must fall on quantization-group boundaries (and on
+        2:4 blocks of 4); the caller checks that and says what to do (see ``modeling.tensor_parallel``).
+        """
+        n, k = self.shape
+        r0, r1 = rows or (0, n)
+        c0, c1 = columns or (0, k)
+        g = self.group_size
+        if (g != -1 and (c0 % g or (c1 % g and c1 != k))) or (self.sparsity == "2:4" and (c0 % 4 or c1 % 4)):
+            raise DeltaZipFormatError("<module>", f"columns {c0}:{c1} cut a quantization group of {g} (or a 2:4 block)")
+        if self.sparsity == "rows":
+            (codes, scales, zeros), mask = self._full_grid(), None
+        else:
+            codes, scales, zeros, mask = self.dense_codes(), self.scales, self.zeros, self.kept_mask()
+        g0, g1 = (0, scales.shape[1]) if g == -1 else (c0 // g, -(-c1 // g))
+        scales, zeros = scales[r0:r1, g0:g1], zeros[r0:r1, g0:g1]
+        out = PackedModule.from_codes(
+            codes[r0:r1, c0:c1], scales, zeros, None if mask is None else mask[r0:r1, c0:c1], bits=self.bits,
+            group_size=g, symmetric=self.symmetric, two_four=self.sparsity == "2:4", kind=self.kind,
+            transposed=self.transposed, skip_zero_rows=self.sparsity == "rows")
+        exact = scales.cpu()  # from_codes may pick another scale dtype: keep the stored values as they are
+        if out.sparsity == "rows":
+            exact = exact[out.stored_rows()]
+        return dataclasses.replace(out, scales=exact.contiguous())
+
     @property
     def resident_nbytes(self) -> int:
         """Bytes this delta occupies on a GPU once loaded for the kernels (bitmask and rows are expanded

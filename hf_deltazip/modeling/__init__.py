@@ -8,6 +8,7 @@ Layout (arrows point down the data path):
 * ``layers.py`` - the delta-carrying wrappers (:class:`DeltaLinear`, :class:`DeltaEmbedding`, :class:`DeltaOverride`).
 * ``routing.py`` - per-batch :class:`BatchRouting`, the :class:`Router`, :class:`LayoutVersion`, :class:`KernelPolicy`.
 * ``arch.py`` - finding decoder layers and linear modules in transformers models.
+* ``tensor_parallel.py`` - how each delta is cut on a rank of a base loaded with ``tp_plan`` (torchrun).
 """
 
 from .cache import CacheEntry, CacheFullError, DeltaCache, DeltaInUseError, Residency

@@ -31,6 +31,7 @@ from .activation_sparsity import sparsify_module_input
 from .arch import conv1d_class
 from .quantized import base_runs_itself, unhooked
 from .routing import KernelPolicy, LayoutVersion, Router
+from .tensor_parallel import TPShard, local_tensor
 
 
 def _groups(slots: list) -> dict:
@@ -68,6 +69,7 @@ class DeltaModule(nn.Module):
         self.packed: dict[int, PackedModule] = {}
         self.overrides: dict[int, dict] = {}  # slot -> {param rel name: tensor}
         self.names: dict[int, str] = {}  # slot -> delta name, for display
+        self.tp: Optional[TPShard] = None  # how this rank's shard of each delta is cut (tensor-parallel base)
 
     def slots(self) -> set:
         return set(self.packed) | set(self.overrides)
@@ -149,8 +151,9 @@ class DeltaLinear(DeltaModule):
     """
 
     def __init__(self, base_layer: nn.Module, router: Router, layout: LayoutVersion, policy: KernelPolicy, *,
-                 is_output_embedding: bool = False):
+                 is_output_embedding: bool = False, tp: Optional[TPShard] = None):
         super().__init__(base_layer, router, layout, policy)
+        self.tp = tp
         c = conv1d_class()
         self.transposed = c is not None and isinstance(base_layer, c)
         self.is_output_embedding = is_output_embedding
@@ -168,6 +171,8 @@ class DeltaLinear(DeltaModule):
 
     @property
     def in_features(self) -> int:
+        if self.tp is not None:  # the whole layer's, not this rank's shard
+            return self.tp.full[1]
         shape = logical_weight_shape(self.base_layer)  # a 4-bit weight holds packed bytes
         if shape is not None:
             return shape[1]
@@ -176,6 +181,8 @@ class DeltaLinear(DeltaModule):
 
     @property
     def out_features(self) -> int:
+        if self.tp is not None:
+            return self.tp.full[0]
         shape = logical_weight_shape(self.base_layer)
         if shape is not None:
             return shape[0]
@@ -193,11 +200,12 @@ class DeltaLinear(DeltaModule):
                 self._build_stacks(device)
 
     def _refresh(self) -> None:
-        self._through = base_runs_itself(self.base_layer)
+        self._through = base_runs_itself(self.base_layer) or self.tp is not None  # TP: its forward communicates
         self._slot_set = self.slots()
         self._width = max([self.out_features] + [p.shape[0] for p in self.packed.values()])
         only_bias = all(set(ov) <= {"bias"} for ov in self.overrides.values())
-        self._kernel_route = (bool(self.packed) or self.stacks is not None) and only_bias and self._kernel_ok()
+        self._kernel_route = ((bool(self.packed) or self.stacks is not None) and only_bias and self.tp is None
+                              and self._kernel_ok())
 
     def add_packed(self, slot: int, packed: PackedModule) -> None:
         if self.stacks is not None and slot not in self.packed and self._write_in_place(slot, packed):
@@ -238,7 +246,7 @@ class DeltaLinear(DeltaModule):
 
     def _bias_row(self, value: torch.Tensor) -> torch.Tensor:
         base_b = self.base_layer.bias
-        b0 = base_b.detach().float().to(value.device) if base_b is not None else 0.0
+        b0 = local_tensor(base_b.detach()).float().to(value.device) if base_b is not None else 0.0
         return value.detach().float() - b0
 
     def can_write_in_place(self, slot: int, packed: PackedModule) -> bool:
@@ -305,6 +313,8 @@ class DeltaLinear(DeltaModule):
             return self._pad_out(y) if self._width != self.out_features else y
         if self.policy.wants_kernels(x.device) and self._kernel_route and x.dim() >= 2:
             return self._forward_kernel(x, batch, routing)
+        if self.tp is not None and self.tp.mode != "whole":
+            return self._forward_sharded(x, slots)
         if self._through:
             return self._forward_base_then_deltas(x, slots)
         return self._forward_reference(x, slots)
@@ -334,6 +344,39 @@ class DeltaLinear(DeltaModule):
                     yr[..., :n] += self._bias_row(ov["bias"].to(x.device)).to(yr.dtype)
             out[rows, ..., : yr.shape[-1]] = yr
         return out
+
+    def _forward_sharded(self, x: torch.Tensor, slots: list) -> torch.Tensor:
+        """A tensor-parallel layer (see :mod:`.tensor_parallel`): this rank's base shard plus each row's delta
+        shard. A row-parallel ``nn.Linear`` at inference sums the base's and the deltas' partial outputs in
+        one all-reduce (what the base's own forward would do for the base alone), then adds the bias; any
+        other layer runs the base's own forward (which communicates) and a row-parallel delta's partial
+        output gets an all-reduce of its own. Every rank takes the same collectives: they route the same batch."""
+        fused = self.tp.reduces and type(self.base_layer) is nn.Linear and not torch.is_grad_enabled()
+        y = F.linear(x, local_tensor(self.base_layer.weight)) if fused else self.base_layer(x)
+        groups = _groups(slots)
+        delta = None
+        for slot, rows in groups.items():
+            p = self.packed.get(slot)
+            if p is None:
+                continue
+            idx = torch.tensor(rows, device=x.device)
+            part = F.linear(x.index_select(0, idx), p.dequantize().to(device=x.device, dtype=x.dtype))
+            if delta is None:
+                delta = y if fused else y.new_zeros((*y.shape[:-1], part.shape[-1]))
+            delta.index_add_(0, idx, part)
+        if fused:
+            y = self.tp.reduce(y)
+            if self.base_layer.bias is not None:
+                y = y + local_tensor(self.base_layer.bias)  # replicated: added once, after the sum
+        elif delta is not None:
+            if self.tp.gathers:  # the base gathered its output columns: gather the delta's too
+                delta = self.tp.gather(delta, -1, self.tp.full[0])
+            y = y + (self.tp.reduce(delta) if self.tp.reduces else delta)
+        for slot, rows in groups.items():
+            b = self.overrides.get(slot, {}).get("bias")
+            if b is not None:  # this rank's part of (b_u - b_base), added once, after the sum
+                y[rows] = y[rows] + self._bias_row(b.to(x.device)).to(y.dtype)
+        return y
 
     def _pad_out(self, y):
         width = self._width
@@ -507,7 +550,8 @@ class DeltaEmbedding(DeltaModule):
         self.stacks = None
         super()._changed()
         device = self.base_layer.weight.device
-        if self.packed and device.type != "meta" and self.policy.wants_kernels(device) and self._stackable():
+        if (self.packed and device.type != "meta" and self.policy.wants_kernels(device) and self._stackable()
+                and self.tp is None):
             self._build_stacks(device)
 
     def _fits_stack(self, packed: PackedModule) -> bool:
@@ -595,6 +639,8 @@ class DeltaEmbedding(DeltaModule):
         slots = routing.rows_for(batch)
         if not (set(slots) & self.slots()):
             return self.base_layer(ids)
+        if self.tp is not None:
+            return self._forward_tp(ids, slots)
         out = None
         w = self.base_layer.weight
         for slot, rows in _groups(slots).items():
@@ -612,6 +658,31 @@ class DeltaEmbedding(DeltaModule):
                 out = y.new_empty((ids.shape[0], *y.shape[1:]))
             out[rows] = y
         return out
+
+    def _forward_tp(self, ids: torch.Tensor, slots: list) -> torch.Tensor:
+        """A tensor-parallel embedding (see :mod:`.tensor_parallel`): the base's own lookup (which sums or
+        gathers over the ranks), plus each row's delta rows. A vocabulary-parallel rank holds the delta rows
+        of its own vocabulary range: its lookups (zero for other tokens) are summed over the ranks in one
+        all-reduce; a delta kept whole is looked up directly."""
+        w = self.base_layer.weight
+        y = self.base_layer(ids)
+        start, end = self.tp.bounds(self.tp.full[0]) if self.tp.mode == "rows" else (0, self.tp.full[0])
+        delta = None
+        for slot, rows in _groups(slots).items():
+            p = self.packed.get(slot)
+            if p is None:
+                continue
+            r_ids = ids.index_select(0, torch.tensor(rows, device=ids.device)) - start
+            inside = (r_ids >= 0) & (r_ids < end - start)
+            found = _dequantize_rows(p, r_ids.clamp(0, end - start - 1).reshape(-1)).view(*r_ids.shape, -1)
+            if delta is None:
+                delta = torch.zeros(*ids.shape, found.shape[-1], dtype=torch.float32, device=w.device)
+            delta[rows] = found.to(w.device) * inside[..., None].to(w.device)
+        if delta is None:
+            return y
+        if self.tp.mode == "rows":
+            self.tp.reduce(delta)
+        return (y.float() + self._scaled(delta)).to(y.dtype)
 
     def _forward_static(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Every slot's rows computed for the whole batch and kept where the row uses that slot: no

@@ -20,6 +20,7 @@ from .cache import CacheEntry, DeltaCache, Residency, to_host
 from .placement import DeltaPlacer
 from .quantized import dequantize_model, is_quantized_model, warn_merge_dequantizes
 from .routing import BatchRouting, KernelPolicy, LayoutVersion, Router
+from .tensor_parallel import TensorParallelError, distributed_kwargs, local_tensor, tp_size
 
 __all__ = ["DeltaModel"]
 
@@ -86,11 +87,13 @@ class DeltaModel(nn.Module):
                 calibrated from ``activation_calibration``); or thresholds / their file (see
                 :mod:`.activation_sparsity` and :meth:`set_activation_sparsity`).
             activation_calibration: texts or token ids to calibrate thresholds on when none are saved.
-            base_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (dtype, device_map,
+            base_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (dtype, device_map, tp_plan,
                 quantization_config, ...). A bitsandbytes base (``BitsAndBytesConfig(load_in_4bit=True)``,
                 nf4 or fp4, double quantization, or ``load_in_8bit=True``) computes its own matmuls and the
                 deltas are added on top; with a ``device_map`` (CPU or disk offload included) each delta
-                lives on the device its layer computes on.
+                lives on the device its layer computes on. With ``tp_plan="auto"`` under ``torchrun`` the base
+                is sharded over the ranks and each rank keeps only its shard of each delta (see
+                :mod:`.tensor_parallel`); every rank then makes the same calls with the same inputs.
 
         Raises:
             BaseMismatchError: the base is not the one the delta was made from.
@@ -111,7 +114,7 @@ class DeltaModel(nn.Module):
                 kwargs["revision"] = header.base_revision
             if token is not None:
                 kwargs.setdefault("token", token)
-            base = AutoModelForCausalLM.from_pretrained(base_id, **kwargs)
+            base = AutoModelForCausalLM.from_pretrained(base_id, **distributed_kwargs(kwargs))
         model = cls(base, use_kernels=use_kernels)
         model.load_delta(folder, delta_name=delta_name)
         model.set_delta(delta_name)
@@ -378,6 +381,11 @@ class DeltaModel(nn.Module):
                     f"delta {name!r} was added as bare packed modules and has no DeltaZipConfig: add it with "
                     "add_delta(CompressedDelta(...)) to be able to save it"
                 )
+            if e.host is None and tp_size(self.base_model) > 1:
+                raise TensorParallelError(
+                    f"delta {name!r} was added from device tensors and each rank now holds only its shard of it: "
+                    "save the CompressedDelta itself (delta.save_pretrained(...)), or add it with CPU tensors"
+                )
             modules, params = e.host if e.host is not None else self._placer.gather(e.slot)
             modules, params = to_host(modules, params)
         CompressedDelta(config=e.config, modules=modules, params=params, header=e.header.to_dict()).save_pretrained(
@@ -392,6 +400,10 @@ class DeltaModel(nn.Module):
         On a bitsandbytes base (4-bit, 8-bit) the merged model is dequantized (plain ``nn.Linear`` layers in
         the compute dtype, no ``quantization_config``), with a warning: it is exactly the quantized base plus
         the delta. Load it with a ``quantization_config`` to quantize it again (that rounds the delta too).
+
+        On a tensor-parallel base (``tp_plan``) every rank must call it: each rank merges its shard of each
+        weight, the shards are gathered, and every rank gets the same plain, unsharded model (whole, in host
+        memory or wherever the base's weights are). ``inplace=True`` is refused there.
         """
         name = name or self.active_delta
         if name is None:
@@ -399,7 +411,14 @@ class DeltaModel(nn.Module):
         with self._cache.lock:
             slot = self._cache.slots_for([name])[0]
             header = self._cache.entry(name).header
-            if is_quantized_model(self.base_model):
+            if tp_size(self.base_model) > 1:
+                if inplace:
+                    raise TensorParallelError(
+                        "merge_and_unload(inplace=True) on a tensor-parallel base: the merged model is gathered "
+                        "whole on every rank, it cannot replace the sharded base in place; call it with inplace=False"
+                    )
+                merged = self._placer.merged_model_gathered(slot, header)
+            elif is_quantized_model(self.base_model):
                 merged = self._merge_dequantized(slot, header, inplace)
             else:
                 merged = self._placer.merged_model(slot, header, inplace)
@@ -420,10 +439,12 @@ class DeltaModel(nn.Module):
         return placer.merged_model(slot, header, inplace=True)
 
     def memory_footprint(self) -> dict:
-        """Bytes of the base and of each loaded delta, as they sit on their devices."""
+        """Bytes of the base and of each loaded delta, as they sit on their devices (on a tensor-parallel
+        base: this rank's shards)."""
         seen = set()
         base = 0
         for p in list(self.base_model.parameters()) + list(self.base_model.buffers()):
+            p = local_tensor(p)
             if p.data_ptr() in seen:
                 continue
             seen.add(p.data_ptr())

@@ -20,9 +20,10 @@ from ..fingerprint import check_fingerprint
 from ..format import DeltaHeader
 from ..quantization import logical_weight_shape
 from .arch import is_linear
-from .layers import DeltaEmbedding, DeltaLinear, DeltaModule, DeltaOverride, map_packed
+from .layers import DeltaEmbedding, DeltaLinear, DeltaModule, DeltaOverride, base_plus_delta, map_packed
 from .quantized import execution_device
 from .routing import KernelPolicy, LayoutVersion, Router
+from .tensor_parallel import TensorParallelError, fingerprint_view, full_tensor, local_tensor, tp_shard, tp_size
 
 __all__ = ["DeltaPlacer", "delta_nbytes"]
 
@@ -45,6 +46,7 @@ class DeltaPlacer:
         self.router = router
         self.layout = layout
         self.policy = policy
+        self._tp = {}  # module name -> its TPShard (or None): computed once, on every rank alike
 
     # ------------------------------------------------------------------ the base
     @property
@@ -71,6 +73,12 @@ class DeltaPlacer:
                 out["output"] = _plain(n)
         return out
 
+    def tp_shard(self, name: str, module: nn.Module):
+        """How module ``name``'s deltas are cut on this rank of a tensor-parallel base (``None``: whole)."""
+        if name not in self._tp:
+            self._tp[name] = tp_shard(self.base_model, name, module) if tp_size(self.base_model) > 1 else None
+        return self._tp[name]
+
     def find(self, name: str) -> Optional[nn.Module]:
         try:
             return self.base_model.get_submodule(name)
@@ -94,7 +102,10 @@ class DeltaPlacer:
                 f"{where}: the delta is for a {mt!r} model ({expected}) but the base is {getattr(cfg, 'model_type', None)!r}; "
                 f"load it onto {expected!r}"
             )
-        check_fingerprint(header.base_fingerprint, self.plain_params(), expected_base=expected)
+        params = self.plain_params()
+        if tp_size(self.base_model) > 1:  # sharded weights: their whole shape (and the replicated ones' values)
+            params = {n: fingerprint_view(self.base_model, n, t) for n, t in params.items()}
+        check_fingerprint(header.base_fingerprint, params, expected_base=expected)
 
     def validate(self, modules: dict, params: dict, header: DeltaHeader, where) -> None:
         """Raise :class:`BaseMismatchError` unless every module and parameter of the delta fits the base."""
@@ -107,6 +118,9 @@ class DeltaPlacer:
             base_mod = mod.base_layer if isinstance(mod, DeltaModule) else mod
             w = base_mod.weight
             n, k = (w.shape[1], w.shape[0]) if p.transposed else (logical_weight_shape(base_mod) or tuple(w.shape))
+            tp = self.tp_shard(name, base_mod)
+            if tp is not None:
+                n, k = tp.full
             if p.kind == "embedding":
                 vocab_rows.add(name)
                 if k != p.shape[1] or p.shape[0] < n:
@@ -132,12 +146,19 @@ class DeltaPlacer:
         parent = self.base_model.get_submodule(parent_name) if parent_name else self.base_model
         shared = (self.router, self.layout, self.policy)
         output = self.special_names().get("output") == name
-        if kind == "linear" and is_linear(mod):
-            wrapper = DeltaLinear(mod, *shared, is_output_embedding=output)
+        tp = self.tp_shard(name, mod)
+        if (kind == "linear" or tp is not None) and is_linear(mod):  # a sharded layer's bias too: DeltaLinear cuts it
+            wrapper = DeltaLinear(mod, *shared, is_output_embedding=output, tp=tp)
         elif kind == "embedding" and isinstance(mod, nn.Embedding):
             wrapper = DeltaEmbedding(mod, *shared)
+            wrapper.tp = tp
         elif kind == "embedding" and is_linear(mod):
-            wrapper = DeltaLinear(mod, *shared, is_output_embedding=True)
+            wrapper = DeltaLinear(mod, *shared, is_output_embedding=True, tp=tp)
+        elif tp is not None:
+            raise TensorParallelError(
+                f"{name} ({type(mod).__name__}) is sharded by the tensor-parallel plan ({tp.style}) but is neither "
+                "a linear layer nor an embedding: deltas cannot change it under tp_plan; load the base without tp_plan"
+            )
         else:
             wrapper = DeltaOverride(mod, *shared)
         setattr(parent, child, wrapper)
@@ -179,6 +200,8 @@ class DeltaPlacer:
         for mname, p in modules.items():
             wrapper = self.wrap(mname, p.kind)
             touched.append(wrapper)
+            if wrapper.tp is not None:  # a tensor-parallel rank keeps its shard only
+                p = self._shard(mname, wrapper, p)
             # a device-mapped base: the delta lives where its layer computes
             where = execution_device(wrapper.base_layer) or device
             if not wrapper.can_write_in_place(slot, p):
@@ -193,7 +216,7 @@ class DeltaPlacer:
                 out_name = special.get("output")
                 if out_name and out_name not in modules:
                     head = self.wrap(out_name, "linear")
-                    head.add_packed(slot, p)
+                    head.add_packed(slot, p if head.tp is None else head.tp.take(p))
                     touched.append(head)
         tied = header.tied_embeddings
         for pname, t in params.items():
@@ -205,6 +228,8 @@ class DeltaPlacer:
                     and f"{out_name}.weight" not in params and out_name not in modules):
                 targets.append(self.wrap(out_name, "linear"))
             copies = {}  # one device copy per stream, shared by the embedding and a tied head
+            if any(w.tp is not None for w in targets):
+                t = self._shard_param(pname, targets[0], attr, t)
             for wrapper in targets:
                 if wrapper.can_override_in_place(slot, attr, t):
                     if "side" not in copies:
@@ -220,6 +245,28 @@ class DeltaPlacer:
         if name is not None:
             for w in touched:
                 w.names[slot] = name
+
+    @staticmethod
+    def _shard(name: str, wrapper: DeltaModule, p):
+        vocab = p.kind == "embedding" or getattr(wrapper, "is_output_embedding", False)
+        if vocab and p.shape[0] > wrapper.tp.full[0]:
+            raise TensorParallelError(
+                f"{name}: the fine-tune adds {p.shape[0] - wrapper.tp.full[0]} tokens to the vocabulary, for which "
+                "the base's tensor-parallel embedding and LM head have no rows; load the base without tp_plan "
+                "(device_map='auto') for this delta"
+            )
+        return wrapper.tp.take(p)
+
+    @staticmethod
+    def _shard_param(name: str, wrapper: DeltaModule, attr: str, t):
+        tp = wrapper.tp
+        if isinstance(wrapper, DeltaLinear) and attr == "bias" and tp.mode != "whole" and not tp.gathers:
+            return tp.take_bias(t)
+        raise TensorParallelError(
+            f"the delta replaces {name} outright, which is sharded by the tensor-parallel plan "
+            f"({tp.style}); only packed deltas and bias changes of colwise/rowwise layers follow the "
+            "plan: load the base without tp_plan (device_map='auto') for this delta"
+        )
 
     def detach(self, slot: int, keep_room: bool = True) -> None:
         """Take slot ``slot``'s delta out of every wrapper (with ``keep_room``, its stack room stays)."""
@@ -263,6 +310,53 @@ class DeltaPlacer:
         if header.tied_embeddings:
             target.tie_weights()
         return target
+
+    def merged_model_gathered(self, slot: int, header: DeltaHeader) -> nn.Module:
+        """A tensor-parallel base with slot ``slot``'s delta merged in, gathered into a plain (unsharded)
+        model of the same class, whole on every rank: each rank merges its shard of each weight, then the
+        shards are gathered (collectives: every rank calls this)."""
+        base = self.base_model
+        wrappers = dict(self.wrappers())
+        merged = {}
+        for name, t in self.plain_params().items():
+            owner, _, attr = name.rpartition(".")
+            merged[name] = self._merged_whole(name, attr, t.detach(), wrappers.get(owner), slot)
+        with torch.device("meta"):
+            target = type(base)(copy.deepcopy(base.config))
+        target.load_state_dict(merged, strict=False, assign=True)
+        for mname, mod in target.named_modules():  # buffers and tensor attributes (rotary tables): the base's
+            src = self.find(mname) if mname else base
+            src = src.base_layer if isinstance(src, DeltaModule) else src
+            for attr, value in list(mod.named_buffers(recurse=False)) + list(vars(mod).items()):
+                if torch.is_tensor(value) and value.device.type == "meta" and torch.is_tensor(getattr(src, attr, None)):
+                    setattr(mod, attr, getattr(src, attr).detach().clone())
+        if header.tied_embeddings or getattr(target.config, "tie_word_embeddings", False):
+            target.tie_weights()
+        left = [n for n, t in list(target.named_parameters()) + list(target.named_buffers()) if t.device.type == "meta"]
+        if left:
+            raise TensorParallelError(f"merging the tensor-parallel base left {left} unset; merge on a base loaded "
+                                      "without tp_plan instead")
+        target.generation_config = copy.deepcopy(base.generation_config)
+        return target.eval()
+
+    def _merged_whole(self, name: str, attr: str, t: torch.Tensor, mod: Optional[DeltaModule], slot: int):
+        """Parameter ``name`` of the merged model, whole (the delta's change added to this rank's shard,
+        then the shards gathered)."""
+        ov = mod.overrides.get(slot, {}) if mod is not None else {}
+        p = mod.packed.get(slot) if mod is not None and attr == "weight" else None
+        tp = mod.tp if mod is not None else None
+        if tp is not None and tp.mode != "whole":
+            local = ov.get(attr, local_tensor(t))  # a bias override is this rank's part already
+            if p is not None:
+                local = (local.float() + p.dequantize().to(local.device)).to(t.dtype)
+            if attr == "bias" and tp.mode == "columns":
+                return local.to(t.dtype).clone()  # a row-parallel layer's bias is replicated
+            dim = 0 if tp.mode == "rows" or attr == "bias" else 1
+            return tp.gather(local.to(t.dtype), dim, tp.full[dim])
+        if attr in ov:
+            return ov[attr].to(t.dtype).clone()
+        whole = full_tensor(self.base_model, name, t)
+        return whole.clone() if p is None else base_plus_delta(whole, p, t.dtype)
 
 
 def _plain(name: str) -> str:

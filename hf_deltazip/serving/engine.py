@@ -56,6 +56,7 @@ from ..errors import DeltaZipError
 from ..modeling.cache import Residency
 from ..modeling.quantized import device_map_problem
 from ..modeling.routing import BatchRouting
+from ..modeling.tensor_parallel import tensor_parallel_problem
 
 __all__ = ["AdmissionPolicy", "DecodeEngine", "EngineStats", "Finished", "Pending", "auto_max_deltas"]
 
@@ -332,7 +333,7 @@ class DecodeEngine:
                 f"DecodeEngine runs full attention only; this model has {sorted(set(windowed))} layers: "
                 "use generate() for it"
             )
-        problem = device_map_problem(self.lm)
+        problem = tensor_parallel_problem(self.lm) or device_map_problem(self.lm)
         if problem:
             raise DeltaZipError(problem)
         param = next(self.lm.parameters())

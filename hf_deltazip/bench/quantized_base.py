@@ -273,12 +273,11 @@ def main(argv=None) -> int:
     for a in (q, s):
         a.add_argument("--json")
     args = p.parse_args(argv)
-    if args.what == "quality":
-        _quality_inputs(p, args)  # argument errors before the GPU check
+    inputs = _quality_inputs(p, args) if args.what == "quality" else None  # argument errors before the GPU check
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU: this benchmark is meant for one")
-    if args.what == "quality":
-        base, finetune, texts, calibration = _quality_inputs(p, args)
+    if inputs is not None:
+        base, finetune, texts, calibration = inputs
         result = run_quality(base, finetune, texts, calibration=calibration, quant=args.quant,
                              bits=args.bits, group_size=args.group_size, sparsity=args.sparsity)
     else:

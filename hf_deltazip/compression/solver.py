@@ -450,7 +450,7 @@ def _obs_pass(w0, dead, hinv, damp_used, settings, group_size, symmetric, block_
     scales = torch.empty(c_n * n, ng, dtype=torch.float32, device=device)
     zeros = torch.empty(c_n * n, ng, dtype=torch.uint8, device=device)
     mask = torch.ones(c_n * n, k, dtype=torch.bool, device=device) if sparse else None
-    scale_col = zero_col = None
+    scale_col = zero_col = zero_f = None
 
     def qparams(current):  # packing.compute_qparams(current, bits, -1, symmetric), with bits per row
         xmin = current.amin(-1, keepdim=True).clamp(max=0)
@@ -504,13 +504,14 @@ def _obs_pass(w0, dead, hinv, damp_used, settings, group_size, symmetric, block_
                 if mask is not None:
                     current = current * mask[:, c:ge]
                 scale_col, zero_col = qparams(current)
+                zero_f = zero_col.float()  # once per group, not per column
                 scales[:, c // g] = scale_col[:, 0]
                 zeros[:, c // g] = zero_col[:, 0]
             col = w1[:, i:i + 1]
-            code = torch.minimum((torch.round(col / scale_col) + zero_col.float()).clamp(min=0), maxq).to(torch.uint8)
+            code = torch.minimum((torch.round(col / scale_col) + zero_f).clamp(min=0), maxq).to(torch.uint8)
             if mask is not None:
                 code = torch.where(mask[:, c:c + 1], code, zero_col)
-            q = (code.float() - zero_col.float()) * scale_col
+            q = (code.float() - zero_f) * scale_col
             codes[:, c] = code[:, 0]
             e = (col - q) / d1[i]
             w1[:, i:] -= e * hinv1[i:i + 1, i:]

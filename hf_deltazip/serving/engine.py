@@ -774,14 +774,14 @@ class DecodeEngine:
         """One forward over ``width`` tokens per row at cache indices ``[ptr, ptr + width)``; each row
         keeps (unmasks) the entries of the inputs it accepted."""
         b, dev, ptr = self.max_batch_size, self.device, self._ptr
-        ids = self._ids[:, :1].repeat(1, width)  # idle and one-token rows: their last token, then filler
+        last = self._ids[:, 0].tolist()  # one read back; the blocks are built on the host and copied once
+        host = [[t] * width for t in last]  # idle and one-token rows: their last token, then filler
         blocks = {}
         for i, r in enumerate(self._rows):
             if r is not None and r.jacobi:
-                last = int(self._ids[i, 0])
-                guesses = (r.guesses + [last] * width)[: min(r.jacobi, width) - 1]
-                blocks[i] = [last] + guesses
-                ids[i, : len(blocks[i])] = torch.tensor(blocks[i], device=dev)
+                blocks[i] = [last[i]] + (r.guesses + [last[i]] * width)[: min(r.jacobi, width) - 1]
+                host[i][: len(blocks[i])] = blocks[i]
+        ids = torch.tensor(host, dtype=torch.long, device=dev)
         positions = self._positions + torch.arange(width, device=dev)
         mask = self._mask.expand(b, 1, width, self.max_length).clone()
         causal = torch.ones((width, width), dtype=torch.bool, device=dev).tril()
@@ -797,7 +797,7 @@ class DecodeEngine:
             nxt = logits.argmax(-1).tolist()
         finally:
             self._cache.write = write
-        accepted_counts = []
+        accepted = {}  # row -> its new tokens
         for i, r in enumerate(self._rows):
             if r is None:
                 continue
@@ -806,21 +806,25 @@ class DecodeEngine:
                 a = 1
                 while a < len(block) and block[a] == row[a - 1]:
                     a += 1
-                tokens = row[:a]
+                accepted[i] = row[:a]
                 r.guesses = row[a:len(block)]
-                accepted_counts.append(a)
             elif r.sample is not None:
-                tokens = self._choose(logits[i, :1].float(), [r.sample], [r.generator])
+                accepted[i] = self._choose(logits[i, :1].float(), [r.sample], [r.generator])
             else:
-                tokens = nxt[i][:1]
-            a = len(tokens)
-            self._mask[i, 0, 0, ptr:ptr + a] = 0.0  # the keys of the inputs this row accepted
-            self._ids[i, 0] = tokens[-1]
-            self._positions[i, 0] += a
+                accepted[i] = nxt[i][:1]
+        # the rows' device state in three batched updates: each row sees the keys of the inputs it
+        # accepted, its next input is its last new token, its positions move on by its count
+        counts = torch.tensor([len(accepted.get(i, ())) for i in range(b)], device=dev)
+        opened = torch.arange(width, device=dev)[None, :] < counts[:, None]
+        self._mask[:, 0, 0, ptr:ptr + width].masked_fill_(opened, 0.0)
+        self._ids[:, 0] = torch.tensor([accepted[i][-1] if i in accepted else last[i] for i in range(b)], device=dev)
+        self._positions[:, 0] += counts
+        for i, tokens in accepted.items():
             for t in tokens:
                 self._accept(i, t)
                 if self._rows[i] is None:
                     break
+        accepted_counts = [len(accepted[i]) for i in blocks]
         self._ptr = ptr + width
         self._cache.write.fill_(self._ptr)
         self.stats.jacobi_steps += 1

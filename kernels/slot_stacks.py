@@ -142,7 +142,14 @@ class SlotStacks:
             return None
         q = fields.qweight
         if c.fmt.layout_block or c.fmt.densify:  # the kernel's layout: planar codes, 2:4 as dense codes
-            q = pack_for_stack(c.fmt, q, fields.positions, fields.zeros, fields.bits, fields.group_size, self.in_features)
+            pos, zeros, dev = fields.positions, fields.zeros, c.stack.qweight.device
+            if q.device != dev:
+                # repack where the stack lives: on a GPU one layer takes microseconds, on the host
+                # (a delta arriving in pinned memory) seconds, which made an 8B delta's load take 20 s
+                q = q.to(dev, non_blocking=True)
+                pos = pos.to(dev, non_blocking=True) if pos is not None else None
+                zeros = zeros.to(dev, non_blocking=True)
+            q = pack_for_stack(c.fmt, q, pos, zeros, fields.bits, fields.group_size, self.in_features)
         if tuple(q.shape) != tuple(c.stack.qweight.shape[1:]):
             return None
         i = c.free.pop()

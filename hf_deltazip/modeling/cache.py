@@ -117,8 +117,10 @@ class DeltaCache:
         self._prefetcher: Optional[ThreadPoolExecutor] = None
         self._side_stream = None
         #: read a delta that is only on disk a piece at a time, placing each piece while the next is read
-        #: (``False``: read the whole file, then place it)
-        self.pipeline_loads: bool = True
+        #: (``False``, the default: read the whole file with every decompression thread, then place it;
+        #: on an H200 that reached the first token of an 8B-shaped delta 1.5-1.9x sooner than the
+        #: pipelined load, BENCHMARKS.md section 5)
+        self.pipeline_loads: bool = False
         #: decoded bytes per piece of a pipelined load
         self.pipeline_piece_bytes: int = 64 << 20
 

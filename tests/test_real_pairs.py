@@ -161,3 +161,42 @@ def test_benchmarks_take_a_real_pair_folder(tmp_path, base_dir, capsys):
     assert "--finetune, --eval-texts" in capsys.readouterr().err
     with pytest.raises(DeltaZipError, match="no finished real pair"):
         real_pairs.real_pair_texts(tmp_path / "nothing")
+
+
+def test_jacobi_bench_scores_the_pair_task_for_every_model_and_delta(tmp_path, base_dir):
+    """`bench.jacobi --pair` adds exact match and answer NLL on the pair's held-out examples, the measure
+    of task gain that the continuation NLL cannot give for a consistency model."""
+    from hf_deltazip.bench import jacobi
+
+    real_pairs.build_real_pair(tmp_path, "dates", base_dir=base_dir, **dict(SMALL, n_eval=4, n_calibration=4))
+    pair_dir = tmp_path / "dates"
+    out = tmp_path / "j.json"
+    assert jacobi.main(["--pair", str(pair_dir), "--base", str(base_dir), "--train-prompts", "2", "--eval-prompts", "2",
+                        "--b1-prompts", "1", "--prompt-tokens", "8", "--new-tokens", "6", "--block", "4", "--bits", "4",
+                        "--batch", "1", "--cllm-steps", "2", "--cllm-batch", "2", "--device", "cpu", "--dtype", "fp32",
+                        "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    task = result["task"]
+    assert task["task"] == "dates" and task["examples"] == 4
+    assert set(task["scores"]) == {"base", "finetune", "cllm (16-bit)", "finetune-4bit", "cllm-4bit"}
+    # the base (no delta routed) and the fine-tune score what the pair builder recorded for them
+    recorded = json.loads((pair_dir / "real_pair.json").read_text())["scores"]
+    for ours, theirs in (("base", "base"), ("finetune", "finetuned")):
+        assert task["scores"][ours]["exact_match"] == recorded[theirs]["exact_match"]
+        assert task["scores"][ours]["task_nll"] == pytest.approx(recorded[theirs]["task_nll"], rel=1e-5)
+    nll = task["gain_kept"]
+    assert nll["finetune"]["task_nll"] == pytest.approx(1.0) and nll["base"]["task_nll"] == pytest.approx(0.0)
+    # gain kept is (model - base) / (fine-tune - base) of the scores above
+    s = task["scores"]
+    want = (s["base"]["task_nll"] - s["cllm-4bit"]["task_nll"]) / (s["base"]["task_nll"] - s["finetune"]["task_nll"])
+    assert nll["cllm-4bit"]["task_nll"] == pytest.approx(want)
+    assert "task gain kept on the pair's 4 held-out dates examples" in jacobi.to_table(result)
+
+
+def test_jacobi_bench_refuses_pair_with_tiny_and_an_unfinished_pair(tmp_path):
+    from hf_deltazip.bench import jacobi
+
+    with pytest.raises(SystemExit):
+        jacobi.main(["--pair", str(tmp_path / "dates"), "--tiny"])
+    with pytest.raises(DeltaZipError, match="no finished real pair"):  # a folder the pair builder never finished
+        jacobi.task_scores(tmp_path / "dates", tmp_path / "base", None, None, {}, [])

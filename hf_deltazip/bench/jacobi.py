@@ -10,7 +10,12 @@ tiny counting pair on the spot for a CPU smoke test):
    ``generate`` and Jacobi decoding, wall-clock time (median of ``--repeats``), tokens accepted per forward,
    and every output compared with greedy token for token. A mismatch whose first differing token was a
    near-tie in the greedy logits (gap under the dtype's resolution) is counted as a *tie*;
-4. the task gain each delta keeps: mean token NLL on held-out prompts+outputs against base and fine-tune.
+4. the gain each delta keeps: mean token NLL on held-out prompts + the fine-tune's greedy continuations,
+   against base and fine-tune. A consistency model is trained on such continuations and can score them
+   better than the fine-tune itself (over 100 %), so this measure cannot show what it lost;
+5. with ``--pair DIR`` (a real pair, :mod:`hf_deltazip.bench.real_pairs`), the *task* gain each model and
+   delta keeps on the pair's held-out examples: exact match and answer NLL, against base and fine-tune.
+   ``--pair`` also supplies ``--base`` (the folder beside it) and ``--finetune``.
 
 Prints one correctness line and a table; ``--json PATH`` writes everything.
 """
@@ -185,6 +190,8 @@ def run(args) -> dict:
             nll[name] = mean_nll(dm.base_model, eval_rows)
     gain = {k: (nll["base"] - v) / (nll["base"] - nll["finetune"]) for k, v in nll.items()}
     result["nll"], result["gain_kept"] = nll, gain
+    if getattr(args, "pair", None):
+        result["task"] = task_scores(args.pair, args.base, tok, dm, {"finetune": ft, "cllm (16-bit)": cllm}, names)
 
     rows, checked, differ, ties = [], 0, 0, 0
     for name in names:
@@ -215,6 +222,37 @@ def run(args) -> dict:
     return result
 
 
+def task_scores(pair_dir, base_dir, tokenizer, dm, models: dict, delta_names: list) -> dict:
+    """Exact match and answer NLL on a real pair's held-out examples for the base (``dm`` with no delta),
+    each plain model of ``models`` and each delta of ``dm``; gain kept of each against base and ``"finetune"``."""
+    from .metrics import exact_match, gain_kept, mean_token_nll
+    from .real_pairs import load_real_pair
+
+    pair = load_real_pair(pair_dir, base_dir=base_dir)
+
+    def score(model):
+        return {"exact_match": exact_match(model, tokenizer, pair.eval_examples, max_new_tokens=pair.max_new_tokens),
+                "task_nll": mean_token_nll(model, tokenizer, pair.eval_texts)}
+
+    scores = {}
+    for name in [None, *delta_names]:
+        dm.set_delta(name)
+        scores[name or "base"] = score(dm)
+    dm.set_delta(None)
+    for label, model in models.items():
+        scores[label] = score(model)
+    base, ft = scores["base"], scores["finetune"]
+
+    def kept(c, b, f):  # NaN where the fine-tune does not beat the base (nothing to keep)
+        return gain_kept(c, b, f) if f != b else float("nan")
+
+    kept = {k: {"exact_match": kept(v["exact_match"], base["exact_match"], ft["exact_match"]),
+                "task_nll": kept(-v["task_nll"], -base["task_nll"], -ft["task_nll"])}
+            for k, v in scores.items()}
+    return {"pair": str(pair_dir), "task": pair.task, "examples": len(pair.eval_examples), "scores": scores,
+            "gain_kept": kept}
+
+
 def to_table(result: dict) -> str:
     lines = [f"correctness: {result['outputs_checked'] - result['outputs_differ']}/{result['outputs_checked']} outputs equal "
              f"to greedy ({result['outputs_differ']} differ, {result['differ_at_ties']} of them at a near-tie)",
@@ -224,6 +262,14 @@ def to_table(result: dict) -> str:
         lines.append(f"| {r['delta']} | {r['batch']} | {r['tokens_per_forward']:.2f} | {r['greedy_s']:.3f} | "
                      f"{r['jacobi_s']:.3f} | {r['speedup']:.2f}x | {100 * result['gain_kept'][r['delta']]:.1f} % |")
     lines.append(f"\ngain kept by the uncompressed consistency model: {100 * result['gain_kept']['cllm (16-bit)']:.1f} %")
+    if "task" in result:
+        t = result["task"]
+        lines += ["", f"task gain kept on the pair's {t['examples']} held-out {t['task']} examples:", "",
+                  "| model | exact match | EM gain kept | answer NLL | NLL gain kept |", "|---|---:|---:|---:|---:|"]
+        for k, v in t["scores"].items():
+            g = t["gain_kept"][k]
+            lines.append(f"| {k} | {v['exact_match']:.3f} | {100 * g['exact_match']:.1f} % | {v['task_nll']:.4f} | "
+                         f"{100 * g['task_nll']:.1f} % |")
     return "\n".join(lines)
 
 
@@ -232,6 +278,8 @@ def main(argv=None) -> int:
     p.add_argument("--base", help="the base model folder")
     p.add_argument("--finetune", help="the fine-tune folder (with its tokenizer)")
     p.add_argument("--tiny", action="store_true", help="a tiny counting pair built here (CPU smoke test)")
+    p.add_argument("--pair", help="a real pair folder (python -m hf_deltazip.bench.real_pairs --work WORK: WORK/dates): "
+                                  "its fine-tune, and task scores on its held-out examples; the base defaults to WORK/base")
     p.add_argument("--cllm", help="a consistency-trained model folder (default: train one here)")
     p.add_argument("--save-cllm", help="save the consistency-trained model here")
     p.add_argument("--prompts", help="a .txt (one prompt a line) or .jsonl ({'prompt'|'text': ...}) file; "
@@ -254,8 +302,13 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bf16" if torch.cuda.is_available() else "fp32", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
+    if args.pair:
+        if args.tiny:
+            p.error("--pair and --tiny exclude each other")
+        args.base = args.base or str(Path(args.pair).parent / "base")
+        args.finetune = args.finetune or str(Path(args.pair) / "finetuned")
     if not args.tiny and not (args.base and args.finetune):
-        p.error("pass --base DIR --finetune DIR, or --tiny")
+        p.error("pass --base DIR --finetune DIR, --pair DIR, or --tiny")
     result = run(args)
     print(to_table(result))
     if args.json:

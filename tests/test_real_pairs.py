@@ -176,6 +176,9 @@ def test_jacobi_bench_scores_the_pair_task_for_every_model_and_delta(tmp_path, b
                         "--batch", "1", "--cllm-steps", "2", "--cllm-batch", "2", "--device", "cpu", "--dtype", "fp32",
                         "--json", str(out)]) == 0
     result = json.loads(out.read_text())
+    # fp32 on the CPU: every Jacobi output is the greedy output, and the rows say how long those were
+    assert result["outputs_differ"] == 0 and result["differences"] == []
+    assert all(0 < r["greedy_new_tokens"] <= 6 for r in result["rows"])
     task = result["task"]
     assert task["task"] == "dates" and task["examples"] == 4
     assert set(task["scores"]) == {"base", "finetune", "cllm (16-bit)", "finetune-4bit", "cllm-4bit"}

@@ -106,8 +106,9 @@ def _left_pad(rows: list, pad: int, device):
     return ids.to(device), mask.to(device)
 
 
-def _ties(dm, name, mask, greedy, jacobi, dtype) -> tuple:
-    """(rows that differ, of which the first differing token was a near-tie in the greedy logits)."""
+def _ties(dm, name, mask, greedy, jacobi, dtype, details: list = None) -> tuple:
+    """(rows that differ, of which the first differing token was a near-tie in the greedy logits). With
+    ``details``, one record per differing row is appended: where it first differs and the logit gap there."""
     differ = ties = 0
     width = mask.shape[1]
     for r in range(greedy.shape[0]):
@@ -124,7 +125,12 @@ def _ties(dm, name, mask, greedy, jacobi, dtype) -> tuple:
         with torch.no_grad():
             logits = dm(input_ids=g[None, :p], attention_mask=row_mask, delta_names=[name]).logits[0, -1].float()
         gap = float(logits.max() - logits[int(j[p])])
-        ties += gap <= torch.finfo(dtype).eps * max(1.0, float(logits.abs().max()))
+        scale = max(1.0, float(logits.abs().max()))
+        tie = gap <= torch.finfo(dtype).eps * scale
+        ties += tie
+        if details is not None:
+            details.append({"delta": name, "new_token": p - width, "logit_gap": gap, "max_abs_logit": scale,
+                            "near_tie": bool(tie)})
     return differ, ties
 
 
@@ -193,13 +199,13 @@ def run(args) -> dict:
     if getattr(args, "pair", None):
         result["task"] = task_scores(args.pair, args.base, tok, dm, {"finetune": ft, "cllm (16-bit)": cllm}, names)
 
-    rows, checked, differ, ties = [], 0, 0, 0
+    rows, checked, differ, ties, details = [], 0, 0, 0, []
     for name in names:
         for batch in args.batch:
             groups = [[p] for p in held[:args.b1_prompts]] if batch == 1 else \
                 [held[i:i + batch] for i in range(0, len(held), batch)]
             g_time = j_time = 0.0
-            accepted = forwards = 0
+            accepted = forwards = new_tokens = 0
             for gi, group in enumerate(groups):
                 ids, mask = _left_pad(group, pad, device)
                 names_b = [name] * len(group)
@@ -213,12 +219,15 @@ def run(args) -> dict:
                 accepted += sum(jac.stats.new_tokens)
                 forwards += sum(f + 1 for f in jac.stats.row_forwards)
                 checked += len(group)
-                d, ti = _ties(dm, name, mask, greedy, jac.sequences, dtype)
+                d, ti = _ties(dm, name, mask, greedy, jac.sequences, dtype, details)
+                lengths = (greedy[:, ids.shape[1]:] != pad).sum(-1).tolist()
+                new_tokens = new_tokens + sum(lengths)
                 differ, ties = differ + d, ties + ti
-            rows.append(dict(delta=name, batch=batch, tokens_per_forward=accepted / max(forwards, 1),
+            rows.append(dict(delta=name, batch=batch, greedy_new_tokens=new_tokens, tokens_per_forward=accepted / max(forwards, 1),
                              greedy_s=g_time, jacobi_s=j_time, speedup=g_time / j_time))
     result["rows"] = rows
     result["outputs_checked"], result["outputs_differ"], result["differ_at_ties"] = checked, differ, ties
+    result["differences"] = details
     return result
 
 
@@ -256,10 +265,14 @@ def task_scores(pair_dir, base_dir, tokenizer, dm, models: dict, delta_names: li
 def to_table(result: dict) -> str:
     lines = [f"correctness: {result['outputs_checked'] - result['outputs_differ']}/{result['outputs_checked']} outputs equal "
              f"to greedy ({result['outputs_differ']} differ, {result['differ_at_ties']} of them at a near-tie)",
-             "", "| delta | batch | tokens/forward | greedy s | jacobi s | speed-up | gain kept |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "", "| delta | batch | greedy tokens | tokens/forward | greedy s | jacobi s | speed-up | gain kept |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    other = [d for d in result.get("differences", []) if not d["near_tie"]]
+    if other:
+        lines.insert(1, "other differences: first differing token at new token "
+                        + ", ".join(f"{d['new_token']} (gap {d['logit_gap']:.3g} of |logit| {d['max_abs_logit']:.3g})" for d in other))
     for r in result["rows"]:
-        lines.append(f"| {r['delta']} | {r['batch']} | {r['tokens_per_forward']:.2f} | {r['greedy_s']:.3f} | "
+        lines.append(f"| {r['delta']} | {r['batch']} | {r.get('greedy_new_tokens', '')} | {r['tokens_per_forward']:.2f} | {r['greedy_s']:.3f} | "
                      f"{r['jacobi_s']:.3f} | {r['speedup']:.2f}x | {100 * result['gain_kept'][r['delta']]:.1f} % |")
     lines.append(f"\ngain kept by the uncompressed consistency model: {100 * result['gain_kept']['cllm (16-bit)']:.1f} %")
     if "task" in result:

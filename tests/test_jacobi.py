@@ -261,3 +261,30 @@ def test_engine_and_server_refuse_bad_jacobi_requests_and_the_server_decodes_the
         got = server.submit(ids, "repeat", max_new_tokens=20, decoding="jacobi", jacobi_block_size=8).result(timeout=120)
         assert got == want
         assert server.engine_stats.jacobi_steps > 0
+
+
+def test_bench_classifies_a_difference_by_the_logit_gap_against_rounding():
+    """The Jacobi bench's check: an output that differs from greedy at a clear choice (fp32, runner-up token
+    put in) is counted as a difference beyond rounding, with greedy's own logit gap recorded."""
+    from hf_deltazip.bench.jacobi import _left_pad, _ties
+
+    base, ft = matrix_model("llama"), matrix_finetune("llama", seed=1)
+    dm = DeltaModel(copy.deepcopy(base))
+    dm.add_delta(compress(base, ft, DeltaZipConfig(bits=4, group_size=32), progress=False), "ft")
+    ids, mask = _left_pad([[5, 6, 7, 8], [9, 10, 11]], 0, "cpu")
+    kw = dict(pad_token_id=0)
+    out = dm.generate(ids, attention_mask=mask, delta_names=["ft", "ft"], do_sample=False, max_new_tokens=6,
+                      output_logits=True, return_dict_in_generate=True, **kw)
+    greedy = out.sequences
+    assert _ties(dm, "ft", ids, mask, greedy, greedy.clone(), 6, kw, []) == (0, 0)
+    width, step = ids.shape[1], 2
+    logits = out.logits[step][1].float()
+    runner_up = int(logits.topk(2).indices[1])
+    other = greedy.clone()
+    other[1, width + step] = runner_up
+    details = []
+    assert _ties(dm, "ft", ids, mask, greedy, other, 6, kw, details) == (1, 0)
+    (d,) = details
+    assert d["new_token"] == step and not d["within_rounding"]
+    assert d["logit_gap"] == pytest.approx(float(logits.max() - logits[runner_up]))
+    assert 0 <= d["rounding"] < d["logit_gap"]

@@ -235,3 +235,43 @@ def test_server_on_gpu_continuous_with_graphs_prefetch_and_eviction(delta_dirs):
         got = [f.result(timeout=300) for f in futures]
         assert server.engine._graph is not None
     assert got == want
+
+
+def test_one_token_steps_of_a_grouped_query_model_attend_without_copying_keys_per_query_head(monkeypatch):
+    """The engine switches a GQA model on sdpa to grouped attention: one-token steps never reach
+    transformers' sdpa function (which copies keys and values once per query head when given a mask,
+    as the engine always does), prefills still do, and the tokens are generate()'s."""
+    import transformers.integrations.sdpa_attention as sdpa
+    from types import SimpleNamespace
+
+    from hf_deltazip.serving.attention import GROUPED_SDPA, grouped_sdpa_attention
+
+    model = copy.deepcopy(base_model("llama"))
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    want = [alone(model, p, 6) for p in prompts(3, seed=2)]
+    seen = []
+    original = sdpa.sdpa_attention_forward
+
+    def recording(module, query, *args, **kwargs):
+        seen.append(query.shape[2])
+        return original(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(sdpa, "sdpa_attention_forward", recording)
+    engine = DecodeEngine(model, max_batch_size=3, max_length=32)
+    assert engine.grouped_attention and model.config._attn_implementation == GROUPED_SDPA
+    assert engine.run(prompts(3, seed=2), max_new_tokens=6) == want
+    assert seen and 1 not in seen  # prefills (several tokens) only
+    assert [alone(model, p, 6) for p in prompts(3, seed=2)] == want  # generate() after the switch
+    # the function itself: a one-token step equals attention over keys/values repeated per query head
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, n, 8, generator=gen) for h, n in ((6, 1), (2, 5), (2, 5)))
+    mask = torch.zeros(2, 1, 1, 5)
+    mask[0, ..., :2] = float("-inf")
+    got, _ = grouped_sdpa_attention(SimpleNamespace(num_key_value_groups=3), q, k, v, mask, scaling=0.3)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
+                                                           attn_mask=mask, scale=0.3).transpose(1, 2)
+    torch.testing.assert_close(got, ref)
+    # a model without grouped heads keeps sdpa
+    gpt2 = copy.deepcopy(base_model("gpt2"))
+    assert not DecodeEngine(gpt2, max_batch_size=2, max_length=32).grouped_attention
+    assert gpt2.config._attn_implementation == "sdpa"

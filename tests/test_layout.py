@@ -20,6 +20,7 @@ FOREIGN_PRIVATE = {
     "_version",  # torch.Tensor._version: in-place change counter
     "_weight_int4pack_mm", "_convert_weight_to_int4pack",  # torch's int4 baseline in the kernel bench
     "_getframe",
+    "_attn_implementation",  # transformers' config: which attention function a model runs (no public getter)
 }
 
 

@@ -57,6 +57,7 @@ from ..modeling.cache import Residency
 from ..modeling.quantized import device_map_problem
 from ..modeling.routing import BatchRouting
 from ..modeling.tensor_parallel import tensor_parallel_problem
+from .attention import use_grouped_attention
 
 __all__ = ["AdmissionPolicy", "DecodeEngine", "EngineStats", "Finished", "Pending", "auto_max_deltas"]
 
@@ -311,6 +312,12 @@ class DecodeEngine:
     only the entries of the accepted prefix visible (its mask hides the rest); the rows' output is the
     greedy output token for token. Other rows in the same step take one token. Holes left by rejected
     guesses are squeezed out when the cache runs out of room. Jacobi steps run eagerly (no CUDA graph).
+
+    Attention: a grouped-query model on transformers' ``sdpa`` attention is switched to
+    :func:`~hf_deltazip.serving.attention.grouped_sdpa_attention` (``grouped_attention`` is then True),
+    which computes the same attention in one-token steps without copying keys and values once per query
+    head (transformers before about 5.20 does, since the engine passes a mask). The model keeps it after
+    the engine; ``model.set_attn_implementation("sdpa")`` switches back.
     """
 
     def __init__(self, model, *, max_batch_size: int = 32, max_length: int = 1024,
@@ -353,6 +360,9 @@ class DecodeEngine:
             raise DeltaZipError(f"AdmissionPolicy.max_bypass must be >= 0 or None, got {self.admission.max_bypass}")
         self.stats = EngineStats()
         self._step_costs: dict = {}  # distinct deltas -> (steps, seconds), for max_deltas="auto"
+        # a one-token step of a grouped-query model without a copy of the keys and values per query head
+        # (the same arithmetic; see serving.attention): True when the model was switched to it
+        self.grouped_attention = use_grouped_attention(self.lm)
         self._base_bytes = _weight_bytes(self.lm)
         params = inspect.signature(self.lm.forward).parameters
         self._cache_kw = "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"

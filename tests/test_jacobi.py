@@ -288,3 +288,42 @@ def test_bench_classifies_a_difference_by_the_logit_gap_against_rounding():
     assert d["new_token"] == step and not d["within_rounding"]
     assert d["logit_gap"] == pytest.approx(float(logits.max() - logits[runner_up]))
     assert 0 <= d["rounding"] < d["logit_gap"]
+
+
+def _probe(gate, seconds, accepted):
+    """Two Jacobi steps (if the gate allows them now), then the one-token steps it asks for; their count."""
+    for _ in range(2):
+        assert gate.wide()
+        gate.record(True, seconds, accepted)
+    waited = 0
+    while not gate.wide():
+        gate.record(False, 1.0)
+        waited += 1
+    return waited
+
+
+def test_gate_weighs_accepted_tokens_against_what_a_jacobi_step_costs():
+    from hf_deltazip.decoding import JacobiGate
+
+    # wide steps as cheap as one-token steps: min_accept decides; failed probes back off 4, 8, 16, ..., 64
+    cheap = JacobiGate(min_accept=1.5)
+    cheap.record(False, 1.0)
+    assert [_probe(cheap, 1.0, 1.2) for _ in range(6)] == [4, 8, 16, 32, 64, 64]
+    assert _probe(cheap, 1.0, 3.0) == 0 and cheap.backoff == JacobiGate.FIRST_BACKOFF  # success resets
+    # a wide step costing 3 one-token steps needs 3 tokens per forward, whatever min_accept says ...
+    dear = JacobiGate(min_accept=1.5)
+    dear.record(False, 1.0)
+    assert dear.threshold() == 1.5
+    dear.record(True, 3.0, 2.5)
+    assert dear.threshold() == pytest.approx(3.0)
+    assert dear.wide()
+    dear.record(True, 3.0, 2.5)
+    assert not dear.wide()  # 2.5 tokens for the price of 3: fall back
+    # ... and its probes are spaced so that their extra time stays within 2 % of the steps between them
+    dear.wait = 0
+    waited = _probe(dear, 3.0, 1.0)
+    assert waited * 1.0 * dear.probe_budget >= 2 * (3.0 - 1.0)
+    # min_accept=None never falls back
+    never = JacobiGate(min_accept=None)
+    never.record(False, 1.0)
+    assert _probe(never, 10.0, 1.0) == 0

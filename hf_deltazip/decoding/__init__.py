@@ -4,6 +4,6 @@
   output identical to greedy decoding.
 """
 
-from .jacobi import JacobiOutput, JacobiStats, jacobi_generate
+from .jacobi import JacobiGate, JacobiOutput, JacobiStats, jacobi_generate
 
-__all__ = ["jacobi_generate", "JacobiOutput", "JacobiStats"]
+__all__ = ["jacobi_generate", "JacobiGate", "JacobiOutput", "JacobiStats"]

@@ -16,18 +16,23 @@ are fed again at the head of that row's next block (they are known, so they cost
 correctness). No holes are left in the cache, so positions, padding and sliding windows stay what
 greedy decoding sees. A batch therefore advances at about the pace of its slowest unfinished row.
 
-**Falling back to greedy.** A Jacobi step is one forward over ``n`` tokens per row; on a GPU that costs
-about what a one-token step costs while the model is memory-bound, but not on a CPU or at large batch.
-When the mean tokens per forward of the last two Jacobi steps (over unfinished rows) is below
-``min_accept``, the decoder runs plain greedy steps (one token per row, or the re-fed tokens) for
-``backoff`` steps, then probes with Jacobi steps again; each failed probe doubles ``backoff`` (4 up to
-64) and a successful one resets it. An ordinary model thus pays at most two wide steps per 64 greedy
-ones. ``min_accept=None`` never falls back.
+**Falling back to greedy.** A Jacobi step is one forward over ``n`` tokens per row. On a GPU that costs
+about what a one-token step costs while the model is memory-bound, but not on a CPU, at large batch, or
+where one-token steps replay a CUDA graph and wide ones do not. :class:`JacobiGate` decides: it keeps
+the mean wall time of each kind of step and, after every two Jacobi steps, compares their mean tokens
+per forward (over unfinished rows) with ``max(min_accept, wide step time / one-token step time)``.
+Below it, the decoder runs plain greedy steps (one token per row, or the re-fed tokens) for ``backoff``
+steps, then probes with two Jacobi steps again; each failed probe doubles ``backoff`` (from 4), and
+``backoff`` is at least what keeps the probes' extra time within 2 % of the greedy steps between them
+(64 at most when the two kinds of step cost the same). A successful probe resets it. ``min_accept=None``
+never falls back.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
+import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
@@ -35,11 +40,72 @@ import torch
 
 from ..errors import DeltaZipError
 
-__all__ = ["jacobi_generate", "JacobiOutput", "JacobiStats"]
+__all__ = ["jacobi_generate", "JacobiOutput", "JacobiStats", "JacobiGate"]
 
 # generate() options that mean something else than greedy decoding
 _SAMPLING = ("do_sample", "num_beams", "num_return_sequences", "temperature", "top_k", "top_p", "penalty_alpha")
-_FIRST_BACKOFF, _MAX_BACKOFF, _PROBE_STEPS = 4, 64, 2
+
+
+class JacobiGate:
+    """Whether the next decode step should be a wide Jacobi step (see the module docstring).
+
+    Call :meth:`wide` before each step and :meth:`record` after it, with the step's wall time (taken
+    after the tokens were read back, so the device work is in it) and, for a Jacobi step, the mean
+    number of tokens its rows accepted.
+
+    Args:
+        min_accept: tokens per Jacobi forward under which the decoder falls back for a while
+            (``None``: never fall back).
+        probe_budget: the probes' extra time (over one-token steps) as a share of the one-token steps
+            between two probes, at most.
+    """
+
+    FIRST_BACKOFF, MAX_BACKOFF, PROBE_STEPS = 4, 64, 2
+    _SMOOTHING = 0.3  # weight of the newest step time in the running means
+
+    def __init__(self, min_accept: Optional[float] = 1.5, probe_budget: float = 0.02):
+        self.min_accept = min_accept
+        self.probe_budget = probe_budget
+        self.backoff = self.FIRST_BACKOFF
+        self.wait = 0  # one-token steps left before the next probe
+        self.recent: list = []  # tokens per forward of the last Jacobi steps
+        self.seconds = {True: None, False: None}  # running mean step time: wide, one-token
+
+    def wide(self) -> bool:
+        """Whether the coming step should be a Jacobi step (a False counts down the wait)."""
+        if self.wait > 0:
+            self.wait -= 1
+            return False
+        return True
+
+    def threshold(self) -> Optional[float]:
+        """Tokens per Jacobi forward that pay for a wide step: ``max(min_accept, wide / one-token time)``."""
+        if self.min_accept is None:
+            return None
+        wide, narrow = self.seconds[True], self.seconds[False]
+        return max(self.min_accept, wide / narrow) if wide and narrow else self.min_accept
+
+    def record(self, wide: bool, seconds: float, accepted: Optional[float] = None) -> None:
+        """Account for one finished step: its kind, wall time and (Jacobi) mean accepted tokens per row."""
+        old = self.seconds[wide]
+        self.seconds[wide] = seconds if old is None else (1 - self._SMOOTHING) * old + self._SMOOTHING * seconds
+        if not wide or accepted is None or self.min_accept is None:
+            return
+        self.recent = (self.recent + [accepted])[-self.PROBE_STEPS:]
+        if len(self.recent) < self.PROBE_STEPS:
+            return
+        if sum(self.recent) / self.PROBE_STEPS < self.threshold():
+            self.wait, self.recent = self.backoff, []
+            self.backoff = self._next_backoff()
+        else:
+            self.backoff = self.FIRST_BACKOFF
+
+    def _next_backoff(self) -> int:
+        nxt = min(2 * self.backoff, self.MAX_BACKOFF)
+        wide, narrow = self.seconds[True], self.seconds[False]
+        if wide and narrow and wide > narrow:  # keep the probes' extra time within the budget
+            nxt = max(nxt, math.ceil(self.PROBE_STEPS * (wide - narrow) / (self.probe_budget * narrow)))
+        return nxt
 
 
 @dataclass
@@ -202,8 +268,9 @@ def jacobi_generate(
             guesses); 1 is plain greedy decoding.
         max_new_tokens, max_length, eos_token_id, pad_token_id, generation_config: as for ``generate``
             (defaults from ``model.generation_config``).
-        min_accept: tokens per forward under which the decoder falls back to greedy steps for a while
-            (``None``: never).
+        min_accept: tokens per forward under which the decoder falls back to greedy steps for a while;
+            it also falls back while a wide step costs more than that many one-token steps (see
+            :class:`JacobiGate`). ``None``: never.
         return_dict_in_generate: return a :class:`JacobiOutput` (ids and :class:`JacobiStats`).
         record_trajectories: keep every Jacobi block fed in ``stats.trajectories`` (for consistency training).
 
@@ -243,13 +310,13 @@ def jacobi_generate(
     rows = _Rows(first, max_new, eos)
     stats = JacobiStats(new_tokens=[0] * batch, row_forwards=[0] * batch)
     real = mask.sum(-1)  # real tokens in the cache per row (the next position id)
-    recent: list = []  # tokens per forward of the last Jacobi steps
-    greedy_left, backoff = 0, _FIRST_BACKOFF
+    gate = JacobiGate(min_accept)
 
     while rows.active():
         active = rows.active()
         longest_head = max(len(rows.pending[r]) for r in active)
-        jacobi = greedy_left == 0 and block_size > 1
+        jacobi = block_size > 1 and gate.wide()
+        t0 = time.perf_counter()
         width = max(block_size, longest_head) if jacobi else longest_head
         blocks = [rows.block(r, width, pad) for r in range(batch)]
         ids = torch.tensor(blocks, dtype=torch.long, device=device)
@@ -257,6 +324,7 @@ def jacobi_generate(
         positions = real[:, None] + torch.arange(width, device=device)
         pred = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                      **{cache_arg: cache}).logits.argmax(-1).tolist()
+        seconds = time.perf_counter() - t0  # the read-back waited for the device
         stats.forwards += 1
         stats.jacobi_forwards += int(jacobi)
 
@@ -284,17 +352,7 @@ def jacobi_generate(
         mask = mask[:, : mask.shape[1] - width + keep]
         real = real + keep
 
-        if min_accept is None or block_size == 1:
-            continue
-        if jacobi:
-            recent = (recent + [sum(gained) / len(gained)])[-_PROBE_STEPS:]
-            if len(recent) == _PROBE_STEPS and sum(recent) / _PROBE_STEPS < min_accept:
-                greedy_left, recent = backoff, []
-                backoff = min(2 * backoff, _MAX_BACKOFF)
-            elif len(recent) == _PROBE_STEPS:
-                backoff = _FIRST_BACKOFF
-        else:
-            greedy_left -= 1
+        gate.record(jacobi, seconds, sum(gained) / len(gained) if jacobi else None)
 
     stats.new_tokens = [len(g) for g in rows.generated]
     width = max(stats.new_tokens)

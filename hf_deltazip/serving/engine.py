@@ -57,12 +57,12 @@ from ..modeling.cache import Residency
 from ..modeling.quantized import device_map_problem
 from ..modeling.routing import BatchRouting
 from ..modeling.tensor_parallel import tensor_parallel_problem
+from ..decoding.jacobi import JacobiGate
 from .attention import use_grouped_attention
 
 __all__ = ["AdmissionPolicy", "DecodeEngine", "EngineStats", "Finished", "Pending", "auto_max_deltas"]
 
 _MODEL_DEFAULT = object()  # eos_token_id not given: the model's generation config decides
-_FIRST_BACKOFF, _MAX_BACKOFF = 4, 64  # greedy steps between Jacobi probes (doubling after a failed one)
 
 
 @dataclass
@@ -303,9 +303,10 @@ class DecodeEngine:
             step, ``max_bypass = 4 * max_batch_size``, 4096 prefill tokens per round).
         jacobi_min_accept: requests added with ``decoding="jacobi"`` are decoded by Jacobi steps while
             their rows accept at least this many tokens per step on average (over the last two Jacobi
-            steps); below it the engine takes ordinary one-token steps (CUDA graphs included) for 4
-            steps, then probes again, doubling the wait up to 64 steps after each failed probe (as
-            :func:`~hf_deltazip.decoding.jacobi_generate` does). ``None``: never fall back.
+            steps), and at least as many as a Jacobi step costs in one-token steps (a Jacobi step runs
+            eagerly, an ordinary one may replay a CUDA graph); below it the engine takes ordinary
+            steps for a while, then probes again, as :func:`~hf_deltazip.decoding.jacobi_generate`
+            does (:class:`~hf_deltazip.decoding.jacobi.JacobiGate`). ``None``: never fall back.
 
     Jacobi decoding (``add(..., decoding="jacobi", jacobi_block_size=n)``): a step feeds each Jacobi row
     its last token and ``n - 1`` guesses, writes all ``n`` keys at ``n`` cache indices and keeps, per row,
@@ -387,9 +388,7 @@ class DecodeEngine:
         self._cache = _StepCache(getattr(config, "num_hidden_layers", 0))
         self._cache.write = torch.zeros((1,), dtype=torch.long, device=d)
         self.jacobi_min_accept = jacobi_min_accept
-        self._jacobi_recent: list = []  # tokens per Jacobi row of the last Jacobi steps
-        self._jacobi_wait = 0  # greedy steps left before the next Jacobi probe
-        self._jacobi_backoff = _FIRST_BACKOFF
+        self._jacobi_gate = JacobiGate(jacobi_min_accept)  # when Jacobi rows get wide steps
 
     # ------------------------------------------------------------------ public
     @property
@@ -761,28 +760,29 @@ class DecodeEngine:
             width = min(width, self.max_length - self._ptr)
         t0 = time.perf_counter()
         used = self._step_usage()
+        accepted = None
         if width > 1:
-            self._jacobi_step(width)
+            accepted = self._jacobi_step(width)
         else:
             self._decode_step()
             self._after_step()  # reads the tokens back: the step is done
-        self._count_step(used, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self._count_step(used, seconds)
+        self._jacobi_gate.record(width > 1, seconds, accepted)
 
     # -- Jacobi steps
     def _jacobi_width(self) -> int:
         """Tokens per row of the coming step: the widest Jacobi row's block, or 1 (an ordinary step)
         while no Jacobi row is active or the engine waits after poor acceptance."""
         width = max((r.jacobi for r in self._rows if r is not None), default=0)
-        if width <= 1:
-            return 1
-        if self._jacobi_wait > 0:
-            self._jacobi_wait -= 1
+        if width <= 1 or not self._jacobi_gate.wide():
             return 1
         return width
 
-    def _jacobi_step(self, width: int) -> None:
+    def _jacobi_step(self, width: int) -> Optional[float]:
         """One forward over ``width`` tokens per row at cache indices ``[ptr, ptr + width)``; each row
-        keeps (unmasks) the entries of the inputs it accepted."""
+        keeps (unmasks) the entries of the inputs it accepted. Returns the mean tokens a Jacobi row
+        accepted (``None`` without Jacobi rows)."""
         b, dev, ptr = self.max_batch_size, self.device, self._ptr
         last = self._ids[:, 0].tolist()  # one read back; the blocks are built on the host and copied once
         host = [[t] * width for t in last]  # idle and one-token rows: their last token, then filler
@@ -840,21 +840,7 @@ class DecodeEngine:
         self.stats.jacobi_steps += 1
         self.stats.jacobi_row_steps += len(accepted_counts)
         self.stats.jacobi_tokens += sum(accepted_counts)
-        self._jacobi_fallback(accepted_counts)
-
-    def _jacobi_fallback(self, counts: list) -> None:
-        """Greedy steps for a while when Jacobi rows accept too few tokens per step (see ``jacobi_min_accept``)."""
-        if self.jacobi_min_accept is None or not counts:
-            return
-        self._jacobi_recent = (self._jacobi_recent + [sum(counts) / len(counts)])[-2:]
-        if len(self._jacobi_recent) < 2:
-            return
-        if sum(self._jacobi_recent) / 2 < self.jacobi_min_accept:
-            self._jacobi_wait = self._jacobi_backoff
-            self._jacobi_backoff = min(2 * self._jacobi_backoff, _MAX_BACKOFF)
-            self._jacobi_recent = []
-        else:
-            self._jacobi_backoff = _FIRST_BACKOFF
+        return sum(accepted_counts) / len(accepted_counts) if accepted_counts else None
 
     def _squeeze(self) -> None:
         """Move each active row's visible cache entries together, right-aligned at a new write index,

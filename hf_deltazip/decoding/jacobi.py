@@ -22,10 +22,10 @@ where one-token steps replay a CUDA graph and wide ones do not. :class:`JacobiGa
 the mean wall time of each kind of step and, after every two Jacobi steps, compares their mean tokens
 per forward (over unfinished rows) with ``max(min_accept, wide step time / one-token step time)``.
 Below it, the decoder runs plain greedy steps (one token per row, or the re-fed tokens) for ``backoff``
-steps, then probes with two Jacobi steps again; each failed probe doubles ``backoff`` (from 4), and
-``backoff`` is at least what keeps the probes' extra time within 2 % of the greedy steps between them
-(64 at most when the two kinds of step cost the same). A successful probe resets it. ``min_accept=None``
-never falls back.
+steps, then probes with one Jacobi step, judged with the one before it; each failed probe doubles
+``backoff`` (from 4), and ``backoff`` is at least what keeps the probes' extra time within 2 % of the
+greedy steps between them (64 at most when the two kinds of step cost the same). A successful probe
+resets it. ``min_accept=None`` never falls back.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class JacobiGate:
             between two probes, at most.
     """
 
-    FIRST_BACKOFF, MAX_BACKOFF, PROBE_STEPS = 4, 64, 2
+    FIRST_BACKOFF, MAX_BACKOFF, WINDOW = 4, 64, 2  # WINDOW: Jacobi steps whose mean acceptance decides
     _SMOOTHING = 0.3  # weight of the newest step time in the running means
 
     def __init__(self, min_accept: Optional[float] = 1.5, probe_budget: float = 0.02):
@@ -91,11 +91,12 @@ class JacobiGate:
         self.seconds[wide] = seconds if old is None else (1 - self._SMOOTHING) * old + self._SMOOTHING * seconds
         if not wide or accepted is None or self.min_accept is None:
             return
-        self.recent = (self.recent + [accepted])[-self.PROBE_STEPS:]
-        if len(self.recent) < self.PROBE_STEPS:
+        # kept across fallbacks: a probe is one Jacobi step, judged together with the one before it
+        self.recent = (self.recent + [accepted])[-self.WINDOW:]
+        if len(self.recent) < self.WINDOW:
             return
-        if sum(self.recent) / self.PROBE_STEPS < self.threshold():
-            self.wait, self.recent = self.backoff, []
+        if sum(self.recent) / self.WINDOW < self.threshold():
+            self.wait = self.backoff
             self.backoff = self._next_backoff()
         else:
             self.backoff = self.FIRST_BACKOFF
@@ -103,8 +104,8 @@ class JacobiGate:
     def _next_backoff(self) -> int:
         nxt = min(2 * self.backoff, self.MAX_BACKOFF)
         wide, narrow = self.seconds[True], self.seconds[False]
-        if wide and narrow and wide > narrow:  # keep the probes' extra time within the budget
-            nxt = max(nxt, math.ceil(self.PROBE_STEPS * (wide - narrow) / (self.probe_budget * narrow)))
+        if wide and narrow and wide > narrow:  # keep the next probe's extra time within the budget
+            nxt = max(nxt, math.ceil((wide - narrow) / (self.probe_budget * narrow)))
         return nxt
 
 

@@ -308,18 +308,25 @@ def test_gate_weighs_accepted_tokens_against_what_a_jacobi_step_costs():
     # wide steps as cheap as one-token steps: min_accept decides. Two Jacobi steps, then one-step probes
     # (judged with the step before) after 4, 8, 16, 32, 64, 64 one-token steps
     cheap = JacobiGate(min_accept=1.5)
-    cheap.record(False, 1.0)
     assert _under_gate(cheap, 200, 1.0, 1.2) == [0, 1, 6, 15, 32, 65, 130, 195]
     assert _under_gate(cheap, 70, 1.0, 3.0)[-3:] == [67, 68, 69]  # converging: the probe after the wait takes over
     assert cheap.backoff == JacobiGate.FIRST_BACKOFF
     # a wide step costing 3 one-token steps needs 3 tokens per forward, whatever min_accept says, and
     # the probes are spaced so that each one's extra 2 s stay within 2 % of the one-token steps before it
     dear = JacobiGate(min_accept=1.5)
-    dear.record(False, 1.0)
-    assert dear.threshold() == 1.5
+    for seconds in (1.0, 1.0, 40.0):  # one-token steps, one of them with a graph capture in it
+        dear.record(False, seconds)
+    dear.record(True, 50.0, 1.0)  # the first Jacobi step compiles its kernels
+    assert dear.threshold() == 1.5  # costs count from 3 steps of each kind on
     assert _under_gate(dear, 300, 3.0, 2.5) == [0, 1, 6, 107, 208]
     assert dear.threshold() == pytest.approx(3.0)
+    assert dear.cost(False) == 1.0  # the median ignores the capture
     # min_accept=None never falls back
     never = JacobiGate(min_accept=None)
     never.record(False, 1.0)
     assert _under_gate(never, 20, 10.0, 1.0) == list(range(20))
+    # however dear the probes, the wait between them stays bounded
+    slow = JacobiGate(min_accept=1.5)
+    for _ in range(3):
+        slow.record(False, 1.0)
+    assert _under_gate(slow, 3000, 100.0, 1.0)[:5] == [0, 1, 6, 15, 1040]

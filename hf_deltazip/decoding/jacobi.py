@@ -24,8 +24,10 @@ per forward (over unfinished rows) with ``max(min_accept, wide step time / one-t
 Below it, the decoder runs plain greedy steps (one token per row, or the re-fed tokens) for ``backoff``
 steps, then probes with one Jacobi step, judged with the one before it; each failed probe doubles
 ``backoff`` (from 4), and ``backoff`` is at least what keeps the probes' extra time within 2 % of the
-greedy steps between them (64 at most when the two kinds of step cost the same). A successful probe
-resets it. ``min_accept=None`` never falls back.
+greedy steps between them (64 at most when the two kinds of step cost the same, 1024 at most in any
+case). Step costs are medians of the last 9 steps of each kind, so a compile or a graph capture
+inside one step does not count. A successful probe resets ``backoff``. ``min_accept=None`` never
+falls back.
 """
 
 from __future__ import annotations
@@ -61,7 +63,10 @@ class JacobiGate:
     """
 
     FIRST_BACKOFF, MAX_BACKOFF, WINDOW = 4, 64, 2  # WINDOW: Jacobi steps whose mean acceptance decides
-    _SMOOTHING = 0.3  # weight of the newest step time in the running means
+    #: step times kept per kind; their median is the kind's cost once there are MIN_SAMPLES (a compile
+    #: or a graph capture inside one step does not move a median)
+    SAMPLES, MIN_SAMPLES = 9, 3
+    LONGEST_WAIT = 1024  # one-token steps between probes, at most
 
     def __init__(self, min_accept: Optional[float] = 1.5, probe_budget: float = 0.02):
         self.min_accept = min_accept
@@ -69,7 +74,12 @@ class JacobiGate:
         self.backoff = self.FIRST_BACKOFF
         self.wait = 0  # one-token steps left before the next probe
         self.recent: list = []  # tokens per forward of the last Jacobi steps
-        self.seconds = {True: None, False: None}  # running mean step time: wide, one-token
+        self.times = {True: [], False: []}  # the last step times of each kind: wide, one-token
+
+    def cost(self, wide: bool) -> Optional[float]:
+        """Median time of the last steps of one kind (``None`` until there are enough of them)."""
+        t = sorted(self.times[wide])
+        return t[len(t) // 2] if len(t) >= self.MIN_SAMPLES else None
 
     def wide(self) -> bool:
         """Whether the coming step should be a Jacobi step (a False counts down the wait)."""
@@ -82,13 +92,12 @@ class JacobiGate:
         """Tokens per Jacobi forward that pay for a wide step: ``max(min_accept, wide / one-token time)``."""
         if self.min_accept is None:
             return None
-        wide, narrow = self.seconds[True], self.seconds[False]
+        wide, narrow = self.cost(True), self.cost(False)
         return max(self.min_accept, wide / narrow) if wide and narrow else self.min_accept
 
     def record(self, wide: bool, seconds: float, accepted: Optional[float] = None) -> None:
         """Account for one finished step: its kind, wall time and (Jacobi) mean accepted tokens per row."""
-        old = self.seconds[wide]
-        self.seconds[wide] = seconds if old is None else (1 - self._SMOOTHING) * old + self._SMOOTHING * seconds
+        self.times[wide] = (self.times[wide] + [seconds])[-self.SAMPLES:]
         if not wide or accepted is None or self.min_accept is None:
             return
         # kept across fallbacks: a probe is one Jacobi step, judged together with the one before it
@@ -103,10 +112,10 @@ class JacobiGate:
 
     def _next_backoff(self) -> int:
         nxt = min(2 * self.backoff, self.MAX_BACKOFF)
-        wide, narrow = self.seconds[True], self.seconds[False]
+        wide, narrow = self.cost(True), self.cost(False)
         if wide and narrow and wide > narrow:  # keep the next probe's extra time within the budget
             nxt = max(nxt, math.ceil((wide - narrow) / (self.probe_budget * narrow)))
-        return nxt
+        return min(nxt, self.LONGEST_WAIT)
 
 
 @dataclass

@@ -212,19 +212,21 @@ def auto_split_k(n: int, k: int, block_n: int, device: torch.device, waves: floa
     return max(1, min(round(waves * _sm_count(device) / tiles), k // 256))
 
 
-def default_config(m: int, n: int, k: int, stack: DeltaStack, device: torch.device) -> MultiDeltaConfig:
+def default_config(m: int, n: int, k: int, stack: DeltaStack, device: torch.device,
+                   rows_per_delta: Optional[int] = None) -> MultiDeltaConfig:
     """Launch parameters for an ``[m, k] x [n, k]`` layer with ``stack``'s format on ``device``.
 
     Tuned on an H200 (``deltazip bench kernels --auto-tune`` / ``--variants``, BENCHMARKS.md
     section 3): 64 outputs per program, base k-steps of 64, 3 pipeline stages, K split for about
     four programs per SM (planar 4-bit stacks on layers of 8192 outputs or more and more than one
     row: 2 stages, six programs per SM; planar 2-bit stacks with 16-row blocks: at most 128
-    registers per thread). Row blocks are as large as the rows per delta of the stack (16 to 64), so a
-    batch of many rows over few deltas streams each weight once.
+    registers per thread). Row blocks are as large as the rows per delta (16 to 64), so a batch of many
+    rows over few deltas streams each weight once: ``rows_per_delta`` when the caller knows it (a
+    prefill's rows mostly share one delta), else the rows spread evenly over the stack's deltas.
     """
     if device.type != "cuda":
         return MultiDeltaConfig(block_n=32, block_k=64, block_k_base=64, split_k=1, swap_ab=False, num_stages=1)
-    rows_per_delta = math.ceil(m / max(stack.num_deltas, 1))
+    rows_per_delta = rows_per_delta or math.ceil(m / max(stack.num_deltas, 1))
     bm = 16 if rows_per_delta <= 16 else (32 if rows_per_delta <= 32 else 64)
     cfg = MultiDeltaConfig(block_m=bm)
     waves = 4.0
@@ -292,6 +294,7 @@ def multi_delta_linear(
     config: Optional[MultiDeltaConfig] = None,
     segments: Optional[torch.Tensor] = None,
     segment_lookup: Optional[torch.Tensor] = None,
+    rows_per_delta: Optional[int] = None,
 ) -> torch.Tensor:
     """``y = x W_base^T + bias + x dequant(stack[row_delta[m]])^T`` per row, in one launch.
 
@@ -314,6 +317,8 @@ def multi_delta_linear(
             base) rather than its stack index, ``segments`` was built from those slot ids (one table
             shared by every layer of a step, whatever each layer's stack holds), and a row's stack
             index is ``segment_lookup[slot + 1]`` (``-1``: not in this stack), read in the kernel.
+        rows_per_delta: how many rows share a delta, when the caller knows it without a device read
+            (sizes the row blocks of the default config; ``None``: rows spread over the stack).
 
     Returns:
         ``[M, N]`` tensor of ``out_dtype``, accumulated in fp32.
@@ -345,7 +350,7 @@ def multi_delta_linear(
     if m == 0 or n == 0:
         return out
     if config is None:
-        config = default_config(m, n, k, stack, device)
+        config = default_config(m, n, k, stack, device, rows_per_delta)
     if stack.layout_block:
         if segments is None:
             segments = build_row_segments(row_delta)

@@ -240,7 +240,8 @@ class SlotStacks:
 
     # ------------------------------------------------------------------ the launch
     def apply(self, x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-              slot_plus_one: torch.Tensor, slot_segments: Optional[tuple] = None) -> torch.Tensor:
+              slot_plus_one: torch.Tensor, slot_segments: Optional[tuple] = None,
+              rows_per_delta: Optional[int] = None) -> torch.Tensor:
         """``x W^T + bias`` plus, for each row, its slot's delta: one kernel launch per format class.
 
         Args:
@@ -250,6 +251,8 @@ class SlotStacks:
             slot_segments: ``(slots, build_row_segments(slots))`` with ``slots = slot_plus_one - 1``
                 (int32), built once per step and shared by every layer: planar stacks then translate
                 slots to their own indices in the kernel (no per-layer sorting or gathering).
+            rows_per_delta: rows per distinct delta of the batch, when known on the host (sizes the
+                kernel's row blocks, see :func:`~kernels.multi_delta.default_config`).
         """
         from .multi_delta import multi_delta_linear
 
@@ -257,9 +260,10 @@ class SlotStacks:
         for c in self.classes:
             if slot_segments is not None and c.stack.layout_block:
                 slots, segments = slot_segments
-                yc = multi_delta_linear(x2, weight, bias, c.stack, slots, segments=segments, segment_lookup=c.lookup)
+                yc = multi_delta_linear(x2, weight, bias, c.stack, slots, segments=segments, segment_lookup=c.lookup,
+                                        rows_per_delta=rows_per_delta)
             else:
-                yc = multi_delta_linear(x2, weight, bias, c.stack, c.lookup[slot_plus_one])
+                yc = multi_delta_linear(x2, weight, bias, c.stack, c.lookup[slot_plus_one], rows_per_delta=rows_per_delta)
             # each row belongs to one format class: take it from that class's launch
             y = yc if y is None else torch.where(c.member[slot_plus_one][:, None], yc, y)
         return y

@@ -82,3 +82,41 @@ def test_bf16_on_gpu_matches_merged_fine_tunes(arch, two_deltas, monkeypatch):
     assert calls
     out = model.generate(ids, attention_mask=torch.ones_like(ids), delta_names=rows, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert out.shape == (3, 16)
+
+
+def test_kernel_launches_know_how_many_rows_share_a_delta(two_deltas, monkeypatch):
+    """Outside captured steps a layer tells the kernel how many rows share each delta (a prefill's many
+    rows share few deltas); on a GPU that sizes the kernel's row blocks, so the weights are read fewer times."""
+    from hf_deltazip.kernels import multi_delta
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    seen = []
+    real = multi_delta.multi_delta_linear
+
+    def wrapped(*a, **k):
+        seen.append(k.get("rows_per_delta"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(multi_delta, "multi_delta_linear", wrapped)
+    model = DeltaModel(copy.deepcopy(base_model("qwen2")), use_kernels="always")
+    model.load_delta(two_deltas["qwen2", "four"], delta_name="four")
+    model.load_delta(two_deltas["qwen2", "two"], delta_name="two")
+    ids = calibration_ids(n=3, length=5, seed=11)  # 15 rows of activations per layer
+    with torch.no_grad():
+        model(input_ids=ids, delta_names=["four", "four", "four"])
+        assert seen and set(seen) == {15}
+        seen.clear()
+        model(input_ids=ids, delta_names=["two", None, "four"])
+        assert seen and set(seen) == {5}
+
+
+def test_row_blocks_follow_the_rows_that_share_a_delta(monkeypatch):
+    from hf_deltazip.kernels import multi_delta, random_delta_stack
+
+    monkeypatch.setattr(multi_delta, "_sm_count", lambda device: 132)  # an H200's, for the config alone
+    stack = random_delta_stack(32, 64, 256, bits=4, group_size=128)
+    cuda = torch.device("cuda")
+    # 128 rows spread over the stack's 32 deltas would be 4 per delta; a prefill's rows share one
+    assert multi_delta.default_config(128, 4096, 4096, stack, cuda).block_m == 16
+    assert multi_delta.default_config(128, 4096, 4096, stack, cuda, rows_per_delta=128).block_m == 64
+    assert multi_delta.default_config(128, 4096, 4096, stack, cuda, rows_per_delta=20).block_m == 32

@@ -443,14 +443,18 @@ class DeltaLinear(DeltaModule):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         slot_tok, segments = routing.kernel_rows(batch, x2.shape[0] // batch, x.device)  # shared by every layer
+        # rows per distinct delta (the base counted as one), known on the host outside captured steps:
+        # a prefill's many rows share few deltas, and the kernel then takes larger row blocks (fewer
+        # passes over the weights)
+        share = None if routing.is_static else -(-x2.shape[0] // len(set(routing.rows_for(batch))))
         if self._through:  # the base by its own module, the deltas by the kernel over an all-zero base
             y = self.base_layer(x2)
-            y = y + stacks.apply(x2, self._zero_base(x2), None, slot_tok, segments).to(y.dtype)
+            y = y + stacks.apply(x2, self._zero_base(x2), None, slot_tok, segments, share).to(y.dtype)
         else:
             w = self.base_weight_nk()
             if self.transposed:
                 w = self._contiguous_weight(w)
-            y = stacks.apply(x2, w, self.base_layer.bias, slot_tok, segments)
+            y = stacks.apply(x2, w, self.base_layer.bias, slot_tok, segments, share)
         if self._bias_delta is not None:
             y = (y.float() + self._bias_delta[slot_tok]).to(y.dtype)
         return y.reshape(*lead, y.shape[-1])

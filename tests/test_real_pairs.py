@@ -174,7 +174,7 @@ def test_jacobi_bench_scores_the_pair_task_for_every_model_and_delta(tmp_path, b
     assert jacobi.main(["--pair", str(pair_dir), "--base", str(base_dir), "--train-prompts", "2", "--eval-prompts", "2",
                         "--b1-prompts", "1", "--prompt-tokens", "8", "--new-tokens", "6", "--block", "4", "--bits", "4",
                         "--batch", "1", "--cllm-steps", "2", "--cllm-batch", "2", "--device", "cpu", "--dtype", "fp32",
-                        "--json", str(out)]) == 0
+                        "--task-prompts", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     # fp32 on the CPU: every Jacobi output is the greedy output, and the rows say how long those were
     assert result["outputs_differ"] == 0 and result["differences"] == []
@@ -194,6 +194,25 @@ def test_jacobi_bench_scores_the_pair_task_for_every_model_and_delta(tmp_path, b
     want = (s["base"]["task_nll"] - s["cllm-4bit"]["task_nll"]) / (s["base"]["task_nll"] - s["finetune"]["task_nll"])
     assert nll["cllm-4bit"]["task_nll"] == pytest.approx(want)
     assert "task gain kept on the pair's 4 held-out dates examples" in jacobi.to_table(result)
+
+
+def test_jacobi_bench_task_prompts_come_from_the_pair_streams(tmp_path, base_dir):
+    from transformers import AutoTokenizer
+
+    from hf_deltazip.bench import jacobi
+
+    pair = real_pairs.build_real_pair(tmp_path, "dates", base_dir=base_dir, **dict(SMALL, n_eval=4, n_calibration=4))
+    tok = AutoTokenizer.from_pretrained(pair.tokenizer_dir)
+    rows = jacobi._pair_prompts(tok, tmp_path / "dates", base_dir, 3, 2)
+    texts = [tok.decode(r) for r in rows]
+    # training prompts: calibration transcripts cut after their "Answer:"; then held-out evaluation prompts
+    assert all(t.endswith("Answer:") for t in texts)
+    assert [any(c.startswith(t) for c in pair.calibration) for t in texts[:3]] == [True] * 3
+    assert rows[3:] == [tok(ex.prompt, add_special_tokens=False)["input_ids"] for ex in pair.eval_examples[:2]]
+    with pytest.raises(SystemExit, match="4 evaluation prompts; 1 and 5 were asked"):
+        jacobi._pair_prompts(tok, tmp_path / "dates", base_dir, 1, 5)
+    with pytest.raises(SystemExit):
+        jacobi.main(["--task-prompts", "--base", "b", "--finetune", "f"])  # needs --pair
 
 
 def test_jacobi_bench_refuses_pair_with_tiny_and_an_unfinished_pair(tmp_path):

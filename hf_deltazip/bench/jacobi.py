@@ -96,6 +96,21 @@ def _text_prompts(tokenizer, path, n: int, tokens: int) -> list:
     return rows[:n]
 
 
+def _pair_prompts(tokenizer, pair_dir, base_dir, n_train: int, n_eval: int) -> list:
+    """Token ids of a real pair's own task prompts: ``n_train`` from its calibration stream (the text up
+    to and including the last ``Answer:``), then ``n_eval`` of its held-out evaluation prompts."""
+    from .real_pairs import load_real_pair
+
+    pair = load_real_pair(pair_dir, base_dir=base_dir)
+    marker = "Answer:"
+    train = [t[: t.rindex(marker) + len(marker)] for t in pair.calibration if marker in t][:n_train]
+    held = [ex.prompt for ex in pair.eval_examples][:n_eval]
+    if len(train) < n_train or len(held) < n_eval:
+        raise SystemExit(f"the pair has {len(train)} calibration and {len(held)} evaluation prompts; "
+                         f"{n_train} and {n_eval} were asked for (--train-prompts / --eval-prompts)")
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in train + held]
+
+
 def _left_pad(rows: list, pad: int, device):
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
@@ -166,7 +181,10 @@ def run(args) -> dict:
         base = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.float32)
         ft = AutoModelForCausalLM.from_pretrained(args.finetune, dtype=torch.float32)
         pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        prompts = _text_prompts(tok, args.prompts, args.train_prompts + args.eval_prompts, args.prompt_tokens)
+        if getattr(args, "task_prompts", False):
+            prompts = _pair_prompts(tok, args.pair, args.base, args.train_prompts, args.eval_prompts)
+        else:
+            prompts = _text_prompts(tok, args.prompts, args.train_prompts + args.eval_prompts, args.prompt_tokens)
         gen_kw = dict(pad_token_id=pad)
     base, ft = base.to(device).eval(), ft.to(device).eval()
     train, held = prompts[:args.train_prompts], prompts[args.train_prompts:]
@@ -309,6 +327,9 @@ def main(argv=None) -> int:
                                   "its fine-tune, and task scores on its held-out examples; the base defaults to WORK/base")
     p.add_argument("--cllm", help="a consistency-trained model folder (default: train one here)")
     p.add_argument("--save-cllm", help="save the consistency-trained model here")
+    p.add_argument("--task-prompts", action="store_true",
+                   help="with --pair: the pair's own task prompts (calibration prompts to train the consistency "
+                        "model, held-out evaluation prompts to time) instead of held-out Python stdlib snippets")
     p.add_argument("--prompts", help="a .txt (one prompt a line) or .jsonl ({'prompt'|'text': ...}) file; "
                                      "default: held-out Python stdlib snippets")
     p.add_argument("--train-prompts", type=int, default=64)
@@ -336,6 +357,8 @@ def main(argv=None) -> int:
         args.finetune = args.finetune or str(Path(args.pair) / "finetuned")
     if not args.tiny and not (args.base and args.finetune):
         p.error("pass --base DIR --finetune DIR, --pair DIR, or --tiny")
+    if args.task_prompts and (not args.pair or args.prompts):
+        p.error("--task-prompts needs --pair DIR and no --prompts")
     result = run(args)
     print(to_table(result))
     if args.json:

@@ -381,6 +381,8 @@ def test_real_deltas_mode_serves_compressed_finetunes(real_pair, tmp_path):
         assert r["completed"] == 5 and r["output_tokens"] == 15, name
         assert r["time_split"]["wall_s"] > 0
     assert report["systems"]["deltazip"]["time_split"]["mean_distinct_deltas"] > 0
+    # the engine systems ran the tiny llama's grouped-query heads without per-head key copies; PEFT has no engine
+    assert [r.get("grouped_attention") for r in report["systems"].values()] == [True, True, None]
 
 
 def test_real_deltas_mode_refuses_bad_arguments(real_pair, capsys):

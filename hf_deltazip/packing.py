@@ -240,20 +240,29 @@ def compute_qparams(
     if pad:
         wf = torch.nn.functional.pad(wf, (0, pad))  # zeros never widen a grid that contains 0
     wg = wf.reshape(n, ng, g)
-    xmin = wg.amin(-1).clamp(max=0)
-    xmax = wg.amax(-1).clamp(min=0)
+    scale, zero = minmax_grid(wg.amin(-1), wg.amax(-1), maxq, symmetric)
+    scale = scale.to(choose_scale_dtype(scale)).float()
+    return scale, zero.to(torch.uint8)
+
+
+def minmax_grid(xmin: torch.Tensor, xmax: torch.Tensor, maxq, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point (both float, scale not yet rounded to a storage dtype) of the grid of
+    ``maxq + 1`` codes covering ``[min(xmin, 0), max(xmax, 0)]`` (:func:`compute_qparams`' arithmetic).
+    ``maxq`` is ``2**bits - 1``: an int, or a float tensor broadcasting against ``xmin`` (bits per row)."""
+    xmin = xmin.clamp(max=0)
+    xmax = xmax.clamp(min=0)
     if symmetric:
         xmax = torch.maximum(-xmin, xmax)
         # GPTQ's convention: 2**b codes spread over [-xmax, xmax], zero point at 2**(b-1)
         scale = 2 * xmax / maxq
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        zero = torch.full_like(scale, 1 << (bits - 1))
+        zero = torch.zeros_like(scale) + (maxq + 1) // 2
     else:
         scale = (xmax - xmin) / maxq
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        zero = torch.round(-xmin / scale).clamp(0, maxq)
-    scale = scale.to(choose_scale_dtype(scale)).float()
-    return scale, zero.to(torch.uint8)
+        zero = torch.minimum(torch.round(-xmin / scale).clamp(min=0), torch.as_tensor(maxq, dtype=scale.dtype,
+                                                                                    device=scale.device))
+    return scale, zero
 
 
 def quantize(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int = -1) -> torch.Tensor:

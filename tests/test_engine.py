@@ -84,9 +84,9 @@ def test_kernel_route_with_device_side_rows_under_interpreter(delta_dirs, monkey
 
     real = DeltaLinear._forward_kernel
 
-    def spy(self, x, batch, routing):
+    def spy(self, x, batch, routing, *rest):
         seen.append(routing.is_static and ker.router.current is routing)
-        return real(self, x, batch, routing)
+        return real(self, x, batch, routing, *rest)
 
     monkeypatch.setattr(DeltaLinear, "_forward_kernel", spy)
     ps = prompts(4, seed=9)

@@ -240,6 +240,11 @@ def test_engine_jacobi_falls_back_to_one_token_steps_on_a_model_that_never_conve
     st = engine.stats
     # probes of two Jacobi steps between 4, 8, 16, ... one-token steps
     assert 0 < st.jacobi_steps <= 10 < st.decode_steps, st.as_dict()
+    # switched to never falling back, the same requests take Jacobi steps only, with the same output
+    engine.jacobi_min_accept = None
+    engine.reset_stats()
+    assert engine.run(ps, max_new_tokens=40, decoding="jacobi", jacobi_block_size=8, eos_token_id=None) == want
+    assert engine.stats.jacobi_steps == engine.stats.decode_steps > 0
 
 
 def test_engine_and_server_refuse_bad_jacobi_requests_and_the_server_decodes_them(two_deltas):

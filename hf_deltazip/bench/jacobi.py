@@ -181,7 +181,7 @@ def run(args) -> dict:
         base = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.float32)
         ft = AutoModelForCausalLM.from_pretrained(args.finetune, dtype=torch.float32)
         pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        if getattr(args, "task_prompts", False):
+        if args.task_prompts:
             prompts = _pair_prompts(tok, args.pair, args.base, args.train_prompts, args.eval_prompts)
         else:
             prompts = _text_prompts(tok, args.prompts, args.train_prompts + args.eval_prompts, args.prompt_tokens)
@@ -228,7 +228,7 @@ def run(args) -> dict:
             nll[name] = mean_nll(dm.base_model, eval_rows)
     gain = {k: (nll["base"] - v) / (nll["base"] - nll["finetune"]) for k, v in nll.items()}
     result["nll"], result["gain_kept"] = nll, gain
-    if getattr(args, "pair", None):
+    if args.pair:
         result["task"] = task_scores(args.pair, args.base, tok, dm, {"finetune": ft, "cllm (16-bit)": cllm}, names)
 
     rows, checked, differ, ties, details = [], 0, 0, 0, []
@@ -252,8 +252,7 @@ def run(args) -> dict:
                 forwards += sum(f + 1 for f in jac.stats.row_forwards)
                 checked += len(group)
                 d, ti = _ties(dm, name, ids, mask, greedy, jac.sequences, args.new_tokens, gen_kw, details)
-                lengths = (greedy[:, ids.shape[1]:] != pad).sum(-1).tolist()
-                new_tokens = new_tokens + sum(lengths)
+                new_tokens += int((greedy[:, ids.shape[1]:] != pad).sum())
                 differ, ties = differ + d, ties + ti
             rows.append(dict(delta=name, batch=batch, greedy_new_tokens=new_tokens, tokens_per_forward=accepted / max(forwards, 1),
                              greedy_s=g_time, jacobi_s=j_time, speedup=g_time / j_time))
@@ -284,11 +283,11 @@ def task_scores(pair_dir, base_dir, tokenizer, dm, models: dict, delta_names: li
         scores[label] = score(model)
     base, ft = scores["base"], scores["finetune"]
 
-    def kept(c, b, f):  # NaN where the fine-tune does not beat the base (nothing to keep)
+    def share(c, b, f):  # NaN where the fine-tune does not beat the base (nothing to keep)
         return gain_kept(c, b, f) if f != b else float("nan")
 
-    kept = {k: {"exact_match": kept(v["exact_match"], base["exact_match"], ft["exact_match"]),
-                "task_nll": kept(-v["task_nll"], -base["task_nll"], -ft["task_nll"])}
+    kept = {k: {"exact_match": share(v["exact_match"], base["exact_match"], ft["exact_match"]),
+                "task_nll": share(-v["task_nll"], -base["task_nll"], -ft["task_nll"])}
             for k, v in scores.items()}
     return {"pair": str(pair_dir), "task": pair.task, "examples": len(pair.eval_examples), "scores": scores,
             "gain_kept": kept}

@@ -441,7 +441,6 @@ def _obs_pass(w0, dead, hinv, damp_used, settings, group_size, symmetric, block_
     w_static = w.clone() if static_groups else None
     bits_rows = torch.tensor([b for b, _ in settings], device=device).repeat_interleave(n)[:, None]
     maxq = ((1 << bits_rows) - 1).float()
-    half = (1 << (bits_rows - 1)).float()
     fractions = [None if s is None or two4 else float(s) for _, s in settings]
     sparse = two4 or any(f is not None for f in fractions)
     g = k if group_size == -1 else group_size
@@ -453,17 +452,8 @@ def _obs_pass(w0, dead, hinv, damp_used, settings, group_size, symmetric, block_
     scale_col = zero_col = zero_f = None
 
     def qparams(current):  # packing.compute_qparams(current, bits, -1, symmetric), with bits per row
-        xmin = current.amin(-1, keepdim=True).clamp(max=0)
-        xmax = current.amax(-1, keepdim=True).clamp(min=0)
-        if symmetric:
-            xmax = torch.maximum(-xmin, xmax)
-            scale = 2 * xmax / maxq
-            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-            zero = half.clone()
-        else:
-            scale = (xmax - xmin) / maxq
-            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-            zero = torch.minimum(torch.round(-xmin / scale).clamp(min=0), maxq)
+        scale, zero = packing.minmax_grid(current.amin(-1, keepdim=True), current.amax(-1, keepdim=True), maxq,
+                                          symmetric)
         for j in range(c_n):  # each setting's scales rounded to its own storage dtype
             rows = slice(j * n, (j + 1) * n)
             scale[rows] = scale[rows].to(packing.choose_scale_dtype(scale[rows])).float()

@@ -83,6 +83,8 @@ class JacobiGate:
 
     def wide(self) -> bool:
         """Whether the coming step should be a Jacobi step (a False counts down the wait)."""
+        if self.min_accept is None:  # never falls back, whatever an earlier setting left waiting
+            return True
         if self.wait > 0:
             self.wait -= 1
             return False

@@ -312,7 +312,7 @@ class DeltaLinear(DeltaModule):
             y = self.base_layer(x)
             return self._pad_out(y) if self._width != self.out_features else y
         if self.policy.wants_kernels(x.device) and self._kernel_route and x.dim() >= 2:
-            return self._forward_kernel(x, batch, routing)
+            return self._forward_kernel(x, batch, routing, slots)
         if self.tp is not None and self.tp.mode != "whole":
             return self._forward_sharded(x, slots)
         if self._through:
@@ -438,7 +438,8 @@ class DeltaLinear(DeltaModule):
         self.stacks = stacks
         return stacks
 
-    def _forward_kernel(self, x: torch.Tensor, batch: int, routing) -> torch.Tensor:
+    def _forward_kernel(self, x: torch.Tensor, batch: int, routing, slots: Optional[list] = None) -> torch.Tensor:
+        """The kernel route; ``slots``: the rows' slots when routing is on the host (not in a captured step)."""
         stacks = self.stacks if self.stacks is not None else self._build_stacks(x.device)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
@@ -446,7 +447,7 @@ class DeltaLinear(DeltaModule):
         # rows per distinct delta (the base counted as one), known on the host outside captured steps:
         # a prefill's many rows share few deltas, and the kernel then takes larger row blocks (fewer
         # passes over the weights)
-        share = None if routing.is_static else -(-x2.shape[0] // len(set(routing.rows_for(batch))))
+        share = None if slots is None else -(-x2.shape[0] // len(set(slots)))
         if self._through:  # the base by its own module, the deltas by the kernel over an all-zero base
             y = self.base_layer(x2)
             y = y + stacks.apply(x2, self._zero_base(x2), None, slot_tok, segments, share).to(y.dtype)

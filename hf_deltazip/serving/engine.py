@@ -387,10 +387,18 @@ class DecodeEngine:
         self._logits = None
         self._cache = _StepCache(getattr(config, "num_hidden_layers", 0))
         self._cache.write = torch.zeros((1,), dtype=torch.long, device=d)
-        self.jacobi_min_accept = jacobi_min_accept
         self._jacobi_gate = JacobiGate(jacobi_min_accept)  # when Jacobi rows get wide steps
 
     # ------------------------------------------------------------------ public
+    @property
+    def jacobi_min_accept(self) -> Optional[float]:
+        """Tokens per Jacobi step under which Jacobi rows fall back to one-token steps (see the class docstring)."""
+        return self._jacobi_gate.min_accept
+
+    @jacobi_min_accept.setter
+    def jacobi_min_accept(self, value: Optional[float]) -> None:
+        self._jacobi_gate.min_accept = value
+
     @property
     def free(self) -> int:
         """Rows free for new requests."""

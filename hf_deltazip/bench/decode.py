@@ -96,11 +96,11 @@ def engine_tokens_per_s(model, names, rows: int, prompt_len: int, steps: int) ->
     return rows * (steps - 3) / (time.perf_counter() - t)
 
 
-def time_generate(model, ids, names, new_tokens, repeats=2):
+def time_generate(model, ids, names, new_tokens, repeats=2, names_kwarg="delta_names"):
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                   do_sample=False, pad_token_id=0)
     if names is not None:
-        kwargs["delta_names"] = names
+        kwargs[names_kwarg] = names
     model.generate(ids, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up, kernel compilation
     best = float("inf")
     for _ in range(repeats):
@@ -110,6 +110,31 @@ def time_generate(model, ids, names, new_tokens, repeats=2):
         _sync()
         best = min(best, time.perf_counter() - t)
     return best
+
+
+def peft_generate(base, ids, adapters: int, rank: int, new_tokens: int):
+    """``(tokens/s, base)``: PEFT's mixed-adapter ``generate`` with ``adapters`` LoRA adapters (rank ``rank``,
+    every linear layer of every block, random A and B), row i using adapter i % adapters, on ``base``.
+
+    What Hugging Face users run today for many fine-tunes in one batch. The adapters are removed
+    afterwards (``unload``), so the returned base is the plain model again.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    from .serve import LORA_TARGETS
+
+    lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS, init_lora_weights=False)
+    names = [f"a{i}" for i in range(adapters)]
+    dtype = next(base.parameters()).dtype
+    torch.manual_seed(0)
+    pm = get_peft_model(base, lora, adapter_name=names[0])
+    for n in names[1:]:
+        pm.add_adapter(n, lora)
+    pm.to(dtype=dtype).eval()
+    rows = [names[i % adapters] for i in range(ids.shape[0])]
+    with torch.no_grad():
+        t = time_generate(pm, ids, rows, new_tokens, repeats=1, names_kwarg="adapter_names")
+    return ids.shape[0] * new_tokens / t, pm.unload()
 
 
 def drop_page_cache() -> bool:
@@ -195,6 +220,12 @@ def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits
         tensors = f.read_tensors(pin_memory=torch.cuda.is_available())
     read_s = time.perf_counter() - t
     del tensors
+    evict_from_page_cache([dz])  # the same into pageable memory: what pinning the host buffers costs
+    t = time.perf_counter()
+    with DeltaZipFile(dz) as f:
+        tensors = f.read_tensors(pin_memory=False)
+    read_unpinned_s = time.perf_counter() - t
+    del tensors
     device = next(dm.parameters()).device
     engine = DecodeEngine(dm, max_batch_size=4, max_length=prompt_len + 16)
     prompt = torch.randint(0, 1000, (prompt_len,)).tolist()
@@ -226,7 +257,8 @@ def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits
     dm.cache.pipeline_loads = default_mode
     return {"file_bytes": size, "bits": bits, "save_s": save_s, "disk_sequential_read_GBps": disk,
             "disk_sequential_read_s": size / (disk * 1e9), "read_and_decompress_s": read_s,
-            "read_and_decompress_GBps": size / read_s / 1e9, "same_request_resident_s": warm,
+            "read_and_decompress_GBps": size / read_s / 1e9,
+            "read_and_decompress_unpinned_s": read_unpinned_s, "same_request_resident_s": warm,
             "request_to_first_token_s": runs["pipelined" if default_mode else "whole_file"]["request_to_first_token_s"], **runs,
             "captures": engine.captures, "device": str(device)}
 
@@ -247,6 +279,9 @@ def main(argv=None) -> int:
     p.add_argument("--cold-start", action="store_true")
     p.add_argument("--workdir", help="where the cold-start delta is written (a local disk)")
     p.add_argument("--cold-start-only", action="store_true", help="skip the decode measurements (implies --cold-start)")
+    p.add_argument("--peft", action="store_true",
+                   help="also time transformers + PEFT generate with max(--deltas) LoRA adapters in one mixed batch")
+    p.add_argument("--lora-rank", type=int, default=16, help="--peft: rank of each LoRA adapter (default 16)")
     p.add_argument("--json")
     p.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
@@ -259,7 +294,7 @@ def main(argv=None) -> int:
               "rows": args.rows, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
               "format": f"{args.bits}-bit g{args.group_size}", "decode": []}
     if args.cold_start_only:
-        args.cold_start, args.deltas = True, [1]
+        args.cold_start, args.deltas, args.peft = True, [1], False
     if not args.cold_start_only:
         t = time_generate(base, ids, None, args.new_tokens)
         result["decode"].append({"model": "base alone (one merged fine-tune)", "U": 0, "s": t,
@@ -269,6 +304,13 @@ def main(argv=None) -> int:
         e = engine_tokens_per_s(base, None, args.rows, args.prompt_len, steps)
         result["decode"][-1]["engine_tokens_per_s"] = e
         print(f"base alone, engine (static cache, CUDA graphs): {e:8.1f} tokens/s", flush=True)
+        if args.peft:
+            u = max(args.deltas)
+            tps, base = peft_generate(base, ids, u, args.lora_rank, args.new_tokens)
+            peft_tps = tps
+            result["decode"].append({"model": f"transformers + PEFT, {u} LoRA adapters (rank {args.lora_rank}), mixed batch",
+                                     "U": u, "tokens_per_s": tps, "peft": True})
+            print(f"PEFT, {u} LoRA adapters of rank {args.lora_rank}, one mixed batch: {tps:8.1f} tokens/s", flush=True)
     dm = DeltaModel(base)
     dm.configure_cache(max_resident=max(args.deltas) + 2)  # stacks sized once, later loads go in place
     made = 0
@@ -286,6 +328,11 @@ def main(argv=None) -> int:
                                  "tokens_per_s": args.rows * args.new_tokens / t, "engine_tokens_per_s": e, "gpu_gib": mem})
         print(f"U={u:3d}: generate {args.rows * args.new_tokens / t:8.1f} tokens/s, engine {e:8.1f} tokens/s, "
               f"GPU memory {mem:.1f} GiB", flush=True)
+        if args.peft and u == max(args.deltas) and not args.cold_start_only:
+            result["decode"][-1]["engine_x_peft"] = e / peft_tps
+            result["decode"][-1]["generate_x_peft"] = args.rows * args.new_tokens / t / peft_tps
+            print(f"U={u:3d} against PEFT: engine {e / peft_tps:.1f}x, generate {args.rows * args.new_tokens / t / peft_tps:.1f}x",
+                  flush=True)
     if args.cold_start:
         for n in list(dm.deltas)[1:]:
             dm.delete_delta(n)

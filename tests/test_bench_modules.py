@@ -165,6 +165,22 @@ def test_decode_random_delta_has_the_stored_layout_and_generates_on_cpu():
     assert decode.time_generate(model, ids, None, new_tokens=3, repeats=1) > 0
 
 
+def test_decode_peft_baseline_runs_mixed_adapters_and_gives_the_base_back():
+    pytest.importorskip("peft")
+    model = decode.build_base("tiny", "cpu").float()
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    ids = torch.randint(0, 1000, (3, 5))
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    tps, back = decode.peft_generate(model, ids, adapters=2, rank=4, new_tokens=3)
+    assert tps > 0
+    # the adapters are gone: the same modules, the same weights, the same greedy output
+    assert not any("lora" in n for n, _ in back.named_modules())
+    assert {n: p for n, p in back.named_parameters()}.keys() == before.keys()
+    assert all(torch.equal(p, before[n]) for n, p in back.named_parameters())
+    got = back.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want)
+
+
 def test_compress_speed_estimate_uses_the_mean_of_every_layer():
     steps = {"load": 1.0, "plan": 0.5, "embeddings": 2.0, "calibrate": 0.5, "package": 3.0, "layers": 99.0}
     before, per, est = compress_speed.estimate_seconds(steps, [4.0, 2.0, 3.0], 32)

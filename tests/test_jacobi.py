@@ -295,6 +295,24 @@ def test_bench_classifies_a_difference_by_the_logit_gap_against_rounding():
     assert 0 <= d["rounding"] < d["logit_gap"]
 
 
+def test_bench_compares_contents_not_the_padded_width_of_a_batch():
+    """A row that ended early comes back padded to its batch's width: the same tokens padded to another
+    width are equal; a row that stops where the other goes on is a difference of length."""
+    from hf_deltazip.bench.jacobi import _ties
+
+    ids = torch.tensor([[5, 6, 7]])
+    mask = torch.ones_like(ids)
+    kw = dict(pad_token_id=0)
+    greedy = torch.tensor([[5, 6, 7, 11, 12, 2, 0, 0]])  # ended at eos (2), padded by its batch
+    same = torch.tensor([[5, 6, 7, 11, 12, 2, 0, 0, 0, 0, 0]])  # the same row in a wider batch
+    assert _ties(None, "ft", ids, mask, greedy, same, 8, kw, []) == (0, 0)
+    longer = torch.tensor([[5, 6, 7, 11, 12, 2, 13, 0]])
+    details = []
+    assert _ties(None, "ft", ids, mask, greedy, longer, 8, kw, details) == (1, 0)
+    assert details == [{"delta": "ft", "new_token": 3, "logit_gap": None, "rounding": None,
+                        "within_rounding": False, "kind": "length"}]
+
+
 def _under_gate(gate, steps, seconds, accepted):
     """Indices of the wide steps among ``steps`` decode steps under ``gate``: a wide one takes ``seconds``
     and accepts ``accepted`` tokens per row, a one-token step takes 1 s."""

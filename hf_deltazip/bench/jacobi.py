@@ -121,6 +121,14 @@ def _left_pad(rows: list, pad: int, device):
     return ids.to(device), mask.to(device)
 
 
+def _trim_pad(row: torch.Tensor, pad, width: int) -> torch.Tensor:
+    """``row`` without the padding after its last generated token (the prompt, left-padded, is kept)."""
+    if pad is None:
+        return row
+    keep = (row[width:] != pad).nonzero()
+    return row[: width + (int(keep[-1]) + 1 if len(keep) else 0)]
+
+
 def _ties(dm, name, ids, mask, greedy, jacobi, max_new_tokens: int, gen_kw: dict, details: list = None) -> tuple:
     """(rows whose Jacobi output differs from greedy, of which the first differing token is *within rounding*).
 
@@ -132,16 +140,22 @@ def _ties(dm, name, ids, mask, greedy, jacobi, max_new_tokens: int, gen_kw: dict
     those two computations of the same thing. With ``details``, one record per differing row is appended."""
     differ = ties = 0
     width = mask.shape[1]
+    pad = gen_kw.get("pad_token_id")
     step_logits = None
     for r in range(greedy.shape[0]):
-        g, j = greedy[r], jacobi[r]
+        # a batch's tensor is as wide as its longest row: a row that ended early is padded to that width,
+        # so the same row comes back wider when another row of its batch ran longer. Compare contents.
+        g, j = _trim_pad(greedy[r], pad, width), _trim_pad(jacobi[r], pad, width)
         if g.shape == j.shape and torch.equal(g, j):
             continue
         differ += 1
         n = min(g.shape[0], j.shape[0])
         bad = (g[:n] != j[:n]).nonzero()
-        if not len(bad):
-            continue  # one stopped earlier: a real difference
+        if not len(bad):  # one stopped earlier: a real difference
+            if details is not None:
+                details.append({"delta": name, "new_token": n - width, "logit_gap": None, "rounding": None,
+                                "within_rounding": False, "kind": "length"})
+            continue
         p = int(bad[0])
         if step_logits is None:  # greedy again, untimed, keeping the logits of every step
             out = dm.generate(ids, attention_mask=mask, delta_names=[name] * ids.shape[0], do_sample=False,
@@ -159,7 +173,7 @@ def _ties(dm, name, ids, mask, greedy, jacobi, max_new_tokens: int, gen_kw: dict
         ties += within
         if details is not None:
             details.append({"delta": name, "new_token": p - width, "logit_gap": gap, "rounding": noise,
-                            "within_rounding": bool(within)})
+                            "within_rounding": bool(within), "kind": "token"})
     return differ, ties
 
 
@@ -256,6 +270,8 @@ def run(args) -> dict:
                 differ, ties = differ + d, ties + ti
             rows.append(dict(delta=name, batch=batch, greedy_new_tokens=new_tokens, tokens_per_forward=accepted / max(forwards, 1),
                              greedy_s=g_time, jacobi_s=j_time, speedup=g_time / j_time))
+            print(f"  {name}, batch {batch}: {rows[-1]['tokens_per_forward']:.2f} tokens/forward, greedy {g_time:.3f} s, "
+                  f"Jacobi {j_time:.3f} s ({rows[-1]['speedup']:.2f}x); {differ} of {checked} outputs differ so far", flush=True)
     result["rows"] = rows
     result["outputs_checked"], result["outputs_differ"], result["differ_within_rounding"] = checked, differ, ties
     result["differences"] = details
@@ -301,7 +317,9 @@ def to_table(result: dict) -> str:
     other = [d for d in result.get("differences", []) if not d["within_rounding"]]
     if other:
         lines.insert(1, "differences beyond rounding: first differing token at new token "
-                        + ", ".join(f"{d['new_token']} (gap {d['logit_gap']:.3g}, rounding {d['rounding']:.3g})" for d in other))
+                        + ", ".join(f"{d['new_token']} (gap {d['logit_gap']:.3g}, rounding {d['rounding']:.3g})"
+                                    if d.get("kind", "token") == "token" else f"{d['new_token']} (one output ended there)"
+                                    for d in other))
     for r in result["rows"]:
         lines.append(f"| {r['delta']} | {r['batch']} | {r.get('greedy_new_tokens', '')} | {r['tokens_per_forward']:.2f} | {r['greedy_s']:.3f} | "
                      f"{r['jacobi_s']:.3f} | {r['speedup']:.2f}x | {100 * result['gain_kept'][r['delta']]:.1f} % |")

@@ -913,3 +913,37 @@ def planar_asm_args(bits: int, magic: int, scaled: bool) -> dict:
     args["PW"] = pw
     args["MAGICF"] = _PTX_MAGICF.get(magic, 1.0)
     return args
+
+
+@triton.jit
+def planar_dequant_kernel(
+    q_ptr, s_ptr, z_ptr, out_ptr,
+    N, K, QROW_E, G, GS,
+    BITS: tl.constexpr, BKP: tl.constexpr, BN: tl.constexpr,
+):
+    """One delta of a planar stack as a dense ``[N, K]`` matrix: ``(code - zero) * scale``.
+
+    Program ``(n-tile, planar block j)``: loads the block's ``BN x BKP`` 16-bit elements once and
+    writes each of its ``P`` planes (inputs ``j*P*BKP + S*BKP + i``) with that plane's group
+    (planes never straddle a group: the planar layout requires it). ``GS``: the group size (``K`` for
+    one group per row).
+    """
+    P: tl.constexpr = 16 // BITS
+    pid_n = tl.program_id(0)
+    j = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nmask = offs_n < N
+    offs_n64 = offs_n.to(tl.int64)
+    offs_i = tl.arange(0, BKP)
+    qe_ptr = q_ptr.to(tl.pointer_type(tl.uint16))
+    qe = tl.load(qe_ptr + offs_n64[:, None] * QROW_E + (j * BKP + offs_i)[None, :], mask=nmask[:, None], other=0)
+    q32 = qe.to(tl.int32)
+    for S in tl.static_range(P):
+        k0 = j * (P * BKP) + S * BKP
+        gi = k0 // GS
+        zf = tl.load(z_ptr + offs_n64 * G + gi, mask=nmask, other=0).to(tl.float32)
+        sc = tl.load(s_ptr + offs_n64 * G + gi, mask=nmask, other=0.0).to(tl.float32)
+        code = (q32 >> (S * BITS)) & ((1 << BITS) - 1)
+        d = (code.to(tl.float32) - zf[:, None]) * sc[:, None]
+        tl.store(out_ptr + offs_n64[:, None] * K + (k0 + offs_i)[None, :], d.to(out_ptr.dtype.element_ty),
+                 mask=nmask[:, None])

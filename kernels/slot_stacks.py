@@ -201,6 +201,14 @@ class SlotStacks:
         return PackedFields(pack_codes(st.codes(i), st.bits), st.scales[i], st.zeros[i], None, st.bits, st.group_size,
                             "dense")
 
+    def dense_delta(self, slot: int, dtype: torch.dtype) -> torch.Tensor:
+        """One slot's delta as a dense ``[out_features, in_features]`` tensor of ``dtype`` on the stacks' device
+        (one Triton launch for planar stacks, see :func:`~.dequant.dequantize_stack_delta`)."""
+        from .dequant import dequantize_stack_delta
+
+        c, i = self.where(slot)
+        return dequantize_stack_delta(c.stack, i, dtype)
+
     def delta_nbytes(self, slot: int) -> int:
         """Device bytes one slot's delta occupies in its stack."""
         c, i = self.where(slot)

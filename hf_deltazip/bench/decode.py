@@ -36,6 +36,10 @@ SHAPES = {
 }
 
 
+#: the linear layers a LoRA adapter of the PEFT baselines covers: every one of a Llama block
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
 def _sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -96,6 +100,21 @@ def engine_tokens_per_s(model, names, rows: int, prompt_len: int, steps: int) ->
     return rows * (steps - 3) / (time.perf_counter() - t)
 
 
+def prefill_ms(model, ids, names, repeats: int = 5) -> float:
+    """Median milliseconds of one forward over ``ids`` (a prefill, no KV cache kept), row i with delta ``names[i]``."""
+    kw = {} if names is None else {"delta_names": names}
+    times = []
+    with torch.no_grad():
+        for i in range(repeats + 1):  # the first one compiles
+            _sync()
+            t = time.perf_counter()
+            model(input_ids=ids, use_cache=False, **kw)
+            _sync()
+            if i:
+                times.append(time.perf_counter() - t)
+    return 1e3 * sorted(times)[len(times) // 2]
+
+
 def time_generate(model, ids, names, new_tokens, repeats=2, names_kwarg="delta_names"):
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                   do_sample=False, pad_token_id=0)
@@ -120,8 +139,6 @@ def peft_generate(base, ids, adapters: int, rank: int, new_tokens: int):
     afterwards (``unload``), so the returned base is the plain model again.
     """
     from peft import LoraConfig, get_peft_model
-
-    from .serve import LORA_TARGETS
 
     lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS, init_lora_weights=False)
     names = [f"a{i}" for i in range(adapters)]
@@ -276,6 +293,8 @@ def main(argv=None) -> int:
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--engine-steps", type=int, default=64, help="decode steps timed through the engine")
+    p.add_argument("--prefill-len", type=int, default=128,
+                   help="prompt tokens of the prefill timings (1, 4 and 16 requests, one delta each; 0: skip them)")
     p.add_argument("--cold-start", action="store_true")
     p.add_argument("--workdir", help="where the cold-start delta is written (a local disk)")
     p.add_argument("--cold-start-only", action="store_true", help="skip the decode measurements (implies --cold-start)")
@@ -333,6 +352,19 @@ def main(argv=None) -> int:
             result["decode"][-1]["generate_x_peft"] = args.rows * args.new_tokens / t / peft_tps
             print(f"U={u:3d} against PEFT: engine {e / peft_tps:.1f}x, generate {args.rows * args.new_tokens / t / peft_tps:.1f}x",
                   flush=True)
+    if not args.cold_start_only and args.prefill_len:
+        # a prefill of R requests of --prefill-len tokens, each its own delta, both kernel routes (and the base alone)
+        result["prefill"] = []
+        for r in sorted({1, min(4, max(args.deltas)), min(16, max(args.deltas))}):
+            ids_p = torch.randint(0, 1000, (r, args.prefill_len), device=args.device)
+            row = {"requests": r, "tokens": r * args.prefill_len, "base_ms": prefill_ms(dm, ids_p, [None] * r)}
+            for route in ("fused", "dequant"):
+                dm.configure_kernels(prefill=route)
+                row[f"{route}_ms"] = prefill_ms(dm, ids_p, [f"d{i}" for i in range(r)])
+            dm.configure_kernels(prefill="fused")
+            result["prefill"].append(row)
+            print(f"prefill, {r} requests x {args.prefill_len} tokens, one delta each: base alone {row['base_ms']:.1f} ms, "
+                  f"fused {row['fused_ms']:.1f} ms, dequant {row['dequant_ms']:.1f} ms", flush=True)
     if args.cold_start:
         for n in list(dm.deltas)[1:]:
             dm.delete_delta(n)

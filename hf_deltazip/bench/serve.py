@@ -87,7 +87,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..serving.engine import Pending
-from .decode import SHAPES, build_base, drop_page_cache, evict_file, random_delta
+from .decode import LORA_TARGETS, SHAPES, build_base, drop_page_cache, evict_file, random_delta
 
 SYSTEMS = ("deltazip", "one-delta-loop", "swap-cpu", "swap-disk", "all-resident", "peft")
 ZIPF_CONVENTION = "P(rank i) = i^-a / sum_j j^-a, i = 1..N (rank i is delta d{i-1})"
@@ -679,12 +679,14 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
     tier = cap + ("all deltas resident" if resident == args.deltas else
             f"{resident} of {args.deltas} deltas resident on the GPU (LRU), the others in pinned host memory, "
             "uploaded when a request needs them")
+    tier += f"; prefill route {args.prefill!r}"
     how = {"deltazip": f"{tier}; continuous batching, every row its own delta",
            "one-delta-loop": f"{tier}; same engine, rows of one delta at a time"}
     dm = engine = None
     try:
         dm = DeltaModel(base)
         dm.configure_cache(max_resident=resident)  # before adding: the kernel stacks are sized once
+        dm.configure_kernels(prefill=args.prefill)
         if real:
             names = list(real)
             for i, (n, path) in enumerate(real.items()):  # popularity follows the order given
@@ -793,9 +795,6 @@ class PeftBatcher:
     def step(self) -> list:
         done, self._done = self._done, []
         return done
-
-
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def run_peft_system(trace, args, results: dict, skipped: dict, outcomes: dict) -> None:
@@ -1106,6 +1105,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", help="swap-disk: folder on a local disk for the files (default: a temporary folder)")
     p.add_argument("--max-seconds", type=float, default=120.0, help="cap per system: admit no request after it (default 120)")
     p.add_argument("--eager", action="store_true", help="decode without CUDA graphs")
+    p.add_argument("--prefill", choices=["fused", "dequant"], default="fused",
+                   help="deltazip systems: how prefills run the deltas (DeltaModel.configure_kernels; default fused)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--per-request", action="store_true", help="add every request's timings to the JSON")
     return p

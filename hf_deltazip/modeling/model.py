@@ -224,6 +224,26 @@ class DeltaModel(nn.Module):
         self._cache.configure(max_resident=max_resident, max_resident_bytes=max_resident_bytes,
                               max_host_bytes=max_host_bytes)
 
+    def configure_kernels(self, *, prefill: Optional[str] = None, dequant_min_rows: Optional[int] = None) -> None:
+        """Choose how forwards outside captured decode steps (prefills, eager ``generate``) run the kernels.
+
+        Args:
+            prefill: ``"fused"`` (default): the multi-delta kernel, as in decode steps. ``"dequant"``:
+                the base runs through one dense matmul and each delta adds ``x_rows @ dequant(delta)^T``
+                for its rows, the delta written out dense (``[out, in]`` in the activation dtype) once per
+                layer and call; for many rows per delta, where the fused kernel (built for a few rows
+                per delta) re-reads the weights for every block of rows.
+            dequant_min_rows: with ``"dequant"``, the fewest rows (tokens) every delta of a batch needs
+                for that route (default 64); smaller batches keep the fused kernel.
+
+        Outputs agree with the fused route to 16-bit rounding (the base and delta products are rounded
+        separately). Captured decode steps always run the fused kernel.
+
+        Raises:
+            DeltaZipError: an unknown ``prefill`` or a ``dequant_min_rows`` below 1.
+        """
+        self.kernel_policy.set_prefill(prefill, dequant_min_rows)
+
     @property
     def resident_deltas(self) -> list:
         """Names of the deltas on the model's device now."""

@@ -1,0 +1,147 @@
+"""The dequant prefill route: a stack's delta written out dense on the device, and DeltaModel forwards
+that run the base through one dense matmul plus ``x_rows @ dequant(delta)^T`` per delta."""
+
+import copy
+
+import pytest
+import torch
+
+from hf_deltazip import DeltaModel, DeltaZipConfig, compress
+from hf_deltazip.bench.pairs import tiny_model
+from hf_deltazip.errors import DeltaZipError
+
+pytest.importorskip("triton")
+
+VOCAB = 96
+
+
+@pytest.mark.parametrize("bits,group_size,n,k", [
+    (2, 128, 33, 1024), (2, -1, 3, 1024), (4, 128, 17, 512), (4, -1, 8, 512), (4, 64, 7, 384),
+    (8, 64, 5, 256), (3, 64, 9, 192),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dense_delta_of_a_stack_equals_the_reference_exactly(bits, group_size, n, k, dtype, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from hf_deltazip.kernels import dequantize_delta, prepare_stack, random_delta_stack
+    from hf_deltazip.kernels.dequant import dequantize_stack_delta
+
+    stack = prepare_stack(random_delta_stack(3, n, k, bits=bits, group_size=group_size, device="cpu"))
+    assert (stack.layout_block > 0) == (bits != 3)  # 3-bit keeps the file layout: the PyTorch path
+    for i in range(3):
+        want = dequantize_delta(stack, i, dtype)
+        assert torch.equal(dequantize_stack_delta(stack, i, dtype), want)
+        out = torch.empty(n, k, dtype=dtype)
+        assert dequantize_stack_delta(stack, i, dtype, out=out) is out and torch.equal(out, want)
+    with pytest.raises(IndexError):
+        dequantize_stack_delta(stack, 3, dtype)
+    with pytest.raises(ValueError, match="out must be"):
+        dequantize_stack_delta(stack, 0, dtype, out=torch.empty(n, k + 1, dtype=dtype))
+
+
+def test_dense_delta_of_a_2of4_stack_keeps_pruned_entries_zero(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from hf_deltazip.kernels import dequantize_delta, random_delta_stack
+    from hf_deltazip.kernels.dequant import dequantize_stack_delta
+
+    stack = random_delta_stack(2, 8, 256, bits=4, group_size=64, sparse_2of4=True, device="cpu")
+    got = dequantize_stack_delta(stack, 1, torch.float32)
+    assert torch.equal(got, dequantize_delta(stack, 1, torch.float32))
+    assert int((got.view(8, 64, 4) != 0).sum(-1).max()) <= 2
+
+
+@pytest.fixture(scope="module")
+def planar_pair(tmp_path_factory):
+    """A base whose layers have a planar layout (inputs a multiple of 256) and two deltas, 4- and 2-bit."""
+    base = tiny_model("llama", vocab_size=VOCAB, seed=0, hidden_size=256, num_layers=1)
+    root = tmp_path_factory.mktemp("prefill")
+    out = {}
+    for name, seed, bits in (("four", 1, 4), ("two", 2, 2)):
+        ft = copy.deepcopy(base)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in ft.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+        ids = torch.randint(0, VOCAB, (4, 16), generator=gen)
+        delta = compress(base, ft, DeltaZipConfig(bits=bits, group_size=128, n_samples=4, seq_len=16),
+                         calibration=ids, progress=False)
+        delta.save_pretrained(root / name)
+        out[name] = root / name
+    return base, out
+
+
+def _model(base, paths, **kw):
+    m = DeltaModel(copy.deepcopy(base), **kw)
+    for name, path in paths.items():
+        m.load_delta(path, delta_name=name)
+    return m
+
+
+def _spies(monkeypatch):
+    from hf_deltazip.kernels import dequant, multi_delta
+
+    calls = {"dequant": 0, "fused": 0}
+    real_d, real_f = dequant.dequantize_stack_delta, multi_delta.multi_delta_linear
+
+    def d(*a, **k):
+        calls["dequant"] += 1
+        return real_d(*a, **k)
+
+    def f(*a, **k):
+        calls["fused"] += 1
+        return real_f(*a, **k)
+
+    monkeypatch.setattr(dequant, "dequantize_stack_delta", d)
+    monkeypatch.setattr(multi_delta, "multi_delta_linear", f)
+    return calls
+
+
+def test_dequant_route_matches_the_fused_kernel_and_the_reference(planar_pair, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    base, paths = planar_pair
+    calls = _spies(monkeypatch)
+    ref = _model(base, paths, use_kernels="never")
+    ker = _model(base, paths, use_kernels="always")
+    ids = torch.randint(0, VOCAB, (3, 8), generator=torch.Generator().manual_seed(5))
+    rows = ["two", None, "four"]
+    with torch.no_grad():
+        want = ref(input_ids=ids, delta_names=rows).logits
+        fused = ker(input_ids=ids, delta_names=rows).logits
+        assert calls["fused"] and not calls["dequant"]  # the default route
+        calls["fused"] = 0
+        ker.configure_kernels(prefill="dequant", dequant_min_rows=8)  # 8 tokens per delta: dequant
+        got = ker(input_ids=ids, delta_names=rows).logits
+        assert calls["dequant"] == 2 * 8 and not calls["fused"]  # each delta once per linear layer (7 + LM head)
+        calls["dequant"] = 0
+        ker.configure_kernels(dequant_min_rows=9)  # fewer rows than that: back to the fused kernel
+        again = ker(input_ids=ids, delta_names=rows).logits
+        assert calls["fused"] and not calls["dequant"]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, fused, rtol=1e-4, atol=1e-4)
+    assert torch.equal(again, fused)
+
+
+def test_generate_with_dequant_prefill_equals_the_reference(planar_pair, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    base, paths = planar_pair
+    calls = _spies(monkeypatch)
+    ref = _model(base, paths, use_kernels="never")
+    ker = _model(base, paths, use_kernels="always")
+    ker.configure_kernels(prefill="dequant", dequant_min_rows=4)
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(6))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0,
+              delta_names=["four", "two"])
+    want = ref.generate(ids, **kw)
+    got = ker.generate(ids, **kw)
+    assert calls["dequant"] and calls["fused"]  # prefill dequantized, one-token steps fused
+    assert torch.equal(got, want)
+
+
+def test_configure_kernels_refuses_bad_values():
+    m = DeltaModel(tiny_model("llama", vocab_size=VOCAB, seed=0, hidden_size=64, num_layers=1))
+    with pytest.raises(DeltaZipError, match='"fused" or "dequant"'):
+        m.configure_kernels(prefill="cublas")
+    with pytest.raises(DeltaZipError, match="positive int"):
+        m.configure_kernels(dequant_min_rows=0)
+    m.configure_kernels(prefill="dequant")
+    assert (m.kernel_policy.prefill, m.kernel_policy.dequant_min_rows) == ("dequant", 64)
+    assert copy.deepcopy(m.kernel_policy).prefill == "dequant"

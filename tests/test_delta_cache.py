@@ -166,10 +166,23 @@ def test_prefetch_uploads_into_free_room_ahead_of_use(folders, reference, device
 
 
 @pytest.mark.parametrize("piece_bytes", [1, 1 << 30])  # one module per piece; the whole delta in one piece
-def test_pipelined_cold_load_equals_a_whole_file_load_and_a_warm_delta(folders, reference, piece_bytes):
+def test_pipelined_cold_load_equals_a_whole_file_load_and_a_warm_delta(folders, reference, piece_bytes, monkeypatch):
     """A delta only on disk, read a piece at a time while earlier pieces are placed, answers exactly as
     the same delta read whole, and as one loaded up front."""
+    import threading
+
+    from hf_deltazip.format import DeltaZipFile
+
+    readers = set()
+    real_get = DeltaZipFile.get_tensor
+
+    def get_tensor(self, name, **kw):
+        readers.add(threading.current_thread().name.split("_")[0])
+        return real_get(self, name, **kw)
+
+    monkeypatch.setattr(DeltaZipFile, "get_tensor", get_tensor)
     piped = DeltaModel(copy.deepcopy(base_model("llama")))
+    piped.cache.pipeline_loads = True  # not the default (whole-file loads were faster on the H200)
     piped.cache.pipeline_piece_bytes = piece_bytes
     whole = DeltaModel(copy.deepcopy(base_model("llama")))
     whole.cache.pipeline_loads = False
@@ -178,6 +191,7 @@ def test_pipelined_cold_load_equals_a_whole_file_load_and_a_warm_delta(folders, 
             model.load_delta(folder, delta_name=name, resident=False)
     rows = ["d1", "d3"]
     out = logits(piped, rows)
+    assert "deltazip-load" in readers  # the pipelined reader's pool read it
     assert sorted(piped.resident_deltas) == ["d1", "d3"]
     assert torch.equal(out, logits(whole, rows))
     assert torch.equal(out, logits(reference, rows))
@@ -191,6 +205,7 @@ def test_pipelined_load_of_a_delta_for_another_base_places_nothing(folders, tmp_
 
     small = base_model("llama")
     model = DeltaModel(copy.deepcopy(small))
+    model.cache.pipeline_loads = True
     model.cache.pipeline_piece_bytes = 1
     model.load_delta(folders["d1"], delta_name="d1", resident=False)
     # the base loses its last decoder layer's MLP after registration: later pieces no longer fit it

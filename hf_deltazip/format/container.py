@@ -476,11 +476,14 @@ class DeltaZipFile:
             done += n
         return buf
 
+    def in_file_order(self, names: Optional[Iterable[str]] = None) -> list:
+        """Tensor names (all, or ``names``) sorted by where their bytes start in the file."""
+        return sorted(self.tensors if names is None else names, key=lambda n: self._spans[n][0])
+
     def read_tensors(self, names: Optional[Iterable[str]] = None, num_threads: Optional[int] = None,
                      pin_memory: bool = False) -> dict:
         """Read and decode several tensors in parallel threads (reads, zstd and CRC release the GIL)."""
-        names = list(self.tensors if names is None else names)
-        names.sort(key=lambda n: self._spans[n][0])  # file order: sequential reads per thread
+        names = self.in_file_order(names)  # sequential reads per thread
         workers = num_threads or min(16, os.cpu_count() or 1)
         with ThreadPoolExecutor(max_workers=workers) as pool:
             got = pool.map(lambda n: self.get_tensor(n, pin_memory=pin_memory), names)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -399,9 +400,10 @@ class DeltaCache:
         return modules, params
 
     def _load_pipelined(self, e: CacheEntry, needed) -> tuple:
-        """Read a delta from its file a piece at a time and place each piece while the next one is read
-        and decoded on a side thread (the read, the CRC check and zstd release the GIL), so the file's
-        read overlaps the uploads instead of preceding them. Returns ``(modules, params, nbytes, slot)``.
+        """Read a delta from its file and place it a piece at a time while the rest is still being read:
+        every tensor is queued at once on one pool of reader threads, in file order (the read, the CRC
+        check and zstd release the GIL), and each piece is placed as soon as its tensors are in, so the
+        file's read overlaps the uploads instead of preceding them. Returns ``(modules, params, nbytes, slot)``.
 
         Pieces are about :attr:`pipeline_piece_bytes` of decoded tensors, modules in file order (a
         decoder layer or so each), the exactly stored parameters last. Each piece is checked against
@@ -424,30 +426,30 @@ class DeltaCache:
             self._make_room(needed=needed, incoming=total)
             slot = self._free_slot()
 
-            def read(names):
-                if names is None:
-                    tensors = dz.read_tensors(list(dz.params.values()), num_threads=e.num_threads, pin_memory=pin)
-                    return {}, {p: tensors[t] for p, t in dz.params.items()}
-                wanted = [t for m in names for t in dz.modules[m].tensors.values()]
-                tensors = dz.read_tensors(wanted, num_threads=e.num_threads, pin_memory=pin)
-                return {m: PackedModule.from_record(dz.modules[m], {role: tensors[t] for role, t in dz.modules[m].tensors.items()})
-                        for m in names}, {}
-
+            # every tensor of the file is queued at once on one pool, in file order (the disk stays busy and
+            # every thread has work), and each piece is placed as soon as its own tensors are in
+            order = dz.in_file_order()
+            workers = e.num_threads or min(16, os.cpu_count() or 1)
             modules, params = {}, {}
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltazip-load") as reader:
-                ahead = reader.submit(read, pieces[0])
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deltazip-load") as pool:
+                futures = {t: pool.submit(dz.get_tensor, t, pin_memory=pin) for t in order}
                 try:
-                    for i in range(len(pieces)):
-                        got_modules, got_params = ahead.result()
-                        if i + 1 < len(pieces):
-                            ahead = reader.submit(read, pieces[i + 1])
+                    for names in pieces:
+                        if names is None:
+                            got_modules, got_params = {}, {p: futures[t].result() for p, t in dz.params.items()}
+                        else:
+                            got_modules = {m: PackedModule.from_record(dz.modules[m], {role: futures[t].result()
+                                                                                    for role, t in dz.modules[m].tensors.items()})
+                                           for m in names}
+                            got_params = {}
                         modules.update(got_modules)
                         params.update(got_params)
                         if not e.validated:  # the parameters' check needs every module (vocabulary rows)
                             self.placer.validate(got_modules if got_modules else modules, got_params, e.header, folder)
                         self.placer.attach(slot, got_modules, got_params, e.header, name=e.name)
                 except BaseException:
-                    ahead.cancel()
+                    for f in futures.values():
+                        f.cancel()
                     self.placer.detach(slot)
                     raise
         e.validated = True

@@ -95,12 +95,16 @@ def _spies(monkeypatch):
     return calls
 
 
-def test_dequant_route_matches_the_fused_kernel_and_the_reference(planar_pair, monkeypatch):
+def _reference_and_kernel_models(planar_pair, monkeypatch):
+    """(kernel call counts, a reference-route model, a kernel-route model), both with the two deltas."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     base, paths = planar_pair
     calls = _spies(monkeypatch)
-    ref = _model(base, paths, use_kernels="never")
-    ker = _model(base, paths, use_kernels="always")
+    return calls, _model(base, paths, use_kernels="never"), _model(base, paths, use_kernels="always")
+
+
+def test_dequant_route_matches_the_fused_kernel_and_the_reference(planar_pair, monkeypatch):
+    calls, ref, ker = _reference_and_kernel_models(planar_pair, monkeypatch)
     ids = torch.randint(0, VOCAB, (3, 8), generator=torch.Generator().manual_seed(5))
     rows = ["two", None, "four"]
     with torch.no_grad():
@@ -121,11 +125,7 @@ def test_dequant_route_matches_the_fused_kernel_and_the_reference(planar_pair, m
 
 
 def test_generate_with_dequant_prefill_equals_the_reference(planar_pair, monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    base, paths = planar_pair
-    calls = _spies(monkeypatch)
-    ref = _model(base, paths, use_kernels="never")
-    ker = _model(base, paths, use_kernels="always")
+    calls, ref, ker = _reference_and_kernel_models(planar_pair, monkeypatch)
     ker.configure_kernels(prefill="dequant", dequant_min_rows=4)
     ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(6))
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0,

@@ -251,7 +251,7 @@ def run(args) -> dict:
             groups = [[p] for p in held[:args.b1_prompts]] if batch == 1 else \
                 [held[i:i + batch] for i in range(0, len(held), batch)]
             g_time = j_time = 0.0
-            accepted = forwards = new_tokens = 0
+            accepted = forwards = new_tokens = steps = wide_steps = 0
             for gi, group in enumerate(groups):
                 ids, mask = _left_pad(group, pad, device)
                 names_b = [name] * len(group)
@@ -264,13 +264,16 @@ def run(args) -> dict:
                 g_time, j_time = g_time + tg, j_time + tj
                 accepted += sum(jac.stats.new_tokens)
                 forwards += sum(f + 1 for f in jac.stats.row_forwards)
+                steps, wide_steps = steps + jac.stats.forwards, wide_steps + jac.stats.jacobi_forwards
                 checked += len(group)
                 d, ti = _ties(dm, name, ids, mask, greedy, jac.sequences, args.new_tokens, gen_kw, details)
                 new_tokens += int((greedy[:, ids.shape[1]:] != pad).sum())
                 differ, ties = differ + d, ties + ti
+            # decode steps after the prompt's forward, and how many of them were wide (the fallback gate decides)
             rows.append(dict(delta=name, batch=batch, greedy_new_tokens=new_tokens, tokens_per_forward=accepted / max(forwards, 1),
-                             greedy_s=g_time, jacobi_s=j_time, speedup=g_time / j_time))
-            print(f"  {name}, batch {batch}: {rows[-1]['tokens_per_forward']:.2f} tokens/forward, greedy {g_time:.3f} s, "
+                             greedy_s=g_time, jacobi_s=j_time, speedup=g_time / j_time, steps=steps, wide_steps=wide_steps))
+            print(f"  {name}, batch {batch}: {rows[-1]['tokens_per_forward']:.2f} tokens/forward, "
+                  f"{wide_steps} of {steps} steps wide, greedy {g_time:.3f} s, "
                   f"Jacobi {j_time:.3f} s ({rows[-1]['speedup']:.2f}x); {differ} of {checked} outputs differ so far", flush=True)
     result["rows"] = rows
     result["outputs_checked"], result["outputs_differ"], result["differ_within_rounding"] = checked, differ, ties
@@ -312,8 +315,8 @@ def task_scores(pair_dir, base_dir, tokenizer, dm, models: dict, delta_names: li
 def to_table(result: dict) -> str:
     lines = [f"correctness: {result['outputs_checked'] - result['outputs_differ']}/{result['outputs_checked']} outputs equal "
              f"to greedy ({result['outputs_differ']} differ, {result['differ_within_rounding']} of them within rounding)",
-             "", "| delta | batch | greedy tokens | tokens/forward | greedy s | jacobi s | speed-up | gain kept |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "", "| delta | batch | greedy tokens | tokens/forward | wide steps | greedy s | jacobi s | speed-up | gain kept |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     other = [d for d in result.get("differences", []) if not d["within_rounding"]]
     if other:
         lines.insert(1, "differences beyond rounding: first differing token at new token "
@@ -321,7 +324,8 @@ def to_table(result: dict) -> str:
                                     if d.get("kind", "token") == "token" else f"{d['new_token']} (one output ended there)"
                                     for d in other))
     for r in result["rows"]:
-        lines.append(f"| {r['delta']} | {r['batch']} | {r.get('greedy_new_tokens', '')} | {r['tokens_per_forward']:.2f} | {r['greedy_s']:.3f} | "
+        wide = f"{r['wide_steps']}/{r['steps']}" if "steps" in r else ""
+        lines.append(f"| {r['delta']} | {r['batch']} | {r.get('greedy_new_tokens', '')} | {r['tokens_per_forward']:.2f} | {wide} | {r['greedy_s']:.3f} | "
                      f"{r['jacobi_s']:.3f} | {r['speedup']:.2f}x | {100 * result['gain_kept'][r['delta']]:.1f} % |")
     lines.append(f"\ngain kept by the uncompressed consistency model: {100 * result['gain_kept']['cllm (16-bit)']:.1f} %")
     if "task" in result:

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from hf_deltazip.bench import compress_speed, decode, kernels, pairs, quality
+from hf_deltazip.bench import budget, compress_speed, decode, kernels, pairs, quality
 from hf_deltazip.compression import baselines as bl
 from hf_deltazip.compression import lowrank
 from hf_deltazip.compression.solver import storage_nbytes
@@ -179,6 +179,43 @@ def test_decode_peft_baseline_runs_mixed_adapters_and_gives_the_base_back():
     assert all(torch.equal(p, before[n]) for n, p in back.named_parameters())
     got = back.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(got, want)
+
+
+def test_budget_synthetic_finetune_changes_what_it_says():
+    from hf_deltazip.bench.pairs import tiny_model
+
+    base = tiny_model("llama", vocab_size=200, seed=0, hidden_size=64, num_layers=1)
+    before = {n: p.clone() for n, p in base.named_parameters()}
+    ft = budget.synthetic_finetune(base, embed_rows=0.05)
+    assert all(torch.equal(p, before[n]) for n, p in base.named_parameters())  # the base is left alone
+    emb_name = next(n for n, p in base.named_parameters() if p is base.get_input_embeddings().weight)
+    for (name, pb), pf in zip(base.named_parameters(), ft.parameters()):
+        changed = (pf != pb).any(-1) if pb.ndim == 2 else (pf != pb)
+        if name == emb_name:
+            assert int(changed.sum()) == 10  # 5 % of 200 rows, the others exactly the base's
+        else:
+            assert bool(changed.all()), name
+        if pb.ndim == 2 and name != emb_name:
+            rel = float((pf - pb).std() / pb.std())
+            assert 0.005 < rel < 0.05, name
+
+
+def test_budget_lands_on_the_target_and_counts_every_byte_of_the_folder(tmp_path):
+    from hf_deltazip.bench.pairs import tiny_model
+    from hf_deltazip.compression import BudgetMeasurements
+
+    base = tiny_model("llama", vocab_size=96, seed=0, hidden_size=128, num_layers=2)
+    ft = budget.synthetic_finetune(base)
+    ids = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(0))
+    shared = BudgetMeasurements()
+    rows = [budget.land(base, ft, r, ids, tmp_path, measurements=shared, **quality.BUDGET_CANDIDATES) for r in (4.0, 8.0)]
+    assert len(shared) > 0
+    fp16 = 2 * sum(p.numel() for p in ft.parameters())
+    for row in rows:
+        folder = tmp_path / f"target-{row['target']:g}x"
+        assert row["folder_bytes"] == sum(f.stat().st_size for f in folder.iterdir())
+        assert row["reached"] == pytest.approx(fp16 / row["folder_bytes"])
+        assert row["within_5_percent"] and abs(row["off"]) <= 0.05
 
 
 def test_compress_speed_estimate_uses_the_mean_of_every_layer():

@@ -111,9 +111,9 @@ def main(argv=None) -> int:
                   f"{x['attempts']} attempt(s), {x['seconds']:.0f} s", flush=True)
     result = {"base": args.base, "device": args.device, "torch": torch.__version__, "threads": torch.get_num_threads(),
               "cpu_count": os.cpu_count(), "candidates": BUDGET_CANDIDATES, "rows": rows}
-    print(json.dumps(result, indent=2))
-    if args.json:
+    if args.json:  # the rows were printed as they came
         Path(args.json).write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json}")
     return 0
 
 

@@ -171,3 +171,24 @@ def test_compiled_dequant_kernel_and_route_on_the_gpu(planar_pair, monkeypatch):
         model.configure_kernels(prefill="dequant", dequant_min_rows=64)
         got = model(input_ids=ids, delta_names=rows).logits.float()
     assert float((got - fused).norm() / fused.norm()) < 1e-2
+
+
+def test_dequant_route_on_a_transposed_layer_with_bias_changes(tmp_path, monkeypatch):
+    """GPT-2's Conv1D layers (weights stored [in, out]) whose fine-tune also changed the biases: the dequant
+    route reads the base transposed and adds each row's bias change, as the reference does."""
+    from model_factory import base_model, calibration_ids, finetune
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = DeltaZipConfig(bits=4, group_size=32, n_samples=4, seq_len=16)
+    compress(base_model("gpt2"), finetune("gpt2", 1), cfg, calibration=calibration_ids(n=4, length=16),
+             progress=False).save_pretrained(tmp_path / "d")
+    calls = _spies(monkeypatch)
+    ref = _model(base_model("gpt2"), {"d": tmp_path / "d"}, use_kernels="never")
+    ker = _model(base_model("gpt2"), {"d": tmp_path / "d"}, use_kernels="always")
+    ker.configure_kernels(prefill="dequant", dequant_min_rows=4)
+    ids = calibration_ids(n=2, length=6, seed=3)
+    with torch.no_grad():
+        want = ref(input_ids=ids, delta_names=["d", None]).logits
+        got = ker(input_ids=ids, delta_names=["d", None]).logits
+    assert calls["dequant"] and not calls["fused"]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -18,8 +18,8 @@ greedy decoding sees. A batch therefore advances at about the pace of its slowes
 
 **Falling back to greedy.** A Jacobi step is one forward over ``n`` tokens per row. On a GPU that costs
 about what a one-token step costs while the model is memory-bound, but not on a CPU, at large batch, or
-where one-token steps replay a CUDA graph and wide ones do not. :class:`JacobiGate` decides: it keeps
-the mean wall time of each kind of step and, after every two Jacobi steps, compares their mean tokens
+where one-token steps replay a CUDA graph and wide ones do not. :class:`JacobiGate` decides: it times
+each kind of step and, after every two Jacobi steps, compares their mean tokens
 per forward (over unfinished rows) with ``max(min_accept, wide step time / one-token step time)``.
 Below it, the decoder runs plain greedy steps (one token per row, or the re-fed tokens) for ``backoff``
 steps, then probes with one Jacobi step, judged with the one before it; each failed probe doubles
@@ -35,6 +35,7 @@ from __future__ import annotations
 import inspect
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
@@ -73,8 +74,9 @@ class JacobiGate:
         self.probe_budget = probe_budget
         self.backoff = self.FIRST_BACKOFF
         self.wait = 0  # one-token steps left before the next probe
-        self.recent: list = []  # tokens per forward of the last Jacobi steps
-        self.times = {True: [], False: []}  # the last step times of each kind: wide, one-token
+        self.recent: deque = deque(maxlen=self.WINDOW)  # tokens per forward of the last Jacobi steps
+        # the last step times of each kind: wide, one-token
+        self.times = {True: deque(maxlen=self.SAMPLES), False: deque(maxlen=self.SAMPLES)}
 
     def cost(self, wide: bool) -> Optional[float]:
         """Median time of the last steps of one kind (``None`` until there are enough of them)."""
@@ -99,11 +101,11 @@ class JacobiGate:
 
     def record(self, wide: bool, seconds: float, accepted: Optional[float] = None) -> None:
         """Account for one finished step: its kind, wall time and (Jacobi) mean accepted tokens per row."""
-        self.times[wide] = (self.times[wide] + [seconds])[-self.SAMPLES:]
+        self.times[wide].append(seconds)
         if not wide or accepted is None or self.min_accept is None:
             return
         # kept across fallbacks: a probe is one Jacobi step, judged together with the one before it
-        self.recent = (self.recent + [accepted])[-self.WINDOW:]
+        self.recent.append(accepted)
         if len(self.recent) < self.WINDOW:
             return
         if sum(self.recent) / self.WINDOW < self.threshold():

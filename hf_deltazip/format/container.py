@@ -219,6 +219,11 @@ def write_dz(
 
 
 # --------------------------------------------------------------------------- reader
+def reader_threads(num_threads: Optional[int] = None) -> int:
+    """Threads that read and decode a file's tensors: ``num_threads``, or up to 16 (one per core)."""
+    return num_threads or min(16, os.cpu_count() or 1)
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -484,7 +489,7 @@ class DeltaZipFile:
                      pin_memory: bool = False) -> dict:
         """Read and decode several tensors in parallel threads (reads, zstd and CRC release the GIL)."""
         names = self.in_file_order(names)  # sequential reads per thread
-        workers = num_threads or min(16, os.cpu_count() or 1)
+        workers = reader_threads(num_threads)
         with ThreadPoolExecutor(max_workers=workers) as pool:
             got = pool.map(lambda n: self.get_tensor(n, pin_memory=pin_memory), names)
             return dict(zip(names, got))

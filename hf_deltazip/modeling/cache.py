@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ import torch
 from ..delta import PackedModule, read_packed
 from ..errors import DeltaNotFoundError, DeltaZipError
 from ..format import DZ_FILENAME, DeltaHeader, DeltaZipFile
+from ..format.container import reader_threads
 from .layers import map_packed
 from .placement import DeltaPlacer, delta_nbytes
 
@@ -429,9 +429,8 @@ class DeltaCache:
             # every tensor of the file is queued at once on one pool, in file order (the disk stays busy and
             # every thread has work), and each piece is placed as soon as its own tensors are in
             order = dz.in_file_order()
-            workers = e.num_threads or min(16, os.cpu_count() or 1)
             modules, params = {}, {}
-            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deltazip-load") as pool:
+            with ThreadPoolExecutor(max_workers=reader_threads(e.num_threads), thread_name_prefix="deltazip-load") as pool:
                 futures = {t: pool.submit(dz.get_tensor, t, pin_memory=pin) for t in order}
                 try:
                     for names in pieces:

@@ -447,43 +447,38 @@ class DeltaLinear(DeltaModule):
         # rows per distinct delta (the base counted as one), known on the host outside captured steps:
         # a prefill's many rows share few deltas, and the kernel then takes larger row blocks (fewer
         # passes over the weights)
-        share = None if slots is None else -(-x2.shape[0] // len(set(slots)))
-        if slots is not None and self._width == self.out_features and x2.shape[0] % batch == 0:
-            per_delta = _rows_per_held_delta(slots, stacks.slots, x2.shape[0] // batch)
-            if per_delta and self.policy.wants_dequant(per_delta):
-                return self._forward_dequant(x2, batch, slots, stacks, slot_tok).reshape(*lead, self.out_features)
-        if self._through:  # the base by its own module, the deltas by the kernel over an all-zero base
+        groups = None if slots is None else _groups(slots)
+        share = None if groups is None else -(-x2.shape[0] // len(groups))
+        held, per_row = {}, x2.shape[0] // batch
+        if groups is not None and self.policy.prefill == "dequant" and self._width == self.out_features:
+            in_stacks = stacks.slots
+            held = {s: rows for s, rows in groups.items() if s in in_stacks}  # batch rows of each delta here
+        if held and self.policy.wants_dequant(per_row * min(len(r) for r in held.values())):
+            y = self._forward_dequant(x2, per_row, held, stacks)
+        elif self._through:  # the base by its own module, the deltas by the kernel over an all-zero base
             y = self.base_layer(x2)
             y = y + stacks.apply(x2, self._zero_base(x2), None, slot_tok, segments, share).to(y.dtype)
         else:
-            w = self.base_weight_nk()
-            if self.transposed:
-                w = self._contiguous_weight(w)
-            y = stacks.apply(x2, w, self.base_layer.bias, slot_tok, segments, share)
+            y = stacks.apply(x2, self._kernel_weight(), self.base_layer.bias, slot_tok, segments, share)
         if self._bias_delta is not None:
             y = (y.float() + self._bias_delta[slot_tok]).to(y.dtype)
         return y.reshape(*lead, y.shape[-1])
 
-    def _forward_dequant(self, x2, batch: int, slots: list, stacks, slot_tok) -> torch.Tensor:
+    def _kernel_weight(self) -> torch.Tensor:
+        """The base weight as ``[N, K]`` rows the kernels and the dense route read."""
+        w = self.base_weight_nk()
+        return self._contiguous_weight(w) if self.transposed else w
+
+    def _forward_dequant(self, x2, per_row: int, held: dict, stacks) -> torch.Tensor:
         """The dequant route (``DeltaModel.configure_kernels(prefill="dequant")``): the base for all rows in
-        one dense matmul, then per delta ``x_rows @ dequant(delta)^T`` added to its rows."""
-        if self._through:
-            y = self.base_layer(x2)
-        else:
-            w = self.base_weight_nk()
-            if self.transposed:
-                w = self._contiguous_weight(w)
-            y = F.linear(x2, w, self.base_layer.bias)
-        per_row = x2.shape[0] // batch
-        held = stacks.slots
-        for slot, rows in _groups(slots).items():
-            if slot not in held:
-                continue
+        one dense matmul, then per delta ``x_rows @ dequant(delta)^T`` added to its rows (bias changes are
+        the caller's). ``held``: slot -> batch rows, for the slots the stacks hold; ``per_row``: rows of
+        ``x2`` per batch row."""
+        y = self.base_layer(x2) if self._through else F.linear(x2, self._kernel_weight(), self.base_layer.bias)
+        for slot, rows in held.items():
             idx = (torch.tensor(rows)[:, None] * per_row + torch.arange(per_row)).reshape(-1).to(x2.device)
             d = stacks.dense_delta(slot, x2.dtype)
             y.index_add_(0, idx, F.linear(x2.index_select(0, idx), d).to(y.dtype))
-        if self._bias_delta is not None:
-            y = (y.float() + self._bias_delta[slot_tok]).to(y.dtype)
         return y
 
     def _zero_base(self, x2: torch.Tensor) -> torch.Tensor:
@@ -755,16 +750,6 @@ class DeltaEmbedding(DeltaModule):
         delta_rows = _dequantize_rows(p, uniq).to(w.device)
         rows = (base_rows + delta_rows).to(w.dtype)
         return rows[inverse]
-
-
-def _rows_per_held_delta(slots: list, held: set, per_row: int) -> int:
-    """The fewest rows (tokens) any delta held in ``held`` has in a batch whose row ``i`` uses ``slots[i]``
-    (0 when the batch uses none of them)."""
-    counts = {}
-    for s in slots:
-        if s in held:
-            counts[s] = counts.get(s, 0) + per_row
-    return min(counts.values()) if counts else 0
 
 
 def _dequantize_rows(p: PackedModule, rows: torch.Tensor) -> torch.Tensor:

@@ -101,6 +101,20 @@ def test_lazy_and_parallel_reads_agree(saved):
         assert any(r.encoding == "zstd" for r in dz.tensors.values())
 
 
+def test_file_order_follows_the_safetensors_offsets(saved):
+    """``in_file_order`` sorts tensor names by where the safetensors header says their bytes start."""
+    folder, _ = saved
+    raw = (folder / DZ_FILENAME).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    starts = {k: v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+    with DeltaZipFile(folder / DZ_FILENAME) as dz:
+        order = dz.in_file_order()
+        assert sorted(order) == sorted(dz.tensors) and [starts[t] for t in order] == sorted(starts[t] for t in order)
+        some = list(reversed(order))[:3]
+        assert dz.in_file_order(some) == sorted(some, key=starts.get)
+
+
 def test_atomic_write_keeps_the_old_file_when_interrupted(tmp_path):
     path = tmp_path / "x.dz"
     atomic_write_bytes(path, b"good")

@@ -2,20 +2,35 @@
 
 Both kernels read weights in the *input-major* layout, one contiguous row of outputs per input
 ``k``: the base weight as ``W^T [K, N]`` and a delta as its codes ``[K, ceil(N*b/8)]`` packed along
-the outputs with group scales and zero points ``[G, N]``. An input whose activation is zero for
-every row a program handles then costs no weight bytes at all: the program loads the rows' inputs
-of a k-block first, and the weight tile's load is masked by "some row keeps this input", so masked
-lines are never requested from memory (a row-major ``[N, K]`` weight would need one 32-byte sector
-per kept element instead). The k-loops have no branches, so Triton can pipeline their loads; a
-k-block whose inputs are all dropped still runs its (tiny, decode-sized) MMA on zeros.
+the outputs with group scales and zero points ``[G, N]``.
 
-``sparse_base_kernel``: program ``(n-tile, row-block, k-split)``; rows ``[r*BM, r*BM + BM)`` of ``x``.
-``sparse_delta_kernel``: program ``(n-tile, segment, k-split)``; the rows of one segment of the
-step's row-segment table (:func:`kernels.layout.build_row_segments`: rows sorted by delta), added
-into ``out`` (each output row belongs to exactly one segment, so no two programs write one element).
-With ``SPLIT`` > 1 each k-split writes its own slice of an fp32 workspace (``stride_os`` apart) and
-the launcher sums the slices: at batch 1 a layer has too few n-tiles to fill the GPU otherwise.
-K_CHUNK is a multiple of BK.
+**One tile per program, split over K, finished by the last program.** Program ``(n-tile, k-tile,
+r)`` reads one ``[BK, BN]`` weight tile: it loads its rows' inputs of the k-tile first and masks the
+tile's load by "some row keeps this input", so the lines of dropped inputs are never requested from
+memory. A tile whose inputs are all dropped loads nothing. There is no loop over K: a decode-sized
+launch then has thousands of independent tiles in flight (what hides memory latency when the
+addresses of a load depend on the load before it), and the bytes read follow the kept inputs.
+
+The tiles' partial sums go into a float32 workspace ``[M, N]`` with atomic adds. Each program then
+counts itself in on a per-(n-tile, r) counter; the program that brings the count to the number of
+k-tiles reads the sums back with atomic exchanges on the workspace's int32 view (which also zero
+them), adds the bias or the
+output already there, stores the output in its dtype and resets the counter. One launch per layer:
+no memset and no reduction kernel, and the workspace and counters are left zero for the next call
+(the launcher keeps them per shape). Launches that share a workspace must run one after another
+(one stream).
+
+``sparse_base_kernel``: ``r`` is a block of ``BM`` rows of ``x``.
+``sparse_delta_kernel``: ``r`` is a segment of the step's row-segment table
+(:func:`kernels.layout.build_row_segments`: rows sorted by delta); its rows are added into ``out``.
+
+``GEMV`` (``BM == 1``): the tile's product is a broadcast multiply and a sum over the k-tile, no MMA;
+in the delta kernel each row of a segment then reads the tile itself (a segment of one row is what a
+mixed batch of distinct deltas has). Otherwise ``tl.dot`` on ``BM >= 16`` rows.
+
+``BLOCK_GROUP`` (delta kernel): the k-tile lies in one quantization group, so the tile reads one scale
+row and one zero row and computes ``s * (x.codes - z * sum(x))``; otherwise every element is
+dequantized with its own group's scale.
 
 ``THRESH``: inputs with ``|x| <= thr`` count as zero (the thresholding fused into the kernel);
 without it only exact zeros are skipped.
@@ -33,29 +48,61 @@ def _maximum(a, b):
 
 
 @triton.jit
+def _minimum(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
 def _any(flags, axis: tl.constexpr):
     # any(flags) along ``axis`` of an int1 tensor, as int1
     return tl.reduce(flags.to(tl.int32), axis, _maximum) > 0
 
 
 @triton.jit
-def _kept_inputs(x_ptrs, row_ok, cols, K, thr, THRESH: tl.constexpr):
+def _kept_inputs(x_rows, row_ok, cols, kmask, thr, THRESH: tl.constexpr):
     # x tile [BM, BK] with dropped inputs zeroed, and whether any row keeps each input [BK]
-    xt = tl.load(x_ptrs + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
+    xt = tl.load(x_rows[:, None] + cols[None, :], mask=row_ok[:, None] & kmask[None, :], other=0.0)
     if THRESH:
         keep = tl.abs(xt.to(tl.float32)) > thr
         xt = tl.where(keep, xt, 0.0)
     else:
         keep = xt != 0.0
-    col_keep = _any(keep, 0)
-    return xt, col_keep
+    return xt, _any(keep, 0)
 
 
 @triton.jit
-def _store_rows(out_ptr, rows, row_ok, stride_om, offs_n, nmask, acc, ACCUMULATE: tl.constexpr):
-    # acc [BM, BN] into rows ``rows`` of out (added to what is there with ACCUMULATE)
-    o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+def _product(xt, w, GEMV: tl.constexpr, DOT_PREC: tl.constexpr):
+    # [BM, BK] x [BK, BN] -> float32 [BM, BN]
+    if GEMV:
+        return tl.reduce(xt.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], 1, _add)
+    else:
+        return tl.dot(xt, w.to(xt.dtype), input_precision=DOT_PREC)
+
+
+@triton.jit
+def _count_in(cnt_ptr):
+    # count this program in; True for the last one (all threads' workspace adds are issued before)
+    tl.debug_barrier()
+    return tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+
+
+@triton.jit
+def _finish_rows(wsi_ptr, out_ptr, rows, row_ok, N, stride_om, offs_n, nmask, bias_ptr,
+                 HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr):
+    # read the rows' sums back from the workspace (zeroing it) and write them out
     omask = row_ok[:, None] & nmask[None, :]
+    # through the workspace's int32 view (float32 bits): the interpreter exchanges integers only
+    w_ptrs = wsi_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :]
+    bits = tl.atomic_xchg(w_ptrs, tl.where(omask, 0, 0), mask=omask, sem="acq_rel", scope="gpu")
+    acc = tl.where(omask, bits.to(tl.float32, bitcast=True), 0.0)
+    o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     if ACCUMULATE:
         acc += tl.load(o_ptrs, mask=omask, other=0.0).to(tl.float32)
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
@@ -63,81 +110,105 @@ def _store_rows(out_ptr, rows, row_ok, stride_om, offs_n, nmask, acc, ACCUMULATE
 
 @triton.jit(do_not_specialize=["M"])
 def sparse_base_kernel(
-    x_ptr, wt_ptr, bias_ptr, out_ptr, thr,
-    M, N, K, K_CHUNK, stride_xm, stride_wk, stride_om, stride_os,
-    HAS_BIAS: tl.constexpr, THRESH: tl.constexpr,
+    x_ptr, wt_ptr, bias_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, thr,
+    M, N, K, stride_xm, stride_wk, stride_om,
+    HAS_BIAS: tl.constexpr, THRESH: tl.constexpr, GEMV: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BN + tl.arange(0, BN)
     nmask = offs_n < N
-    rows = tl.program_id(1) * BM + tl.arange(0, BM)
+    rows = pid_m * BM + tl.arange(0, BM)
     row_ok = rows < M
-    k_begin = tl.program_id(2) * K_CHUNK  # this program's share of K (split-K: partial sums per split)
-    k_end = tl.minimum(k_begin + K_CHUNK, K)
-    out_ptr += tl.program_id(2).to(tl.int64) * stride_os
-    acc = tl.full([BM, BN], 0.0, tl.float32)
-    for k0 in range(k_begin, k_end, BK):
-        cols = k0 + tl.arange(0, BK)
-        xt, col_keep = _kept_inputs(x_ptr + rows.to(tl.int64)[:, None] * stride_xm, row_ok, cols, k_end, thr, THRESH)
+    cols = pid_k * BK + tl.arange(0, BK)
+    kmask = cols < K
+    xt, col_keep = _kept_inputs(x_ptr + rows.to(tl.int64) * stride_xm, row_ok, cols, kmask, thr, THRESH)
+    if _any(col_keep, 0):
         # only the weight rows of inputs some row keeps are read (masked lines are never requested)
         wt = tl.load(wt_ptr + cols.to(tl.int64)[:, None] * stride_wk + offs_n[None, :],
-                     mask=col_keep[:, None] & nmask[None, :], other=0.0)
-        acc = tl.dot(xt, wt, acc, input_precision=DOT_PREC)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    _store_rows(out_ptr, rows, row_ok, stride_om, offs_n, nmask, acc, False)
+                     mask=col_keep[:, None] & nmask[None, :], other=0.0, eviction_policy="evict_first")
+        part = _product(xt, wt, GEMV, DOT_PREC)
+        tl.atomic_add(ws_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :], part,
+                      mask=row_ok[:, None] & nmask[None, :], sem="relaxed", scope="gpu")
+    counter = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
+    if _count_in(counter) == tl.num_programs(1) - 1:  # the last k-tile of this (n-tile, row block)
+        _finish_rows(wsi_ptr, out_ptr, rows, row_ok, N, stride_om, offs_n, nmask, bias_ptr, HAS_BIAS, False)
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _delta_tile(x_ptr, stride_xm, rows, row_ok, cols, kmask, thr, q_base, s_base, z_base, RB, N, GS,
+                k0, offs_n, nmask, byte_col, shift, ws_ptr,
+                BITS: tl.constexpr, CMASK: tl.constexpr, THRESH: tl.constexpr, BLOCK_GROUP: tl.constexpr,
+                GEMV: tl.constexpr, DOT_PREC: tl.constexpr):
+    # the rows' products with one [BK, BN] tile of the delta, added into the workspace
+    xt, col_keep = _kept_inputs(x_ptr + rows.to(tl.int64) * stride_xm, row_ok, cols, kmask, thr, THRESH)
+    if _any(col_keep, 0):
+        wmask = col_keep[:, None] & nmask[None, :]
+        qb = tl.load(q_base + cols.to(tl.int64)[:, None] * RB + byte_col[None, :], mask=wmask, other=0,
+                     eviction_policy="evict_first")
+        code = (qb.to(tl.int32) >> shift[None, :]) & CMASK
+        if BLOCK_GROUP:  # the whole k-tile inside one quantization group: one scale row, one zero row
+            g = k0 // GS
+            zf = tl.load(z_base + g * N + offs_n, mask=nmask, other=0).to(tl.float32)
+            sc = tl.load(s_base + g * N + offs_n, mask=nmask, other=0.0).to(tl.float32)
+            # x . ((c - z) * s) = s * (x . c - z * sum(x)): the codes go into the product as they are
+            xc = _product(xt, code.to(tl.float32), GEMV, DOT_PREC)
+            xs = tl.reduce(xt.to(tl.float32), 1, _add)
+            part = sc[None, :] * (xc - zf[None, :] * xs[:, None])
+        else:
+            gi = (cols // GS).to(tl.int64)[:, None] * N + offs_n[None, :]
+            zf = tl.load(z_base + gi, mask=wmask, other=0).to(tl.float32)
+            sc = tl.load(s_base + gi, mask=wmask, other=0.0).to(tl.float32)
+            part = _product(xt, (code.to(tl.float32) - zf) * sc, GEMV, DOT_PREC)
+        tl.atomic_add(ws_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :], part,
+                      mask=row_ok[:, None] & nmask[None, :], sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["M", "U"])
 def sparse_delta_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, seg_ptr, out_ptr, thr,
-    M, N, K, K_CHUNK, U, RB, G, GS, stride_xm, stride_om, stride_os,
-    BITS: tl.constexpr, THRESH: tl.constexpr, BLOCK_GROUP: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, z_ptr, seg_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, thr,
+    M, N, K, U, RB, G, GS, stride_xm, stride_om,
+    BITS: tl.constexpr, THRESH: tl.constexpr, BLOCK_GROUP: tl.constexpr, GEMV: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     P: tl.constexpr = 8 // BITS  # codes per byte (along the outputs)
     CMASK: tl.constexpr = (1 << BITS) - 1
     pid_n = tl.program_id(0)
-    t = tl.program_id(1)  # the segment this program serves
+    pid_k = tl.program_id(1)
+    t = tl.program_id(2)  # the segment this program serves
     u = tl.load(seg_ptr + 3 * M + t)
     if (u >= 0) & (u < U):
+        # the segment's slots are one contiguous run of the sorted order: find its start and length
+        slots = tl.arange(0, MP)
+        sel = (slots < M) & (tl.load(seg_ptr + 2 * M + slots, mask=slots < M, other=-1) == t)
+        first = tl.reduce(tl.where(sel, slots, MP), 0, _minimum)
+        count = tl.reduce(sel.to(tl.int32), 0, _add)
         offs_n = pid_n * BN + tl.arange(0, BN)
         nmask = offs_n < N
         byte_col = offs_n // P
         shift = (offs_n % P) * BITS
-        offs_k = tl.arange(0, BK)
+        k0 = pid_k * BK
+        cols = k0 + tl.arange(0, BK)
+        kmask = cols < K
         u64 = u.to(tl.int64)
-        k_begin = tl.program_id(2) * K_CHUNK
-        k_end = tl.minimum(k_begin + K_CHUNK, K)
-        out_ptr += tl.program_id(2).to(tl.int64) * stride_os
         q_base = q_ptr + u64 * K * RB
         s_base = s_ptr + u64 * G * N
         z_base = z_ptr + u64 * G * N
-        for r0 in range(0, M, BM):  # the segment's slots are contiguous: usually one chunk holds them all
-            slots = r0 + tl.arange(0, BM)
-            in_m = slots < M
-            sel = in_m & (tl.load(seg_ptr + 2 * M + slots, mask=in_m, other=-1) == t)
-            if _any(sel, 0):
-                rows = tl.load(seg_ptr + slots, mask=sel, other=0)
-                x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-                acc = tl.full([BM, BN], 0.0, tl.float32)
-                for k0 in range(k_begin, k_end, BK):
-                    cols = k0 + offs_k
-                    xt, col_keep = _kept_inputs(x_rows, sel, cols, k_end, thr, THRESH)
-                    wmask = col_keep[:, None] & nmask[None, :]
-                    qb = tl.load(q_base + cols.to(tl.int64)[:, None] * RB + byte_col[None, :], mask=wmask, other=0)
-                    code = ((qb.to(tl.int32) >> shift[None, :]) & CMASK).to(tl.float32)
-                    if BLOCK_GROUP:  # the whole k-block inside one quantization group: one scale row
-                        g = k0 // GS
-                        kept_any = tl.reduce(col_keep.to(tl.int32), 0, _maximum)
-                        gmask = nmask & ((offs_n * 0 + kept_any) > 0)  # a block no row keeps reads nothing
-                        zf = tl.load(z_base + g * N + offs_n, mask=gmask, other=0).to(tl.float32)
-                        sc = tl.load(s_base + g * N + offs_n, mask=gmask, other=0.0).to(tl.float32)
-                        w = (code - zf[None, :]) * sc[None, :]
-                    else:
-                        gi = (cols // GS).to(tl.int64)[:, None] * N + offs_n[None, :]
-                        zf = tl.load(z_base + gi, mask=wmask, other=0).to(tl.float32)
-                        sc = tl.load(s_base + gi, mask=wmask, other=0.0).to(tl.float32)
-                        w = (code - zf) * sc
-                    acc = tl.dot(xt, w.to(xt.dtype), acc, input_precision=DOT_PREC)
-                _store_rows(out_ptr, rows, sel, stride_om, offs_n, nmask, acc, True)
+        for r0 in range(0, count, BM):  # usually one pass: a segment of at most BM rows
+            rr = r0 + tl.arange(0, BM)
+            row_ok = rr < count
+            rows = tl.load(seg_ptr + first + rr, mask=row_ok, other=0)
+            _delta_tile(x_ptr, stride_xm, rows, row_ok, cols, kmask, thr, q_base, s_base, z_base, RB, N, GS,
+                        k0, offs_n, nmask, byte_col, shift, ws_ptr,
+                        BITS, CMASK, THRESH, BLOCK_GROUP, GEMV, DOT_PREC)
+        counter = cnt_ptr + t * tl.num_programs(0) + pid_n
+        if _count_in(counter) == tl.num_programs(1) - 1:  # the last k-tile of this (n-tile, segment)
+            for r0 in range(0, count, BM):
+                rr = r0 + tl.arange(0, BM)
+                row_ok = rr < count
+                rows = tl.load(seg_ptr + first + rr, mask=row_ok, other=0)
+                _finish_rows(wsi_ptr, out_ptr, rows, row_ok, N, stride_om, offs_n, nmask, out_ptr, False, True)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")

@@ -54,7 +54,6 @@ __all__ = [
     "sparse_delta_linear",
     "sparse_delta_linear_reference",
     "SPARSE_BASE_MAX_ROWS",
-    "auto_split_k",
 ]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -255,43 +254,51 @@ def _dot_prec(x):
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
-def auto_split_k(programs: int, k: int, block_k: int, device: torch.device, per_sm: float = 4.0) -> int:
-    """K splits giving about ``per_sm`` programs per SM when a launch has ``programs`` without
-    splitting (at least 4 k-blocks per split); 1 off CUDA."""
-    if device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(round(per_sm * sms / max(programs, 1)), k // (4 * block_k)))
+# float32 partial sums and per-tile counters the kernels leave zero after every launch; one pair per
+# (device, shape), kept for the life of the process: a captured CUDA graph holds their addresses
+_WORKSPACES: dict = {}
 
 
-def _split(split_k: int, programs: int, k: int, block_k: int, device) -> tuple[int, int]:
-    """(splits, inputs per split): K cut into whole k-blocks."""
-    split = split_k if split_k > 0 else auto_split_k(programs, k, block_k, device)
-    chunk = _cdiv(_cdiv(k, split), block_k) * block_k
-    return _cdiv(k, chunk), chunk
+def _workspace(device: torch.device, m: int, n: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (device.type, device.index, m, n, counters)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        ws = _WORKSPACES[key] = (torch.zeros((m, n), dtype=torch.float32, device=device),
+                                 torch.zeros(counters, dtype=torch.int32, device=device))
+    return ws
+
+
+def _check_blocks(block_n: int, block_k: int, block_m: Optional[int] = None) -> None:
+    for name, v in (("block_n", block_n), ("block_k", block_k), ("block_m", block_m)):
+        if v is not None and (v < 1 or v & (v - 1)):
+            raise ValueError(f"{name} must be a power of two, got {v}")
+    if block_n < 16 or block_k < 16:
+        raise ValueError(f"block_n and block_k must be at least 16, got {block_n} and {block_k}")
+    if block_m is not None and 1 < block_m < 16:
+        raise ValueError(f"block_m must be 1 (one row at a time, no MMA) or at least 16, got {block_m}")
 
 
 def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                        threshold: Optional[float] = None, out: Optional[torch.Tensor] = None,
-                       block_n: int = 64, block_k: int = 128, split_k: int = 0, num_warps: int = 4,
-                       num_stages: int = 3) -> torch.Tensor:
+                       block_n: int = 128, block_k: int = 128, num_warps: int = 4) -> torch.Tensor:
     """``y = x W^T + bias`` reading only the weight columns of inputs some row of ``x`` keeps.
 
     Args:
         x: ``[M, K]`` activations (float16 / bfloat16 / float32). Meant for decoding (``M`` of 1 to
-            :data:`SPARSE_BASE_MAX_ROWS`): a column is read when *any* row in a block keeps it.
+            :data:`SPARSE_BASE_MAX_ROWS`): a column is read when *any* row in a block keeps it. One
+            row runs without MMA (a GEMV); more rows use ``tl.dot`` on blocks of 16.
         weight_t: the input-major ``[K, N]`` weight, same dtype (:func:`input_major_weight`).
         bias: ``[N]`` or ``None``.
         threshold: inputs with ``|x| <= threshold`` count as zero (``None``: only exact zeros).
         out: optional ``[M, N]`` output.
-        block_n, block_k, split_k, num_warps, num_stages: launch parameters (``block_k``: the skip
-            granularity of the MMA, memory is skipped per column whatever its value; ``split_k``:
-            programs sharing one tile's K range, 0 to choose from the shape and the GPU).
+        block_n, block_k, num_warps: the ``[block_k, block_n]`` weight tile of one program (powers
+            of two, at least 16) and its warps. Memory is skipped per input whatever the tile.
 
     Returns:
         ``[M, N]`` in ``out``'s dtype (default ``x.dtype``), accumulated in float32.
     """
     _check_base(x, weight_t, bias, out)
+    _check_blocks(block_n, block_k)
     thr, use_thr = _thr(threshold, x.dtype)
     if _runs_reference(x):
         y = sparse_base_linear_reference(x, weight_t, bias, threshold)
@@ -305,21 +312,17 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    bm = SPARSE_BASE_MAX_ROWS
-    tiles = (_cdiv(n, block_n), _cdiv(m, bm))
-    split, chunk = _split(split_k, tiles[0] * tiles[1], k, block_k, x.device)
-    dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    _kernel("sparse_base_kernel")[(*tiles, split)](
-        x, weight_t, bias if bias is not None else out, dst, thr,
-        m, n, k, chunk, x.stride(0), weight_t.stride(0), dst.stride(-2), dst.stride(0) if split > 1 else 0,
-        HAS_BIAS=bias is not None and split == 1, THRESH=use_thr, BM=bm, BN=block_n, BK=block_k,
-        DOT_PREC=_dot_prec(x), num_warps=num_warps, num_stages=num_stages,
+    if k == 0:
+        return out.copy_(bias.expand(m, n) if bias is not None else torch.zeros((), dtype=out.dtype))
+    bm = 1 if m == 1 else SPARSE_BASE_MAX_ROWS
+    grid = (_cdiv(n, block_n), _cdiv(k, block_k), _cdiv(m, bm))
+    ws, cnt = _workspace(x.device, m, n, grid[0] * grid[2])
+    _kernel("sparse_base_kernel")[grid](
+        x, weight_t, bias if bias is not None else out, out, ws, ws.view(torch.int32), cnt, thr,
+        m, n, k, x.stride(0), weight_t.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, THRESH=use_thr, GEMV=bm == 1, BM=bm, BN=block_n, BK=block_k,
+        DOT_PREC=_dot_prec(x), num_warps=num_warps,
     )
-    if split > 1:
-        total = dst.sum(0)
-        if bias is not None:
-            total += bias.float()
-        out.copy_(total)
     return out
 
 
@@ -329,9 +332,8 @@ def _cdiv(a: int, b: int) -> int:
 
 def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: torch.Tensor, *,
                         out: Optional[torch.Tensor] = None, threshold: Optional[float] = None,
-                        segments: Optional[torch.Tensor] = None, block_m: int = 16, block_n: int = 64,
-                        block_k: int = 64, split_k: int = 0, num_warps: int = 4,
-                        num_stages: int = 3) -> torch.Tensor:
+                        segments: Optional[torch.Tensor] = None, block_m: int = 1, block_n: int = 128,
+                        block_k: int = 0, num_warps: int = 4) -> torch.Tensor:
     """``out[m] += x[m] @ dequant(deltas[row_delta[m]])^T``, each segment of rows sharing a delta
     reading only the delta columns its own rows keep.
 
@@ -339,28 +341,38 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
         x: ``[M, K]`` activations (float16 / bfloat16 / float32).
         deltas: the layer's deltas in the input-major layout (:func:`input_major_deltas`).
         row_delta: int32 / int64 ``[M]`` in ``[-1, U)``: each row's delta (``-1``: none, the row of
-            ``out`` is left as it is). Rows with an id outside the range are left as they are too.
+            ``out`` is left as it is). Rows with an id of ``U`` or more are left as they are too;
+            ids below ``-1`` are not allowed (unchecked on the GPU: checking would wait for it).
         out: ``[M, N]`` to add into (typically the base part, e.g. from :func:`sparse_base_linear`);
             ``None``: a zero tensor of ``x.dtype`` (the delta part alone).
         threshold: inputs with ``|x| <= threshold`` count as zero (``None``: only exact zeros).
         segments: the step's :func:`~kernels.layout.build_row_segments` table of ``row_delta`` (built
             here when ``None``); build it once per step and share it between layers.
-        block_m, block_n, block_k, split_k, num_warps, num_stages: launch parameters (``split_k`` 0:
-            chosen from the shape, the rows and the GPU).
+        block_m: rows of a segment handled together: 1 (default) reads a tile once per row with no
+            MMA, the right choice when each delta has one or two rows (a mixed batch of distinct
+            deltas); 16 or more multiplies blocks of rows with ``tl.dot`` (many rows per delta).
+        block_n, block_k, num_warps: the ``[block_k, block_n]`` tile of one program (powers of two,
+            at least 16; ``block_k`` 0: the group size up to 128, so a tile reads one scale row).
 
     Returns:
         ``out``.
     """
     _check_delta(x, deltas, row_delta, out)
+    m, k = x.shape
+    gs = deltas.group_size if deltas.group_size > 0 else k
+    if block_k == 0:
+        block_k = 128
+        while block_k > 16 and gs % block_k:
+            block_k //= 2
+    _check_blocks(block_n, block_k, block_m)
     thr, use_thr = _thr(threshold, x.dtype)
     if _runs_reference(x):
         y = sparse_delta_linear_reference(x, deltas, row_delta, out, threshold)
         return y if out is None else out.copy_(y)
-    m, k = x.shape
     n = deltas.out_features
     if out is None:
         out = torch.zeros((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0 or deltas.num_deltas == 0:
+    if m == 0 or n == 0 or k == 0 or deltas.num_deltas == 0:
         return out
     if segments is None:
         segments = build_row_segments(row_delta)
@@ -368,19 +380,18 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
         raise ValueError(f"segments must be the int32 [{SEGMENT_FIELDS}, {m}] table of build_row_segments(row_delta) "
                          f"on {x.device}, got {segments.dtype} {tuple(segments.shape)} on {segments.device}")
     x = x if x.stride(1) == 1 else x.contiguous()
-    gs = deltas.group_size if deltas.group_size > 0 else k
-    block_group = gs % block_k == 0
-    tiles = _cdiv(n, block_n)
-    # programs of segments past the last one exit at once: count the rows, not the grid, for the split
-    split, chunk = _split(split_k, tiles * min(m, deltas.num_deltas + 1), k, block_k, x.device)
-    dst = out if split == 1 else torch.zeros((split, m, n), dtype=torch.float32, device=x.device)
-    _kernel("sparse_delta_kernel")[(tiles, m, split)](
-        x, deltas.qweight, deltas.scales, deltas.zeros, segments.contiguous(), dst, thr,
-        m, n, k, chunk, deltas.num_deltas, deltas.qweight.shape[2], num_groups(k, deltas.group_size), gs,
-        x.stride(0), dst.stride(-2), dst.stride(0) if split > 1 else 0,
-        BITS=deltas.bits, THRESH=use_thr, BLOCK_GROUP=block_group, BM=block_m, BN=block_n, BK=block_k,
-        DOT_PREC=_dot_prec(x), num_warps=num_warps, num_stages=num_stages,
+    # segments past the last one exit at once; at most U + 1 segments exist (the base-only rows too)
+    grid = (_cdiv(n, block_n), _cdiv(k, block_k), min(m, deltas.num_deltas + 1))
+    ws, cnt = _workspace(x.device, m, n, grid[0] * grid[2])
+    _kernel("sparse_delta_kernel")[grid](
+        x, deltas.qweight, deltas.scales, deltas.zeros, segments.contiguous(), out, ws, ws.view(torch.int32), cnt, thr,
+        m, n, k, deltas.num_deltas, deltas.qweight.shape[2], num_groups(k, deltas.group_size), gs,
+        x.stride(0), out.stride(0),
+        BITS=deltas.bits, THRESH=use_thr, BLOCK_GROUP=gs % block_k == 0, GEMV=block_m == 1, BM=block_m,
+        BN=block_n, BK=block_k, MP=max(2, _next_pow2(m)), DOT_PREC=_dot_prec(x), num_warps=num_warps,
     )
-    if split > 1:
-        out.copy_(out.float() + dst.sum(0))
     return out
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())

@@ -51,9 +51,12 @@ def test_sparse_base_linear_matches_dense_reference(interpret, dtype, m, n, k):
     w = (torch.randn(n, k, generator=gen) * 0.1).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype)
     wt = A.input_major_weight(w)
-    got = A.sparse_base_linear(x, wt, bias, block_n=32, block_k=32, split_k=1 if m > 1 else 3)
+    got = A.sparse_base_linear(x, wt, bias, block_n=32, block_k=32)
     dense = (x.float() @ w.float().t() + bias.float()).to(dtype)
     torch.testing.assert_close(got, dense, **_tol(dtype))
+    # the workspace and counters are left zero: a second launch (other tiles too) gives the same
+    torch.testing.assert_close(A.sparse_base_linear(x, wt, bias, block_n=32, block_k=32), got, atol=0, rtol=0)
+    torch.testing.assert_close(A.sparse_base_linear(x, wt, bias, block_n=16, block_k=64), dense, **_tol(dtype))
     # the threshold fused in the kernel: the same as thresholding x first
     got_t = A.sparse_base_linear(x, wt, None, threshold=0.7, block_n=32, block_k=32)
     ref_t = A.sparse_base_linear_reference(x, wt, None, threshold=0.7)
@@ -92,14 +95,16 @@ def test_sparse_delta_linear_matches_reference_per_segment(interpret, dtype, bit
     x = _sparse_x(m, k, gen, dtype, dead=[(64, 96)])
     row_delta = torch.tensor([2, -1, 0, 2, 1, 0])
     base = torch.randn(m, n, generator=gen).to(dtype)
-    got = A.sparse_delta_linear(x, deltas, row_delta, out=base.clone(), block_n=64, block_k=block_k,
-                                split_k=2 if bits == 4 else 1)  # split-K: partial sums per split
+    got = A.sparse_delta_linear(x, deltas, row_delta, out=base.clone(), block_n=64, block_k=block_k)
     want = base.float().clone()
     for r, d in enumerate(row_delta.tolist()):
         if d >= 0:
             want[r] += x[r].float() @ dequantize_delta(stack, d).t()
     torch.testing.assert_close(got, want.to(dtype), **_tol(dtype))
     assert torch.equal(got[1], base[1])  # a base-only row is left as it was
+    # rows of a segment together through tl.dot: the same sums
+    got_dot = A.sparse_delta_linear(x, deltas, row_delta, out=base.clone(), block_m=16, block_n=32, block_k=block_k)
+    torch.testing.assert_close(got_dot, want.to(dtype), **_tol(dtype))
     got_t = A.sparse_delta_linear(x, deltas, row_delta, threshold=0.5, block_n=64, block_k=block_k)
     torch.testing.assert_close(got_t, A.sparse_delta_linear_reference(x, deltas, row_delta, threshold=0.5), **_tol(dtype))
 
@@ -119,6 +124,24 @@ def test_each_segment_skips_only_the_columns_its_own_rows_drop(interpret):
                                atol=1e-4, rtol=1e-4)
     poisoned.scales[0, 1] = float("nan")  # delta 0's rows keep group 1: the kernel has to read it
     assert torch.isnan(A.sparse_delta_linear(x, poisoned, row_delta, block_n=32, block_k=32)[row_delta == 0]).any()
+
+
+@pytest.mark.parametrize("block_m", [1, 16])
+def test_a_segment_longer_than_a_row_block_and_the_workspace_left_zero(interpret, block_m):
+    # 20 rows on one delta (two row blocks of 16 through tl.dot, or 20 one-row passes), 3 on another,
+    # k not a multiple of the tile; afterwards every workspace and counter the kernels used is zero
+    gen = torch.Generator().manual_seed(21)
+    m, n, k = 23, 40, 96
+    stack = random_delta_stack(2, n, k, bits=4, group_size=32, scale_range=(0.01, 0.03), generator=gen)
+    deltas = A.input_major_deltas(stack)
+    x = _sparse_x(m, k, gen, torch.float32)
+    row_delta = torch.tensor([0] * 10 + [1] * 3 + [0] * 10)
+    got = A.sparse_delta_linear(x, deltas, row_delta, block_m=block_m, block_n=16, block_k=32)
+    torch.testing.assert_close(got, A.sparse_delta_linear_reference(x, deltas, row_delta), atol=1e-4, rtol=1e-4)
+    base = A.sparse_base_linear(x[:1], A.input_major_weight(torch.randn(n, k, generator=gen)), block_n=16, block_k=64)
+    assert base.shape == (1, n)
+    for ws, counters in A._WORKSPACES.values():
+        assert not ws.any() and not counters.any()
 
 
 @pytest.mark.parametrize("planar", [False, True])

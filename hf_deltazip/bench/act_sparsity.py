@@ -231,6 +231,9 @@ SHAPES_8B = {  # name: (out_features N, in_features K) of one Llama-3-8B decoder
     "gate_proj": (14336, 4096), "up_proj": (14336, 4096), "down_proj": (4096, 14336),
 }
 LAYERS_8B, VOCAB_8B = 32, 128256
+#: (block_n, block_k, num_warps) tried by ``speed --sweep``
+SWEEP_TILES = ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8), (256, 64, 4),
+               (256, 64, 8), (256, 128, 8), (128, 256, 8), (64, 256, 4))
 
 
 def _sparse_rows(m: int, k: int, sparsity: float, gen: torch.Generator, device) -> torch.Tensor:
@@ -300,7 +303,32 @@ def run_speed(args) -> dict:
     seg1, seg8 = build_row_segments(rd1), build_row_segments(rd8)
     xs = {s: {name: _sparse_rows(8, k, s, gen, device) for name, (_, k) in SHAPES_8B.items()} for s in args.sparsity}
     lin = torch.nn.functional.linear
-    kb = {"block_n": args.block_n, **({"block_k": args.block_k} if args.block_k else {})}
+
+    def base_calls(x, cfg):
+        return [lambda L=L, x=x[n][:1]: A.sparse_base_linear(x, L["wt"], **cfg) for n, L in layers.items()]
+
+    def delta8_calls(x, cfg):
+        return [lambda L=L, x=x[n]: A.sparse_delta_linear(x, L["im"], rd8, out=lin(x, L["w"]), segments=seg8, **cfg)
+                for n, L in layers.items()]
+
+    # tiles of the sparse kernels: the ones given, or the fastest of a sweep at the highest sparsity
+    base_cfg = {"block_n": args.block_n or 128, "block_k": args.block_k or 128, "num_warps": args.num_warps}
+    delta_cfg = {"block_n": args.block_n or 128, "block_k": args.block_k, "num_warps": args.num_warps}
+    sweep = []
+    if args.sweep:
+        top = xs[max(args.sparsity)]
+        for bn, bk, nw in SWEEP_TILES:
+            b = {"block_n": bn, "block_k": bk, "num_warps": nw}
+            d = {"block_n": bn, "block_k": min(bk, args.group_size) if args.group_size > 0 else bk, "num_warps": nw}
+            us_b = time_calls(base_calls(top, b), rep_ms=args.rep_ms) * len(SHAPES_8B)
+            us_d = time_calls(delta8_calls(top, d), rep_ms=args.rep_ms) * len(SHAPES_8B)
+            sweep.append({"block_n": bn, "block_k": bk, "num_warps": nw, "base_b1_us": us_b, "delta_b8_us": us_d})
+            print(f"sweep {bn}x{bk} w{nw}: base batch 1 {us_b:.1f} us/block, 8 deltas {us_d:.1f} us/block", flush=True)
+        best_b = min(sweep, key=lambda r: r["base_b1_us"])
+        best_d = min(sweep, key=lambda r: r["delta_b8_us"])
+        base_cfg = {k: best_b[k] for k in ("block_n", "block_k", "num_warps")}
+        delta_cfg = {"block_n": best_d["block_n"], "num_warps": best_d["num_warps"],
+                     "block_k": min(best_d["block_k"], args.group_size) if args.group_size > 0 else best_d["block_k"]}
     dense_x = xs[min(args.sparsity)]
     add("base, batch 1", 1, 0.0, "cuBLAS dense", [lambda L=L, x=dense_x[n][:1]: lin(x, L["w"]) for n, L in layers.items()])
     add("1 delta, batch 1", 1, 0.0, "fused planar kernel (dense)",
@@ -311,26 +339,31 @@ def run_speed(args) -> dict:
          for n, L in layers.items()])
     for s in args.sparsity:
         x = xs[s]
-        add("base, batch 1", 1, s, "sparse base kernel",
-            [lambda L=L, x=x[n][:1]: A.sparse_base_linear(x, L["wt"], **kb) for n, L in layers.items()])
+        add("base, batch 1", 1, s, "sparse base kernel", base_calls(x, base_cfg))
         add("1 delta, batch 1", 1, s, "sparse base + sparse delta",
-            [lambda L=L, x=x[n][:1]: A.sparse_delta_linear(x, L["im"], rd1, out=A.sparse_base_linear(x, L["wt"], **kb),
-                                                           segments=seg1, **kb) for n, L in layers.items()])
-        add("8 deltas, batch 8", 8, s, "cuBLAS base + sparse delta",
-            [lambda L=L, x=x[n]: A.sparse_delta_linear(x, L["im"], rd8, out=lin(x, L["w"]), segments=seg8, **kb)
-             for n, L in layers.items()])
+            [lambda L=L, x=x[n][:1]: A.sparse_delta_linear(x, L["im"], rd1, out=A.sparse_base_linear(x, L["wt"], **base_cfg),
+                                                           segments=seg1, **delta_cfg) for n, L in layers.items()])
+        add("8 deltas, batch 8", 8, s, "cuBLAS base + sparse delta", delta8_calls(x, delta_cfg))
     dense_ref = {(r["case"]): r["block_us"] for r in rows if r["sparsity"] == 0.0 and "dense" in r["path"]}
     for r in rows:
         r["speedup_vs_dense"] = dense_ref[r["case"]] / r["block_us"]
     return {"mode": "speed", "device": torch.cuda.get_device_name(), "shape": "Llama-3-8B block",
             "delta_bits": args.bits, "group_size": args.group_size, "max_rel_error": err,
-            "lm_head_us": head_us, "rows": rows, "seconds": round(time.time() - t0, 1)}
+            "lm_head_us": head_us, "base_tiles": base_cfg, "delta_tiles": delta_cfg, "sweep": sweep,
+            "rows": rows, "seconds": round(time.time() - t0, 1)}
+
+
+def _tiles(cfg: Optional[dict]) -> str:
+    if not cfg:
+        return "defaults"
+    return f"{cfg['block_n']}x{cfg['block_k'] or 'auto'} (n x k), {cfg['num_warps']} warps"
 
 
 def speed_table(result: dict) -> str:
     lines = [f"activation sparsity, speed: {result['shape']} on {result['device']}, {result['delta_bits']}-bit deltas "
              f"g{result['group_size']}",
              f"correctness: sparse path vs dense reference, max error / max |y| = {result['max_rel_error']:.2e}",
+             f"tiles: base {_tiles(result.get('base_tiles'))}, delta {_tiles(result.get('delta_tiles'))}",
              f"{'case':<18} {'sparsity':>8} {'path':<30} {'us/block':>9} {'tok/s':>8} {'vs dense':>8}"]
     for r in result["rows"]:
         lines.append(f"{r['case']:<18} {r['sparsity']:>8.0%} {r['path']:<30} {r['block_us']:>9.1f} "
@@ -370,8 +403,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     s.add_argument("--bits", type=int, default=4, choices=(2, 4, 8))
     s.add_argument("--group-size", type=int, default=128)
     s.add_argument("--rep-ms", type=int, default=60)
-    s.add_argument("--block-n", type=int, default=64, help="outputs per program of the sparse kernels")
-    s.add_argument("--block-k", type=int, default=0, help="inputs per k-step of the sparse kernels (0: their defaults)")
+    s.add_argument("--block-n", type=int, default=0, help="outputs per program of the sparse kernels (0: 128)")
+    s.add_argument("--block-k", type=int, default=0, help="inputs per program of the sparse kernels (0: 128 for "
+                                                          "the base, the group size up to 128 for deltas)")
+    s.add_argument("--num-warps", type=int, default=4)
+    s.add_argument("--sweep", action="store_true", help="time the tiles of SWEEP_TILES at the highest sparsity "
+                                                        "first and use the fastest (recorded in the JSON)")
     for sp in (q, s):
         sp.add_argument("--sparsity", type=_sparsities, default=list(SPARSITIES),
                         help="comma-separated fractions (default 0,0.25,0.4,0.5)")

@@ -24,9 +24,15 @@ no memset and no reduction kernel, and the workspace and counters are left zero 
 ``sparse_delta_kernel``: ``r`` is a segment of the step's row-segment table
 (:func:`kernels.layout.build_row_segments`: rows sorted by delta); its rows are added into ``out``.
 
-``GEMV`` (``BM == 1``): the tile's product is a broadcast multiply and a sum over the k-tile, no MMA;
-in the delta kernel each row of a segment then reads the tile itself (a segment of one row is what a
-mixed batch of distinct deltas has). Otherwise ``tl.dot`` on ``BM >= 16`` rows.
+``GEMV`` (``BM == 1``): one row's ``[BK]`` inputs times the ``[BK, BN]`` tile, a multiply and a sum
+over the k-tile, no MMA; in the delta kernel each row of a segment then reads the tile itself (a
+segment of one row is what a mixed batch of distinct deltas has). Otherwise ``tl.dot`` on
+``BM >= 16`` rows (one row padded to 16 too: the tensor cores do the sum over the k-tile, which
+costs far fewer instructions per weight than a reduction across lanes). ``WORDS`` (delta kernel):
+packed code rows are whole int32 words, read as words (vector loads) and taken apart in
+registers; code ``j`` of word ``w`` is output ``w * (32 / BITS) + j``, so each ``j`` is a strided
+slice of the tile's outputs. With MMA, ``MAGIC`` turns codes into fp16/bf16 without int->float
+conversions (``(code | 0x6400)`` read as fp16 is ``1024 + code``).
 
 ``BLOCK_GROUP`` (delta kernel): the k-tile lies in one quantization group, so the tile reads one scale
 row and one zero row and computes ``s * (x.codes - z * sum(x))``; otherwise every element is
@@ -76,15 +82,6 @@ def _kept_inputs(x_rows, row_ok, cols, kmask, thr, THRESH: tl.constexpr):
 
 
 @triton.jit
-def _product(xt, w, GEMV: tl.constexpr, DOT_PREC: tl.constexpr):
-    # [BM, BK] x [BK, BN] -> float32 [BM, BN]
-    if GEMV:
-        return tl.reduce(xt.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], 1, _add)
-    else:
-        return tl.dot(xt, w.to(xt.dtype), input_precision=DOT_PREC)
-
-
-@triton.jit
 def _count_in(cnt_ptr):
     # count this program in; True for the last one (all threads' workspace adds are issued before)
     tl.debug_barrier()
@@ -108,6 +105,18 @@ def _finish_rows(wsi_ptr, out_ptr, rows, row_ok, N, stride_om, offs_n, nmask, bi
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
 
 
+@triton.jit
+def _kept_input_row(x_row, cols, kmask, thr, THRESH: tl.constexpr):
+    # one row's inputs [BK] with dropped ones zeroed, and which are kept
+    xv = tl.load(x_row + cols, mask=kmask, other=0.0)
+    if THRESH:
+        keep = tl.abs(xv.to(tl.float32)) > thr
+        xv = tl.where(keep, xv, 0.0)
+    else:
+        keep = xv != 0.0
+    return xv, keep
+
+
 @triton.jit(do_not_specialize=["M"])
 def sparse_base_kernel(
     x_ptr, wt_ptr, bias_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, thr,
@@ -124,14 +133,21 @@ def sparse_base_kernel(
     row_ok = rows < M
     cols = pid_k * BK + tl.arange(0, BK)
     kmask = cols < K
-    xt, col_keep = _kept_inputs(x_ptr + rows.to(tl.int64) * stride_xm, row_ok, cols, kmask, thr, THRESH)
-    if _any(col_keep, 0):
-        # only the weight rows of inputs some row keeps are read (masked lines are never requested)
-        wt = tl.load(wt_ptr + cols.to(tl.int64)[:, None] * stride_wk + offs_n[None, :],
-                     mask=col_keep[:, None] & nmask[None, :], other=0.0, eviction_policy="evict_first")
-        part = _product(xt, wt, GEMV, DOT_PREC)
-        tl.atomic_add(ws_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :], part,
-                      mask=row_ok[:, None] & nmask[None, :], sem="relaxed", scope="gpu")
+    w_ptrs = wt_ptr + cols.to(tl.int64)[:, None] * stride_wk + offs_n[None, :]
+    if GEMV:  # one row: a [BK] x [BK, BN] product without MMA
+        xv, keep = _kept_input_row(x_ptr + pid_m.to(tl.int64) * stride_xm, cols, kmask, thr, THRESH)
+        if _any(keep, 0):
+            # only the weight rows of kept inputs are read (masked lines are never requested)
+            wt = tl.load(w_ptrs, mask=keep[:, None] & nmask[None, :], other=0.0, eviction_policy="evict_first")
+            part = tl.reduce(xv.to(tl.float32)[:, None] * wt.to(tl.float32), 0, _add)
+            tl.atomic_add(ws_ptr + pid_m.to(tl.int64) * N + offs_n, part, mask=nmask, sem="relaxed", scope="gpu")
+    else:
+        xt, col_keep = _kept_inputs(x_ptr + rows.to(tl.int64) * stride_xm, row_ok, cols, kmask, thr, THRESH)
+        if _any(col_keep, 0):
+            wt = tl.load(w_ptrs, mask=col_keep[:, None] & nmask[None, :], other=0.0, eviction_policy="evict_first")
+            part = tl.dot(xt, wt, input_precision=DOT_PREC)
+            tl.atomic_add(ws_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :], part,
+                          mask=row_ok[:, None] & nmask[None, :], sem="relaxed", scope="gpu")
     counter = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
     if _count_in(counter) == tl.num_programs(1) - 1:  # the last k-tile of this (n-tile, row block)
         _finish_rows(wsi_ptr, out_ptr, rows, row_ok, N, stride_om, offs_n, nmask, bias_ptr, HAS_BIAS, False)
@@ -139,40 +155,134 @@ def sparse_base_kernel(
 
 
 @triton.jit
-def _delta_tile(x_ptr, stride_xm, rows, row_ok, cols, kmask, thr, q_base, s_base, z_base, RB, N, GS,
-                k0, offs_n, nmask, byte_col, shift, ws_ptr,
+def _delta_row_words(x_row, cols, kmask, thr, q32_base, s_base, z_base, RW, N, GS, k0, wcol, ws_row,
+                     BITS: tl.constexpr, CMASK: tl.constexpr, THRESH: tl.constexpr,
+                     BLOCK_GROUP: tl.constexpr):
+    # one row times one [BK, BN] tile of a delta, the codes read as int32 words ([BK, BN / (32/BITS)]:
+    # vector loads) and taken apart in registers: code j of word w is output w * (32/BITS) + j
+    P32: tl.constexpr = 32 // BITS
+    xv, keep = _kept_input_row(x_row, cols, kmask, thr, THRESH)
+    if _any(keep, 0):
+        words = tl.load(q32_base + cols.to(tl.int64)[:, None] * RW + wcol[None, :],
+                        mask=keep[:, None] & (wcol < RW)[None, :], other=0, eviction_policy="evict_first")
+        xf = xv.to(tl.float32)
+        xs = tl.reduce(xf, 0, _add)
+        for j in tl.static_range(P32):
+            n_j = wcol * P32 + j
+            nm = n_j < N
+            code = ((words >> (j * BITS)) & CMASK).to(tl.float32)
+            if BLOCK_GROUP:  # one scale and one zero per output: s * (x . c - z * sum(x))
+                g = k0 // GS
+                sc = tl.load(s_base + g * N + n_j, mask=nm, other=0.0).to(tl.float32)
+                zf = tl.load(z_base + g * N + n_j, mask=nm, other=0).to(tl.float32)
+                part = sc * (tl.reduce(xf[:, None] * code, 0, _add) - zf * xs)
+            else:
+                gi = (cols // GS).to(tl.int64)[:, None] * N + n_j[None, :]
+                gm = keep[:, None] & nm[None, :]
+                sc = tl.load(s_base + gi, mask=gm, other=0.0).to(tl.float32)
+                zf = tl.load(z_base + gi, mask=gm, other=0).to(tl.float32)
+                part = tl.reduce(xf[:, None] * ((code - zf) * sc), 0, _add)
+            tl.atomic_add(ws_row + n_j, part, mask=nm, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _magic_codes(code, zc, MAGIC: tl.constexpr, XDT: tl.constexpr):
+    # code - zero, exact, in the activations' dtype. MAGIC avoids int->float conversions (slow on
+    # the GPU): OR-ing a code into the mantissa of 1024.0 (fp16) or 128.0 (bf16, codes < 128) gives
+    # 1024 + code; ``zc`` is 1024 + zero (128 + zero) in that dtype, so the difference is exact.
+    if MAGIC == 1:
+        return (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - zc
+    elif MAGIC == 2:
+        return (code | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - zc
+    else:
+        return (code.to(tl.float32) - zc.to(tl.float32)).to(XDT)
+
+
+@triton.jit
+def _delta_tile(x_ptr, stride_xm, rows, row_ok, cols, kmask, thr, q_base, q32_base, s_base, z_base, RB, N, GS,
+                k0, offs_n, nmask, byte_col, shift, wcol, ws_ptr,
                 BITS: tl.constexpr, CMASK: tl.constexpr, THRESH: tl.constexpr, BLOCK_GROUP: tl.constexpr,
-                GEMV: tl.constexpr, DOT_PREC: tl.constexpr):
-    # the rows' products with one [BK, BN] tile of the delta, added into the workspace
+                WORDS: tl.constexpr, MAGIC: tl.constexpr, DOT_PREC: tl.constexpr):
+    # block rows times one [BK, BN] tile of a delta, through tl.dot. WORDS (with BLOCK_GROUP): the
+    # codes read as int32 words and multiplied code slot by code slot (slot j of word w is output
+    # w * (32/BITS) + j), each slot turned into centred codes in the activations' dtype
     xt, col_keep = _kept_inputs(x_ptr + rows.to(tl.int64) * stride_xm, row_ok, cols, kmask, thr, THRESH)
     if _any(col_keep, 0):
-        wmask = col_keep[:, None] & nmask[None, :]
+        if WORDS:
+            P32: tl.constexpr = 32 // BITS
+            RW = RB // 4
+            words = tl.load(q32_base + cols.to(tl.int64)[:, None] * RW + wcol[None, :],
+                            mask=col_keep[:, None] & (wcol < RW)[None, :], other=0, eviction_policy="evict_first")
+            g = k0 // GS
+            for j in tl.static_range(P32):
+                n_j = wcol * P32 + j
+                nm = n_j < N
+                zf = tl.load(z_base + g * N + n_j, mask=nm, other=0).to(tl.int32)
+                if MAGIC == 1:
+                    zc = (zf + 1024).to(tl.float16)
+                elif MAGIC == 2:
+                    zc = (zf + 128).to(tl.bfloat16)
+                else:
+                    zc = zf
+                sc = tl.load(s_base + g * N + n_j, mask=nm, other=0.0).to(tl.float32)
+                cj = _magic_codes((words >> (j * BITS)) & CMASK, zc[None, :], MAGIC, xt.dtype)
+                part = tl.dot(xt, cj, input_precision=DOT_PREC) * sc[None, :]
+                tl.atomic_add(ws_ptr + rows.to(tl.int64)[:, None] * N + n_j[None, :], part,
+                              mask=row_ok[:, None] & nm[None, :], sem="relaxed", scope="gpu")
+        else:
+            wmask = col_keep[:, None] & nmask[None, :]
+            qb = tl.load(q_base + cols.to(tl.int64)[:, None] * RB + byte_col[None, :], mask=wmask, other=0,
+                         eviction_policy="evict_first")
+            code = (qb.to(tl.int32) >> shift[None, :]) & CMASK
+            if BLOCK_GROUP:  # the whole k-tile inside one quantization group: one scale row, one zero row
+                g = k0 // GS
+                zf = tl.load(z_base + g * N + offs_n, mask=nmask, other=0).to(tl.float32)
+                sc = tl.load(s_base + g * N + offs_n, mask=nmask, other=0.0).to(tl.float32)
+                # x . ((c - z) * s) = s * (x . c - z * sum(x)): the codes go into the product as they are
+                xc = tl.dot(xt, code.to(xt.dtype), input_precision=DOT_PREC)
+                xs = tl.reduce(xt.to(tl.float32), 1, _add)
+                part = sc[None, :] * (xc - zf[None, :] * xs[:, None])
+            else:
+                gi = (cols // GS).to(tl.int64)[:, None] * N + offs_n[None, :]
+                zf = tl.load(z_base + gi, mask=wmask, other=0).to(tl.float32)
+                sc = tl.load(s_base + gi, mask=wmask, other=0.0).to(tl.float32)
+                part = tl.dot(xt, ((code.to(tl.float32) - zf) * sc).to(xt.dtype), input_precision=DOT_PREC)
+            tl.atomic_add(ws_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :], part,
+                          mask=row_ok[:, None] & nmask[None, :], sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _delta_row_bytes(x_row, cols, kmask, thr, q_base, s_base, z_base, RB, N, GS, k0, offs_n, nmask,
+                     byte_col, shift, ws_row,
+                     BITS: tl.constexpr, CMASK: tl.constexpr, THRESH: tl.constexpr, BLOCK_GROUP: tl.constexpr):
+    # one row times one [BK, BN] tile of a delta whose packed rows are not whole int32 words
+    xv, keep = _kept_input_row(x_row, cols, kmask, thr, THRESH)
+    if _any(keep, 0):
+        wmask = keep[:, None] & nmask[None, :]
         qb = tl.load(q_base + cols.to(tl.int64)[:, None] * RB + byte_col[None, :], mask=wmask, other=0,
                      eviction_policy="evict_first")
-        code = (qb.to(tl.int32) >> shift[None, :]) & CMASK
-        if BLOCK_GROUP:  # the whole k-tile inside one quantization group: one scale row, one zero row
+        code = ((qb.to(tl.int32) >> shift[None, :]) & CMASK).to(tl.float32)
+        xf = xv.to(tl.float32)
+        if BLOCK_GROUP:
             g = k0 // GS
             zf = tl.load(z_base + g * N + offs_n, mask=nmask, other=0).to(tl.float32)
             sc = tl.load(s_base + g * N + offs_n, mask=nmask, other=0.0).to(tl.float32)
-            # x . ((c - z) * s) = s * (x . c - z * sum(x)): the codes go into the product as they are
-            xc = _product(xt, code.to(tl.float32), GEMV, DOT_PREC)
-            xs = tl.reduce(xt.to(tl.float32), 1, _add)
-            part = sc[None, :] * (xc - zf[None, :] * xs[:, None])
+            part = sc * (tl.reduce(xf[:, None] * code, 0, _add) - zf * tl.reduce(xf, 0, _add))
         else:
             gi = (cols // GS).to(tl.int64)[:, None] * N + offs_n[None, :]
             zf = tl.load(z_base + gi, mask=wmask, other=0).to(tl.float32)
             sc = tl.load(s_base + gi, mask=wmask, other=0.0).to(tl.float32)
-            part = _product(xt, (code.to(tl.float32) - zf) * sc, GEMV, DOT_PREC)
-        tl.atomic_add(ws_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :], part,
-                      mask=row_ok[:, None] & nmask[None, :], sem="relaxed", scope="gpu")
+            part = tl.reduce(xf[:, None] * ((code - zf) * sc), 0, _add)
+        tl.atomic_add(ws_row + offs_n, part, mask=nmask, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["M", "U"])
 def sparse_delta_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, seg_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, thr,
+    x_ptr, q_ptr, q32_ptr, s_ptr, z_ptr, seg_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, thr,
     M, N, K, U, RB, G, GS, stride_xm, stride_om,
     BITS: tl.constexpr, THRESH: tl.constexpr, BLOCK_GROUP: tl.constexpr, GEMV: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr, DOT_PREC: tl.constexpr,
+    WORDS: tl.constexpr, MAGIC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    MP: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     P: tl.constexpr = 8 // BITS  # codes per byte (along the outputs)
     CMASK: tl.constexpr = (1 << BITS) - 1
@@ -197,13 +307,28 @@ def sparse_delta_kernel(
         q_base = q_ptr + u64 * K * RB
         s_base = s_ptr + u64 * G * N
         z_base = z_ptr + u64 * G * N
-        for r0 in range(0, count, BM):  # usually one pass: a segment of at most BM rows
-            rr = r0 + tl.arange(0, BM)
-            row_ok = rr < count
-            rows = tl.load(seg_ptr + first + rr, mask=row_ok, other=0)
-            _delta_tile(x_ptr, stride_xm, rows, row_ok, cols, kmask, thr, q_base, s_base, z_base, RB, N, GS,
-                        k0, offs_n, nmask, byte_col, shift, ws_ptr,
-                        BITS, CMASK, THRESH, BLOCK_GROUP, GEMV, DOT_PREC)
+        if GEMV:  # each row of the segment on its own (a segment of one row is the usual case)
+            for r in range(0, count):
+                row = tl.load(seg_ptr + first + r).to(tl.int64)
+                if WORDS:
+                    W: tl.constexpr = BN * BITS // 32
+                    _delta_row_words(x_ptr + row * stride_xm, cols, kmask, thr, q32_ptr + u64 * K * (RB // 4),
+                                     s_base, z_base, RB // 4, N, GS, k0, pid_n * W + tl.arange(0, W),
+                                     ws_ptr + row * N, BITS, CMASK, THRESH, BLOCK_GROUP)
+                else:
+                    _delta_row_bytes(x_ptr + row * stride_xm, cols, kmask, thr, q_base, s_base, z_base, RB, N, GS,
+                                     k0, offs_n, nmask, byte_col, shift, ws_ptr + row * N,
+                                     BITS, CMASK, THRESH, BLOCK_GROUP)
+        else:
+            for r0 in range(0, count, BM):  # usually one pass: a segment of at most BM rows
+                rr = r0 + tl.arange(0, BM)
+                row_ok = rr < count
+                rows = tl.load(seg_ptr + first + rr, mask=row_ok, other=0)
+                WT: tl.constexpr = BN * BITS // 32
+                _delta_tile(x_ptr, stride_xm, rows, row_ok, cols, kmask, thr, q_base,
+                            q32_ptr + u64 * K * (RB // 4), s_base, z_base, RB, N, GS,
+                            k0, offs_n, nmask, byte_col, shift, pid_n * WT + tl.arange(0, WT), ws_ptr,
+                            BITS, CMASK, THRESH, BLOCK_GROUP, WORDS, MAGIC, DOT_PREC)
         counter = cnt_ptr + t * tl.num_programs(0) + pid_n
         if _count_in(counter) == tl.num_programs(1) - 1:  # the last k-tile of this (n-tile, segment)
             for r0 in range(0, count, BM):

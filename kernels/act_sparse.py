@@ -60,6 +60,8 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BITS = (2, 4, 8)
 #: rows one base program handles (a decode step at batch 1-16); more rows keep fewer zero columns
 SPARSE_BASE_MAX_ROWS = 16
+#: whether one row goes through tl.dot (padded to 16 rows) rather than a GEMV by default
+BASE_MMA_DEFAULT = False
 
 
 def sparsify_input(x: torch.Tensor, threshold: Optional[float]) -> torch.Tensor:
@@ -280,7 +282,8 @@ def _check_blocks(block_n: int, block_k: int, block_m: Optional[int] = None) -> 
 
 def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                        threshold: Optional[float] = None, out: Optional[torch.Tensor] = None,
-                       block_n: int = 128, block_k: int = 128, num_warps: int = 4) -> torch.Tensor:
+                       block_n: int = 128, block_k: int = 128, num_warps: int = 4,
+                       mma: Optional[bool] = None) -> torch.Tensor:
     """``y = x W^T + bias`` reading only the weight columns of inputs some row of ``x`` keeps.
 
     Args:
@@ -293,6 +296,8 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
         out: optional ``[M, N]`` output.
         block_n, block_k, num_warps: the ``[block_k, block_n]`` weight tile of one program (powers
             of two, at least 16) and its warps. Memory is skipped per input whatever the tile.
+        mma: multiply through ``tl.dot`` on blocks of 16 rows (one row padded); ``False``: one row
+            runs as a GEMV (a multiply and a sum across lanes); ``None``: :data:`BASE_MMA_DEFAULT`.
 
     Returns:
         ``[M, N]`` in ``out``'s dtype (default ``x.dtype``), accumulated in float32.
@@ -314,7 +319,7 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
         return out
     if k == 0:
         return out.copy_(bias.expand(m, n) if bias is not None else torch.zeros((), dtype=out.dtype))
-    bm = 1 if m == 1 else SPARSE_BASE_MAX_ROWS
+    bm = 1 if m == 1 and not (BASE_MMA_DEFAULT if mma is None else mma) else SPARSE_BASE_MAX_ROWS
     grid = (_cdiv(n, block_n), _cdiv(k, block_k), _cdiv(m, bm))
     ws, cnt = _workspace(x.device, m, n, grid[0] * grid[2])
     _kernel("sparse_base_kernel")[grid](
@@ -332,7 +337,7 @@ def _cdiv(a: int, b: int) -> int:
 
 def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: torch.Tensor, *,
                         out: Optional[torch.Tensor] = None, threshold: Optional[float] = None,
-                        segments: Optional[torch.Tensor] = None, block_m: int = 1, block_n: int = 128,
+                        segments: Optional[torch.Tensor] = None, block_m: int = 16, block_n: int = 128,
                         block_k: int = 0, num_warps: int = 4) -> torch.Tensor:
     """``out[m] += x[m] @ dequant(deltas[row_delta[m]])^T``, each segment of rows sharing a delta
     reading only the delta columns its own rows keep.
@@ -348,9 +353,8 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
         threshold: inputs with ``|x| <= threshold`` count as zero (``None``: only exact zeros).
         segments: the step's :func:`~kernels.layout.build_row_segments` table of ``row_delta`` (built
             here when ``None``); build it once per step and share it between layers.
-        block_m: rows of a segment handled together: 1 (default) reads a tile once per row with no
-            MMA, the right choice when each delta has one or two rows (a mixed batch of distinct
-            deltas); 16 or more multiplies blocks of rows with ``tl.dot`` (many rows per delta).
+        block_m: rows of a segment multiplied together with ``tl.dot`` (16 or more; a segment of
+            one row is padded), or 1: each row on its own as a GEMV with no MMA.
         block_n, block_k, num_warps: the ``[block_k, block_n]`` tile of one program (powers of two,
             at least 16; ``block_k`` 0: the group size up to 128, so a tile reads one scale row).
 
@@ -383,11 +387,21 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
     # segments past the last one exit at once; at most U + 1 segments exist (the base-only rows too)
     grid = (_cdiv(n, block_n), _cdiv(k, block_k), min(m, deltas.num_deltas + 1))
     ws, cnt = _workspace(x.device, m, n, grid[0] * grid[2])
+    rb = deltas.qweight.shape[2]
+    q = deltas.qweight
+    # whole int32 words per packed row (every 8B shape): the one-row path reads words
+    block_group = gs % block_k == 0
+    # whole int32 words per packed row (every 8B shape): read as words (through tl.dot: a slot of
+    # every word is >= 16 outputs, one tile inside one group)
+    words = (rb % 4 == 0 and q.is_contiguous() and q.data_ptr() % 4 == 0 and block_n * deltas.bits >= 32
+             and (block_m == 1 or (block_group and block_n * deltas.bits >= 512)))
+    magic = 1 if x.dtype == torch.float16 else 2 if x.dtype == torch.bfloat16 and deltas.bits <= 4 else 0
     _kernel("sparse_delta_kernel")[grid](
-        x, deltas.qweight, deltas.scales, deltas.zeros, segments.contiguous(), out, ws, ws.view(torch.int32), cnt, thr,
+        x, q, q.view(torch.int32) if words else q, deltas.scales, deltas.zeros, segments.contiguous(), out, ws,
+        ws.view(torch.int32), cnt, thr,
         m, n, k, deltas.num_deltas, deltas.qweight.shape[2], num_groups(k, deltas.group_size), gs,
         x.stride(0), out.stride(0),
-        BITS=deltas.bits, THRESH=use_thr, BLOCK_GROUP=gs % block_k == 0, GEMV=block_m == 1, BM=block_m,
+        BITS=deltas.bits, THRESH=use_thr, BLOCK_GROUP=block_group, GEMV=block_m == 1, WORDS=words, MAGIC=magic, BM=block_m,
         BN=block_n, BK=block_k, MP=max(2, _next_pow2(m)), DOT_PREC=_dot_prec(x), num_warps=num_warps,
     )
     return out

@@ -57,6 +57,8 @@ def test_sparse_base_linear_matches_dense_reference(interpret, dtype, m, n, k):
     # the workspace and counters are left zero: a second launch (other tiles too) gives the same
     torch.testing.assert_close(A.sparse_base_linear(x, wt, bias, block_n=32, block_k=32), got, atol=0, rtol=0)
     torch.testing.assert_close(A.sparse_base_linear(x, wt, bias, block_n=16, block_k=64), dense, **_tol(dtype))
+    for mma in (True, False):  # one row through tl.dot (padded to 16 rows) or as a GEMV
+        torch.testing.assert_close(A.sparse_base_linear(x, wt, bias, block_n=32, block_k=32, mma=mma), dense, **_tol(dtype))
     # the threshold fused in the kernel: the same as thresholding x first
     got_t = A.sparse_base_linear(x, wt, None, threshold=0.7, block_n=32, block_k=32)
     ref_t = A.sparse_base_linear_reference(x, wt, None, threshold=0.7)
@@ -87,9 +89,10 @@ def test_sparse_base_linear_never_reads_columns_of_dropped_inputs(interpret, dty
     (torch.float16, 4, 32, 32), (torch.float32, 4, 64, 32), (torch.float16, 2, -1, 32),
     (torch.float32, 8, 32, 64),  # k-blocks wider than a group: scales read per element
 ])
-def test_sparse_delta_linear_matches_reference_per_segment(interpret, dtype, bits, group_size, block_k):
+@pytest.mark.parametrize("n", [37, 80])  # packed rows of bytes; of whole int32 words (read as words)
+def test_sparse_delta_linear_matches_reference_per_segment(interpret, dtype, bits, group_size, block_k, n):
     gen = torch.Generator().manual_seed(bits * 7 + group_size)
-    m, n, k, u = 6, 37, 128, 3
+    m, k, u = 6, 128, 3
     stack = random_delta_stack(u, n, k, bits=bits, group_size=group_size, scale_range=(0.01, 0.03), generator=gen)
     deltas = A.input_major_deltas(stack)
     x = _sparse_x(m, k, gen, dtype, dead=[(64, 96)])
@@ -102,9 +105,12 @@ def test_sparse_delta_linear_matches_reference_per_segment(interpret, dtype, bit
             want[r] += x[r].float() @ dequantize_delta(stack, d).t()
     torch.testing.assert_close(got, want.to(dtype), **_tol(dtype))
     assert torch.equal(got[1], base[1])  # a base-only row is left as it was
-    # rows of a segment together through tl.dot: the same sums
-    got_dot = A.sparse_delta_linear(x, deltas, row_delta, out=base.clone(), block_m=16, block_n=32, block_k=block_k)
-    torch.testing.assert_close(got_dot, want.to(dtype), **_tol(dtype))
+    # rows of a segment together through tl.dot, codes read byte by byte; one row at a time (GEMV);
+    # and, on rows of whole int32 words, tiles inside one group read as words, code slot by code slot
+    for kw in (dict(block_m=16, block_n=32, block_k=block_k), dict(block_m=1, block_n=32, block_k=block_k),
+               dict(block_m=16, block_n=512 // bits, block_k=min(block_k, group_size if group_size > 0 else k))):
+        got_kw = A.sparse_delta_linear(x, deltas, row_delta, out=base.clone(), **kw)
+        torch.testing.assert_close(got_kw, want.to(dtype), **_tol(dtype), msg=lambda e, kw=kw: f"{kw}: {e}")
     got_t = A.sparse_delta_linear(x, deltas, row_delta, threshold=0.5, block_n=64, block_k=block_k)
     torch.testing.assert_close(got_t, A.sparse_delta_linear_reference(x, deltas, row_delta, threshold=0.5), **_tol(dtype))
 

@@ -231,9 +231,12 @@ SHAPES_8B = {  # name: (out_features N, in_features K) of one Llama-3-8B decoder
     "gate_proj": (14336, 4096), "up_proj": (14336, 4096), "down_proj": (4096, 14336),
 }
 LAYERS_8B, VOCAB_8B = 32, 128256
-#: (block_n, block_k, num_warps) tried by ``speed --sweep``
-SWEEP_TILES = ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8), (256, 64, 4),
-               (256, 64, 8), (256, 128, 8), (128, 256, 8), (64, 256, 4))
+#: launch settings tried by ``speed --sweep``: (block_n, block_k, num_warps, mma) of the base kernel at
+#: batch 1 and (block_n, block_k, num_warps, block_m) of the delta kernel with 8 distinct deltas
+BASE_SWEEP = ((64, 128, 4, True), (128, 128, 4, True), (128, 64, 4, True), (256, 64, 4, True), (64, 256, 4, True),
+              (128, 256, 8, True), (64, 256, 4, False), (128, 128, 4, False))
+DELTA_SWEEP = ((128, 128, 4, 16), (256, 128, 4, 16), (128, 64, 4, 16), (256, 64, 8, 16), (512, 128, 8, 16),
+               (128, 128, 8, 16), (256, 128, 8, 16), (128, 128, 4, 1))
 
 
 def _sparse_rows(m: int, k: int, sparsity: float, gen: torch.Generator, device) -> torch.Tensor:
@@ -311,24 +314,25 @@ def run_speed(args) -> dict:
         return [lambda L=L, x=x[n]: A.sparse_delta_linear(x, L["im"], rd8, out=lin(x, L["w"]), segments=seg8, **cfg)
                 for n, L in layers.items()]
 
-    # tiles of the sparse kernels: the ones given, or the fastest of a sweep at the highest sparsity
+    # launch settings of the sparse kernels: the ones given, or the fastest of a sweep at the highest sparsity
     base_cfg = {"block_n": args.block_n or 128, "block_k": args.block_k or 128, "num_warps": args.num_warps}
     delta_cfg = {"block_n": args.block_n or 128, "block_k": args.block_k, "num_warps": args.num_warps}
-    sweep = []
+    sweep = {"base": [], "delta": []}
     if args.sweep:
         top = xs[max(args.sparsity)]
-        for bn, bk, nw in SWEEP_TILES:
-            b = {"block_n": bn, "block_k": bk, "num_warps": nw}
-            d = {"block_n": bn, "block_k": min(bk, args.group_size) if args.group_size > 0 else bk, "num_warps": nw}
-            us_b = time_calls(base_calls(top, b), rep_ms=args.rep_ms) * len(SHAPES_8B)
-            us_d = time_calls(delta8_calls(top, d), rep_ms=args.rep_ms) * len(SHAPES_8B)
-            sweep.append({"block_n": bn, "block_k": bk, "num_warps": nw, "base_b1_us": us_b, "delta_b8_us": us_d})
-            print(f"sweep {bn}x{bk} w{nw}: base batch 1 {us_b:.1f} us/block, 8 deltas {us_d:.1f} us/block", flush=True)
-        best_b = min(sweep, key=lambda r: r["base_b1_us"])
-        best_d = min(sweep, key=lambda r: r["delta_b8_us"])
-        base_cfg = {k: best_b[k] for k in ("block_n", "block_k", "num_warps")}
-        delta_cfg = {"block_n": best_d["block_n"], "num_warps": best_d["num_warps"],
-                     "block_k": min(best_d["block_k"], args.group_size) if args.group_size > 0 else best_d["block_k"]}
+        gs = args.group_size
+        for bn, bk, nw, mma in BASE_SWEEP:
+            cfg = {"block_n": bn, "block_k": bk, "num_warps": nw, "mma": mma}
+            us = time_calls(base_calls(top, cfg), rep_ms=args.rep_ms) * len(SHAPES_8B)
+            sweep["base"].append({**cfg, "us_per_block": us})
+            print(f"sweep base {cfg}: {us:.1f} us/block", flush=True)
+        for bn, bk, nw, bm in DELTA_SWEEP:
+            cfg = {"block_n": bn, "block_k": min(bk, gs) if gs > 0 else bk, "num_warps": nw, "block_m": bm}
+            us = time_calls(delta8_calls(top, cfg), rep_ms=args.rep_ms) * len(SHAPES_8B)
+            sweep["delta"].append({**cfg, "us_per_block": us})
+            print(f"sweep 8 deltas {cfg}: {us:.1f} us/block", flush=True)
+        base_cfg = {k: v for k, v in min(sweep["base"], key=lambda r: r["us_per_block"]).items() if k != "us_per_block"}
+        delta_cfg = {k: v for k, v in min(sweep["delta"], key=lambda r: r["us_per_block"]).items() if k != "us_per_block"}
     dense_x = xs[min(args.sparsity)]
     add("base, batch 1", 1, 0.0, "cuBLAS dense", [lambda L=L, x=dense_x[n][:1]: lin(x, L["w"]) for n, L in layers.items()])
     add("1 delta, batch 1", 1, 0.0, "fused planar kernel (dense)",
@@ -356,7 +360,8 @@ def run_speed(args) -> dict:
 def _tiles(cfg: Optional[dict]) -> str:
     if not cfg:
         return "defaults"
-    return f"{cfg['block_n']}x{cfg['block_k'] or 'auto'} (n x k), {cfg['num_warps']} warps"
+    extra = "".join(f", {k} {v}" for k, v in cfg.items() if k not in ("block_n", "block_k", "num_warps"))
+    return f"{cfg['block_n']}x{cfg['block_k'] or 'auto'} (n x k), {cfg['num_warps']} warps{extra}"
 
 
 def speed_table(result: dict) -> str:
@@ -407,8 +412,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     s.add_argument("--block-k", type=int, default=0, help="inputs per program of the sparse kernels (0: 128 for "
                                                           "the base, the group size up to 128 for deltas)")
     s.add_argument("--num-warps", type=int, default=4)
-    s.add_argument("--sweep", action="store_true", help="time the tiles of SWEEP_TILES at the highest sparsity "
-                                                        "first and use the fastest (recorded in the JSON)")
+    s.add_argument("--sweep", action="store_true", help="time the settings of BASE_SWEEP and DELTA_SWEEP at the "
+                                                        "highest sparsity first and use the fastest (recorded in the JSON)")
     for sp in (q, s):
         sp.add_argument("--sparsity", type=_sparsities, default=list(SPARSITIES),
                         help="comma-separated fractions (default 0,0.25,0.4,0.5)")

@@ -26,7 +26,9 @@ read *input-major* weights, where input ``k``'s column is one contiguous row:
 Skipping is exact: a skipped column contributes ``0 * w`` in the dense reference. Both kernels
 accept ``threshold=``: inputs with ``|x| <= threshold`` are treated as zero inside the kernel
 (no separate thresholding pass). The grids depend on shapes only (no host sync): safe to capture
-in a CUDA graph. On a CPU tensor without ``TRITON_INTERPRET=1`` the public functions run the
+in a CUDA graph. Each launch sums its tiles in a float32 workspace that the kernel leaves zero;
+the workspaces are kept per shape for the life of the process (a captured graph holds their
+addresses), so launches of one shape must not run concurrently on two streams. On a CPU tensor without ``TRITON_INTERPRET=1`` the public functions run the
 references.
 """
 
@@ -282,7 +284,7 @@ def _check_blocks(block_n: int, block_k: int, block_m: Optional[int] = None) -> 
 
 def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                        threshold: Optional[float] = None, out: Optional[torch.Tensor] = None,
-                       block_n: int = 128, block_k: int = 128, num_warps: int = 4,
+                       block_n: int = 64, block_k: int = 256, num_warps: int = 4,
                        mma: Optional[bool] = None) -> torch.Tensor:
     """``y = x W^T + bias`` reading only the weight columns of inputs some row of ``x`` keeps.
 
@@ -337,7 +339,7 @@ def _cdiv(a: int, b: int) -> int:
 
 def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: torch.Tensor, *,
                         out: Optional[torch.Tensor] = None, threshold: Optional[float] = None,
-                        segments: Optional[torch.Tensor] = None, block_m: int = 16, block_n: int = 128,
+                        segments: Optional[torch.Tensor] = None, block_m: int = 1, block_n: int = 128,
                         block_k: int = 0, num_warps: int = 4) -> torch.Tensor:
     """``out[m] += x[m] @ dequant(deltas[row_delta[m]])^T``, each segment of rows sharing a delta
     reading only the delta columns its own rows keep.
@@ -353,8 +355,9 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
         threshold: inputs with ``|x| <= threshold`` count as zero (``None``: only exact zeros).
         segments: the step's :func:`~kernels.layout.build_row_segments` table of ``row_delta`` (built
             here when ``None``); build it once per step and share it between layers.
-        block_m: rows of a segment multiplied together with ``tl.dot`` (16 or more; a segment of
-            one row is padded), or 1: each row on its own as a GEMV with no MMA.
+        block_m: 1 (default): each row of a segment on its own as a GEMV with no MMA (a mixed
+            batch of distinct deltas has one row per delta); 16 or more: rows of a segment
+            multiplied together with ``tl.dot`` (a segment of one row padded to 16).
         block_n, block_k, num_warps: the ``[block_k, block_n]`` tile of one program (powers of two,
             at least 16; ``block_k`` 0: the group size up to 128, so a tile reads one scale row).
 

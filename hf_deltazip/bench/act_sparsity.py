@@ -315,8 +315,9 @@ def run_speed(args) -> dict:
                 for n, L in layers.items()]
 
     # launch settings of the sparse kernels: the ones given, or the fastest of a sweep at the highest sparsity
-    base_cfg = {"block_n": args.block_n or 128, "block_k": args.block_k or 128, "num_warps": args.num_warps}
-    delta_cfg = {"block_n": args.block_n or 128, "block_k": args.block_k, "num_warps": args.num_warps}
+    given = {k: v for k, v in (("block_n", args.block_n), ("block_k", args.block_k)) if v}
+    base_cfg = {**given, "num_warps": args.num_warps}
+    delta_cfg = {**given, "num_warps": args.num_warps}
     sweep = {"base": [], "delta": []}
     if args.sweep:
         top = xs[max(args.sparsity)]
@@ -361,7 +362,8 @@ def _tiles(cfg: Optional[dict]) -> str:
     if not cfg:
         return "defaults"
     extra = "".join(f", {k} {v}" for k, v in cfg.items() if k not in ("block_n", "block_k", "num_warps"))
-    return f"{cfg['block_n']}x{cfg['block_k'] or 'auto'} (n x k), {cfg['num_warps']} warps{extra}"
+    return (f"{cfg.get('block_n', 'default')}x{cfg.get('block_k') or 'default'} (n x k), {cfg['num_warps']} "
+            f"warps{extra}")
 
 
 def speed_table(result: dict) -> str:
@@ -408,9 +410,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     s.add_argument("--bits", type=int, default=4, choices=(2, 4, 8))
     s.add_argument("--group-size", type=int, default=128)
     s.add_argument("--rep-ms", type=int, default=60)
-    s.add_argument("--block-n", type=int, default=0, help="outputs per program of the sparse kernels (0: 128)")
-    s.add_argument("--block-k", type=int, default=0, help="inputs per program of the sparse kernels (0: 128 for "
-                                                          "the base, the group size up to 128 for deltas)")
+    s.add_argument("--block-n", type=int, default=0, help="outputs per program of the sparse kernels (0: their "
+                                                          "defaults)")
+    s.add_argument("--block-k", type=int, default=0, help="inputs per program of the sparse kernels (0: their "
+                                                          "defaults)")
     s.add_argument("--num-warps", type=int, default=4)
     s.add_argument("--sweep", action="store_true", help="time the settings of BASE_SWEEP and DELTA_SWEEP at the "
                                                         "highest sparsity first and use the fastest (recorded in the JSON)")

@@ -379,3 +379,26 @@ def test_obs_compress_many_checks_its_inputs():
     with pytest.raises(ValueError, match="hessian must be"):
         obs_compress_many(d, torch.eye(8), [(4, None)])
     assert obs_compress_many(d, h, []) == []
+
+
+def test_magnitude_pruning_drops_what_a_stable_sort_drops():
+    # selection (kthvalue + first ties by index) replaced a full stable sort: same mask, ties included
+    from hf_deltazip.compression.solver import _prune_smallest, magnitude_mask
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        n = int(torch.randint(1, 300, (1,), generator=g))
+        a = (torch.randint(0, 4, (n,), generator=g).float() + (torch.rand(n, generator=g) < 0.3) * torch.rand(n, generator=g))
+        for count in {0, 1, n // 3, n - 1, n, n + 5}:
+            want = torch.ones(n, dtype=torch.bool)
+            want[torch.argsort(a, stable=True)[:count]] = False
+            assert torch.equal(_prune_smallest(a, count), want), (n, count)
+    d = torch.randn(12, 16, generator=g)
+    d[:4] = 0  # rows a fine-tune left alone: many exact ties at zero
+    mask = magnitude_mask(d, 0.5)
+    assert int((~mask).sum()) == 96 and not mask[:4].any()
+    shared = rtn_compress(d, bits=4, sparsity=0.5, keep_mask=mask)
+    assert torch.equal(shared.codes, rtn_compress(d, bits=4, sparsity=0.5).codes)
+    with pytest.raises(ValueError, match="keep_mask"):
+        rtn_compress(d, bits=4, sparsity=None, keep_mask=mask)
+    assert magnitude_mask(d, None) is None

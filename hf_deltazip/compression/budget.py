@@ -26,7 +26,7 @@ from ..config import Sparsity
 from ..delta import PackedModule
 from ..errors import DeltaZipConfigError
 from ..format.container import encoded_nbytes
-from .solver import obs_compress, obs_compress_many, objective, rtn_compress
+from .solver import magnitude_mask, obs_compress, obs_compress_many, objective, rtn_compress
 
 __all__ = [
     "Candidate",
@@ -118,7 +118,7 @@ def measure_module(
     k = delta.shape[1]
     options = []
     candidates = [c for c in candidates if not (c.sparsity == "2:4" and k % 4)]
-    solved = {}
+    solved, masks = {}, {}
     if hessian is not None:  # one stacked OBS pass per group size (2:4 goes one by one)
         for gs in dict.fromkeys(c.group_size for c in candidates):
             batch = [c for c in candidates if c.group_size == gs and c.sparsity != "2:4"]
@@ -131,9 +131,11 @@ def measure_module(
         elif hessian is not None:
             res = obs_compress(delta, hessian, bits=cand.bits, group_size=cand.group_size, symmetric=symmetric,
                                sparsity=cand.sparsity, block_size=block_size, damp=damp)
-        else:
+        else:  # one magnitude mask per sparsity, shared by the candidates that differ in bits or groups
+            if cand.sparsity not in masks:
+                masks[cand.sparsity] = magnitude_mask(delta, cand.sparsity)
             res = rtn_compress(delta, bits=cand.bits, group_size=cand.group_size, symmetric=symmetric,
-                               sparsity=cand.sparsity)
+                               sparsity=cand.sparsity, keep_mask=masks[cand.sparsity])
         packed = PackedModule.from_codes(res.codes, res.scales, res.zeros, res.mask, bits=res.bits,
                                          group_size=res.group_size, symmetric=res.symmetric,
                                          two_four=cand.sparsity == "2:4", kind=kind,

@@ -166,22 +166,23 @@ def _delta_row_words(x_row, cols, kmask, thr, q32_base, s_base, z_base, RW, N, G
         words = tl.load(q32_base + cols.to(tl.int64)[:, None] * RW + wcol[None, :],
                         mask=keep[:, None] & (wcol < RW)[None, :], other=0, eviction_policy="evict_first")
         xf = xv.to(tl.float32)
-        xs = tl.reduce(xf, 0, _add)
         for j in tl.static_range(P32):
             n_j = wcol * P32 + j
             nm = n_j < N
-            code = ((words >> (j * BITS)) & CMASK).to(tl.float32)
-            if BLOCK_GROUP:  # one scale and one zero per output: s * (x . c - z * sum(x))
+            # code as a float without an int->float conversion: OR-ed into the mantissa of 2**23 it
+            # reads as 2**23 + code; minus 2**23 + zero leaves code - zero exactly
+            cm = (((words >> (j * BITS)) & CMASK) | 0x4B000000).to(tl.float32, bitcast=True)
+            if BLOCK_GROUP:  # one scale and one zero per output
                 g = k0 // GS
                 sc = tl.load(s_base + g * N + n_j, mask=nm, other=0.0).to(tl.float32)
-                zf = tl.load(z_base + g * N + n_j, mask=nm, other=0).to(tl.float32)
-                part = sc * (tl.reduce(xf[:, None] * code, 0, _add) - zf * xs)
+                zm = tl.load(z_base + g * N + n_j, mask=nm, other=0).to(tl.float32) + 8388608.0
+                part = sc * tl.reduce(xf[:, None] * (cm - zm[None, :]), 0, _add)
             else:
                 gi = (cols // GS).to(tl.int64)[:, None] * N + n_j[None, :]
                 gm = keep[:, None] & nm[None, :]
                 sc = tl.load(s_base + gi, mask=gm, other=0.0).to(tl.float32)
-                zf = tl.load(z_base + gi, mask=gm, other=0).to(tl.float32)
-                part = tl.reduce(xf[:, None] * ((code - zf) * sc), 0, _add)
+                zm = tl.load(z_base + gi, mask=gm, other=0).to(tl.float32) + 8388608.0
+                part = tl.reduce(xf[:, None] * ((cm - zm) * sc), 0, _add)
             tl.atomic_add(ws_row + n_j, part, mask=nm, sem="relaxed", scope="gpu")
 
 

@@ -232,11 +232,13 @@ SHAPES_8B = {  # name: (out_features N, in_features K) of one Llama-3-8B decoder
 }
 LAYERS_8B, VOCAB_8B = 32, 128256
 #: launch settings tried by ``speed --sweep``: (block_n, block_k, num_warps, mma) of the base kernel at
-#: batch 1 and (block_n, block_k, num_warps, block_m) of the delta kernel with 8 distinct deltas
-BASE_SWEEP = ((64, 128, 4, True), (128, 128, 4, True), (128, 64, 4, True), (256, 64, 4, True), (64, 256, 4, True),
-              (128, 256, 8, True), (64, 256, 4, False), (128, 128, 4, False))
-DELTA_SWEEP = ((128, 128, 4, 16), (256, 128, 4, 16), (128, 64, 4, 16), (256, 64, 8, 16), (512, 128, 8, 16),
-               (128, 128, 8, 16), (256, 128, 8, 16), (128, 128, 4, 1))
+#: batch 1 and (block_n, block_k, num_warps, block_m) of the delta kernel with 8 distinct deltas. The MMA
+#: variants were slower in every setting of the 2026-12-02 sweep (BENCHMARKS.md section 8): one of each is
+#: kept for reference; wider column tiles keep more of the sum over k inside a lane
+BASE_SWEEP = ((64, 256, 4, False), (64, 128, 4, False), (128, 128, 4, False), (128, 256, 8, False),
+              (256, 64, 4, False), (256, 128, 8, False), (32, 256, 4, False), (256, 64, 4, True))
+DELTA_SWEEP = ((128, 128, 4, 1), (256, 128, 4, 1), (512, 128, 4, 1), (512, 64, 4, 1), (1024, 64, 8, 1),
+               (256, 64, 4, 1), (512, 128, 8, 1), (256, 128, 4, 16))
 
 
 def _sparse_rows(m: int, k: int, sparsity: float, gen: torch.Generator, device) -> torch.Tensor:

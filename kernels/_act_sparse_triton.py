@@ -27,12 +27,10 @@ no memset and no reduction kernel, and the workspace and counters are left zero 
 ``GEMV`` (``BM == 1``): one row's ``[BK]`` inputs times the ``[BK, BN]`` tile, a multiply and a sum
 over the k-tile, no MMA; in the delta kernel each row of a segment then reads the tile itself (a
 segment of one row is what a mixed batch of distinct deltas has). Otherwise ``tl.dot`` on
-``BM >= 16`` rows (one row padded to 16 too: the tensor cores do the sum over the k-tile, which
-costs far fewer instructions per weight than a reduction across lanes). ``WORDS`` (delta kernel):
-packed code rows are whole int32 words, read as words (vector loads) and taken apart in
-registers; code ``j`` of word ``w`` is output ``w * (32 / BITS) + j``, so each ``j`` is a strided
-slice of the tile's outputs. With MMA, ``MAGIC`` turns codes into fp16/bf16 without int->float
-conversions (``(code | 0x6400)`` read as fp16 is ``1024 + code``).
+``BM >= 16`` rows (one row padded to 16 too). ``WORDS`` (delta GEMV): packed code rows are whole
+int32 words, read as words (vector loads) and taken apart in registers; code ``j`` of word ``w`` is
+output ``w * (32 / BITS) + j``, so each ``j`` is a strided slice of the tile's outputs. (Words
+through ``tl.dot``, eight small MMAs per tile, were measured and dropped: 1.3-6x slower than the GEMV.)
 
 ``BLOCK_GROUP`` (delta kernel): the k-tile lies in one quantization group, so the tile reads one scale
 row and one zero row and computes ``s * (x.codes - z * sum(x))``; otherwise every element is
@@ -187,69 +185,32 @@ def _delta_row_words(x_row, cols, kmask, thr, q32_base, s_base, z_base, RW, N, G
 
 
 @triton.jit
-def _magic_codes(code, zc, MAGIC: tl.constexpr, XDT: tl.constexpr):
-    # code - zero, exact, in the activations' dtype. MAGIC avoids int->float conversions (slow on
-    # the GPU): OR-ing a code into the mantissa of 1024.0 (fp16) or 128.0 (bf16, codes < 128) gives
-    # 1024 + code; ``zc`` is 1024 + zero (128 + zero) in that dtype, so the difference is exact.
-    if MAGIC == 1:
-        return (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - zc
-    elif MAGIC == 2:
-        return (code | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - zc
-    else:
-        return (code.to(tl.float32) - zc.to(tl.float32)).to(XDT)
-
-
-@triton.jit
-def _delta_tile(x_ptr, stride_xm, rows, row_ok, cols, kmask, thr, q_base, q32_base, s_base, z_base, RB, N, GS,
-                k0, offs_n, nmask, byte_col, shift, wcol, ws_ptr,
+def _delta_tile(x_ptr, stride_xm, rows, row_ok, cols, kmask, thr, q_base, s_base, z_base, RB, N, GS,
+                k0, offs_n, nmask, byte_col, shift, ws_ptr,
                 BITS: tl.constexpr, CMASK: tl.constexpr, THRESH: tl.constexpr, BLOCK_GROUP: tl.constexpr,
-                WORDS: tl.constexpr, MAGIC: tl.constexpr, DOT_PREC: tl.constexpr):
-    # block rows times one [BK, BN] tile of a delta, through tl.dot. WORDS (with BLOCK_GROUP): the
-    # codes read as int32 words and multiplied code slot by code slot (slot j of word w is output
-    # w * (32/BITS) + j), each slot turned into centred codes in the activations' dtype
+                DOT_PREC: tl.constexpr):
+    # block rows times one [BK, BN] tile of a delta (codes read byte by byte), through tl.dot
     xt, col_keep = _kept_inputs(x_ptr + rows.to(tl.int64) * stride_xm, row_ok, cols, kmask, thr, THRESH)
     if _any(col_keep, 0):
-        if WORDS:
-            P32: tl.constexpr = 32 // BITS
-            RW = RB // 4
-            words = tl.load(q32_base + cols.to(tl.int64)[:, None] * RW + wcol[None, :],
-                            mask=col_keep[:, None] & (wcol < RW)[None, :], other=0, eviction_policy="evict_first")
+        wmask = col_keep[:, None] & nmask[None, :]
+        qb = tl.load(q_base + cols.to(tl.int64)[:, None] * RB + byte_col[None, :], mask=wmask, other=0,
+                     eviction_policy="evict_first")
+        code = (qb.to(tl.int32) >> shift[None, :]) & CMASK
+        if BLOCK_GROUP:  # the whole k-tile inside one quantization group: one scale row, one zero row
             g = k0 // GS
-            for j in tl.static_range(P32):
-                n_j = wcol * P32 + j
-                nm = n_j < N
-                zf = tl.load(z_base + g * N + n_j, mask=nm, other=0).to(tl.int32)
-                if MAGIC == 1:
-                    zc = (zf + 1024).to(tl.float16)
-                elif MAGIC == 2:
-                    zc = (zf + 128).to(tl.bfloat16)
-                else:
-                    zc = zf
-                sc = tl.load(s_base + g * N + n_j, mask=nm, other=0.0).to(tl.float32)
-                cj = _magic_codes((words >> (j * BITS)) & CMASK, zc[None, :], MAGIC, xt.dtype)
-                part = tl.dot(xt, cj, input_precision=DOT_PREC) * sc[None, :]
-                tl.atomic_add(ws_ptr + rows.to(tl.int64)[:, None] * N + n_j[None, :], part,
-                              mask=row_ok[:, None] & nm[None, :], sem="relaxed", scope="gpu")
+            zf = tl.load(z_base + g * N + offs_n, mask=nmask, other=0).to(tl.float32)
+            sc = tl.load(s_base + g * N + offs_n, mask=nmask, other=0.0).to(tl.float32)
+            # x . ((c - z) * s) = s * (x . c - z * sum(x)): the codes go into the product as they are
+            xc = tl.dot(xt, code.to(xt.dtype), input_precision=DOT_PREC)
+            xs = tl.reduce(xt.to(tl.float32), 1, _add)
+            part = sc[None, :] * (xc - zf[None, :] * xs[:, None])
         else:
-            wmask = col_keep[:, None] & nmask[None, :]
-            qb = tl.load(q_base + cols.to(tl.int64)[:, None] * RB + byte_col[None, :], mask=wmask, other=0,
-                         eviction_policy="evict_first")
-            code = (qb.to(tl.int32) >> shift[None, :]) & CMASK
-            if BLOCK_GROUP:  # the whole k-tile inside one quantization group: one scale row, one zero row
-                g = k0 // GS
-                zf = tl.load(z_base + g * N + offs_n, mask=nmask, other=0).to(tl.float32)
-                sc = tl.load(s_base + g * N + offs_n, mask=nmask, other=0.0).to(tl.float32)
-                # x . ((c - z) * s) = s * (x . c - z * sum(x)): the codes go into the product as they are
-                xc = tl.dot(xt, code.to(xt.dtype), input_precision=DOT_PREC)
-                xs = tl.reduce(xt.to(tl.float32), 1, _add)
-                part = sc[None, :] * (xc - zf[None, :] * xs[:, None])
-            else:
-                gi = (cols // GS).to(tl.int64)[:, None] * N + offs_n[None, :]
-                zf = tl.load(z_base + gi, mask=wmask, other=0).to(tl.float32)
-                sc = tl.load(s_base + gi, mask=wmask, other=0.0).to(tl.float32)
-                part = tl.dot(xt, ((code.to(tl.float32) - zf) * sc).to(xt.dtype), input_precision=DOT_PREC)
-            tl.atomic_add(ws_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :], part,
-                          mask=row_ok[:, None] & nmask[None, :], sem="relaxed", scope="gpu")
+            gi = (cols // GS).to(tl.int64)[:, None] * N + offs_n[None, :]
+            zf = tl.load(z_base + gi, mask=wmask, other=0).to(tl.float32)
+            sc = tl.load(s_base + gi, mask=wmask, other=0.0).to(tl.float32)
+            part = tl.dot(xt, ((code.to(tl.float32) - zf) * sc).to(xt.dtype), input_precision=DOT_PREC)
+        tl.atomic_add(ws_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :], part,
+                      mask=row_ok[:, None] & nmask[None, :], sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -282,8 +243,8 @@ def sparse_delta_kernel(
     x_ptr, q_ptr, q32_ptr, s_ptr, z_ptr, seg_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, thr,
     M, N, K, U, RB, G, GS, stride_xm, stride_om,
     BITS: tl.constexpr, THRESH: tl.constexpr, BLOCK_GROUP: tl.constexpr, GEMV: tl.constexpr,
-    WORDS: tl.constexpr, MAGIC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    MP: tl.constexpr, DOT_PREC: tl.constexpr,
+    WORDS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     P: tl.constexpr = 8 // BITS  # codes per byte (along the outputs)
     CMASK: tl.constexpr = (1 << BITS) - 1
@@ -325,11 +286,8 @@ def sparse_delta_kernel(
                 rr = r0 + tl.arange(0, BM)
                 row_ok = rr < count
                 rows = tl.load(seg_ptr + first + rr, mask=row_ok, other=0)
-                WT: tl.constexpr = BN * BITS // 32
-                _delta_tile(x_ptr, stride_xm, rows, row_ok, cols, kmask, thr, q_base,
-                            q32_ptr + u64 * K * (RB // 4), s_base, z_base, RB, N, GS,
-                            k0, offs_n, nmask, byte_col, shift, pid_n * WT + tl.arange(0, WT), ws_ptr,
-                            BITS, CMASK, THRESH, BLOCK_GROUP, WORDS, MAGIC, DOT_PREC)
+                _delta_tile(x_ptr, stride_xm, rows, row_ok, cols, kmask, thr, q_base, s_base, z_base, RB, N, GS,
+                            k0, offs_n, nmask, byte_col, shift, ws_ptr, BITS, CMASK, THRESH, BLOCK_GROUP, DOT_PREC)
         counter = cnt_ptr + t * tl.num_programs(0) + pid_n
         if _count_in(counter) == tl.num_programs(1) - 1:  # the last k-tile of this (n-tile, segment)
             for r0 in range(0, count, BM):

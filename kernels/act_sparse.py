@@ -394,17 +394,14 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
     q = deltas.qweight
     # whole int32 words per packed row (every 8B shape): the one-row path reads words
     block_group = gs % block_k == 0
-    # whole int32 words per packed row (every 8B shape): read as words (through tl.dot: a slot of
-    # every word is >= 16 outputs, one tile inside one group)
-    words = (rb % 4 == 0 and q.is_contiguous() and q.data_ptr() % 4 == 0 and block_n * deltas.bits >= 32
-             and (block_m == 1 or (block_group and block_n * deltas.bits >= 512)))
-    magic = 1 if x.dtype == torch.float16 else 2 if x.dtype == torch.bfloat16 and deltas.bits <= 4 else 0
+    # whole int32 words per packed row (every 8B shape): the one-row path reads words
+    words = block_m == 1 and rb % 4 == 0 and q.is_contiguous() and q.data_ptr() % 4 == 0 and block_n * deltas.bits >= 32
     _kernel("sparse_delta_kernel")[grid](
         x, q, q.view(torch.int32) if words else q, deltas.scales, deltas.zeros, segments.contiguous(), out, ws,
         ws.view(torch.int32), cnt, thr,
         m, n, k, deltas.num_deltas, deltas.qweight.shape[2], num_groups(k, deltas.group_size), gs,
         x.stride(0), out.stride(0),
-        BITS=deltas.bits, THRESH=use_thr, BLOCK_GROUP=block_group, GEMV=block_m == 1, WORDS=words, MAGIC=magic, BM=block_m,
+        BITS=deltas.bits, THRESH=use_thr, BLOCK_GROUP=block_group, GEMV=block_m == 1, WORDS=words, BM=block_m,
         BN=block_n, BK=block_k, MP=max(2, _next_pow2(m)), DOT_PREC=_dot_prec(x), num_warps=num_warps,
     )
     return out

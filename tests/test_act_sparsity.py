@@ -105,8 +105,8 @@ def test_sparse_delta_linear_matches_reference_per_segment(interpret, dtype, bit
             want[r] += x[r].float() @ dequantize_delta(stack, d).t()
     torch.testing.assert_close(got, want.to(dtype), **_tol(dtype))
     assert torch.equal(got[1], base[1])  # a base-only row is left as it was
-    # rows of a segment together through tl.dot, codes read byte by byte; one row at a time (GEMV);
-    # and, on rows of whole int32 words, tiles inside one group read as words, code slot by code slot
+    # rows of a segment together through tl.dot (narrow and wide tiles); one row at a time (GEMV: on
+    # rows of whole int32 words, n = 80, the codes are read as words and taken apart slot by slot)
     for kw in (dict(block_m=16, block_n=32, block_k=block_k), dict(block_m=1, block_n=32, block_k=block_k),
                dict(block_m=16, block_n=512 // bits, block_k=min(block_k, group_size if group_size > 0 else k))):
         got_kw = A.sparse_delta_linear(x, deltas, row_delta, out=base.clone(), **kw)

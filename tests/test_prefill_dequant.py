@@ -192,3 +192,15 @@ def test_dequant_route_on_a_transposed_layer_with_bias_changes(tmp_path, monkeyp
         got = ker(input_ids=ids, delta_names=["d", None]).logits
     assert calls["dequant"] and not calls["fused"]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_dequant_route_builds_each_deltas_row_index_once_per_batch():
+    # every layer gathers the same rows of a delta: the index is made once and shared (one host-to-device
+    # copy per batch, not one per layer, which on a GPU waits for the stream each time)
+    from hf_deltazip.modeling.routing import BatchRouting
+
+    routing = BatchRouting.per_row([3, -1, 3])
+    idx = routing.token_rows((0, 2), 4, torch.device("cpu"))
+    assert idx.tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
+    assert routing.token_rows((0, 2), 4, torch.device("cpu")) is idx
+    assert routing.token_rows((1,), 4, torch.device("cpu")).tolist() == [4, 5, 6, 7]

@@ -454,7 +454,7 @@ class DeltaLinear(DeltaModule):
             in_stacks = stacks.slots
             held = {s: rows for s, rows in groups.items() if s in in_stacks}  # batch rows of each delta here
         if held and self.policy.wants_dequant(per_row * min(len(r) for r in held.values())):
-            y = self._forward_dequant(x2, per_row, held, stacks)
+            y = self._forward_dequant(x2, per_row, held, stacks, routing)
         elif self._through:  # the base by its own module, the deltas by the kernel over an all-zero base
             y = self.base_layer(x2)
             y = y + stacks.apply(x2, self._zero_base(x2), None, slot_tok, segments, share).to(y.dtype)
@@ -469,14 +469,15 @@ class DeltaLinear(DeltaModule):
         w = self.base_weight_nk()
         return self._contiguous_weight(w) if self.transposed else w
 
-    def _forward_dequant(self, x2, per_row: int, held: dict, stacks) -> torch.Tensor:
+    def _forward_dequant(self, x2, per_row: int, held: dict, stacks, routing) -> torch.Tensor:
         """The dequant route (``DeltaModel.configure_kernels(prefill="dequant")``): the base for all rows in
         one dense matmul, then per delta ``x_rows @ dequant(delta)^T`` added to its rows (bias changes are
         the caller's). ``held``: slot -> batch rows, for the slots the stacks hold; ``per_row``: rows of
-        ``x2`` per batch row."""
+        ``x2`` per batch row; ``routing``: the batch's routing (it keeps each delta's row index on the
+        device for every layer)."""
         y = self.base_layer(x2) if self._through else F.linear(x2, self._kernel_weight(), self.base_layer.bias)
         for slot, rows in held.items():
-            idx = (torch.tensor(rows)[:, None] * per_row + torch.arange(per_row)).reshape(-1).to(x2.device)
+            idx = routing.token_rows(tuple(rows), per_row, x2.device)
             d = stacks.dense_delta(slot, x2.dtype)
             y.index_add_(0, idx, F.linear(x2.index_select(0, idx), d).to(y.dtype))
         return y

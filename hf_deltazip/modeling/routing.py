@@ -103,6 +103,17 @@ class BatchRouting:
             hit = self._device_cache[key] = (slots.long() + 1, (slots, build_row_segments(slots)))
         return hit
 
+    def token_rows(self, rows: tuple, tokens: int, device) -> torch.Tensor:
+        """Long indices of the ``rows * tokens`` flattened rows of the batch rows ``rows``, made once per batch
+        and device (every layer of the dequant route gathers the same rows: one host-to-device copy, not
+        one per layer)."""
+        key = ("tokens", rows, tokens, str(device))
+        hit = self._device_cache.get(key)
+        if hit is None:
+            r = torch.tensor(rows, dtype=torch.long)
+            hit = self._device_cache[key] = (r[:, None] * tokens + torch.arange(tokens)).reshape(-1).to(device)
+        return hit
+
 
 _BASE = BatchRouting.base()
 

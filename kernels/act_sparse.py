@@ -62,8 +62,6 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BITS = (2, 4, 8)
 #: rows one base program handles (a decode step at batch 1-16); more rows keep fewer zero columns
 SPARSE_BASE_MAX_ROWS = 16
-#: whether one row goes through tl.dot (padded to 16 rows) rather than a GEMV by default
-BASE_MMA_DEFAULT = False
 
 
 def sparsify_input(x: torch.Tensor, threshold: Optional[float]) -> torch.Tensor:
@@ -285,7 +283,7 @@ def _check_blocks(block_n: int, block_k: int, block_m: Optional[int] = None) -> 
 def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                        threshold: Optional[float] = None, out: Optional[torch.Tensor] = None,
                        block_n: int = 64, block_k: int = 256, num_warps: int = 4,
-                       mma: Optional[bool] = None) -> torch.Tensor:
+                       mma: bool = False) -> torch.Tensor:
     """``y = x W^T + bias`` reading only the weight columns of inputs some row of ``x`` keeps.
 
     Args:
@@ -298,8 +296,8 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
         out: optional ``[M, N]`` output.
         block_n, block_k, num_warps: the ``[block_k, block_n]`` weight tile of one program (powers
             of two, at least 16) and its warps. Memory is skipped per input whatever the tile.
-        mma: multiply through ``tl.dot`` on blocks of 16 rows (one row padded); ``False``: one row
-            runs as a GEMV (a multiply and a sum across lanes); ``None``: :data:`BASE_MMA_DEFAULT`.
+        mma: one row through ``tl.dot`` too, padded to 16 rows; ``False`` (default, faster on the
+            H200): one row runs as a GEMV (a multiply and a sum across lanes).
 
     Returns:
         ``[M, N]`` in ``out``'s dtype (default ``x.dtype``), accumulated in float32.
@@ -321,7 +319,7 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
         return out
     if k == 0:
         return out.copy_(bias.expand(m, n) if bias is not None else torch.zeros((), dtype=out.dtype))
-    bm = 1 if m == 1 and not (BASE_MMA_DEFAULT if mma is None else mma) else SPARSE_BASE_MAX_ROWS
+    bm = 1 if m == 1 and not mma else SPARSE_BASE_MAX_ROWS
     grid = (_cdiv(n, block_n), _cdiv(k, block_k), _cdiv(m, bm))
     ws, cnt = _workspace(x.device, m, n, grid[0] * grid[2])
     _kernel("sparse_base_kernel")[grid](
@@ -390,16 +388,15 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
     # segments past the last one exit at once; at most U + 1 segments exist (the base-only rows too)
     grid = (_cdiv(n, block_n), _cdiv(k, block_k), min(m, deltas.num_deltas + 1))
     ws, cnt = _workspace(x.device, m, n, grid[0] * grid[2])
-    rb = deltas.qweight.shape[2]
     q = deltas.qweight
-    # whole int32 words per packed row (every 8B shape): the one-row path reads words
+    rb = q.shape[2]
     block_group = gs % block_k == 0
     # whole int32 words per packed row (every 8B shape): the one-row path reads words
     words = block_m == 1 and rb % 4 == 0 and q.is_contiguous() and q.data_ptr() % 4 == 0 and block_n * deltas.bits >= 32
     _kernel("sparse_delta_kernel")[grid](
         x, q, q.view(torch.int32) if words else q, deltas.scales, deltas.zeros, segments.contiguous(), out, ws,
         ws.view(torch.int32), cnt, thr,
-        m, n, k, deltas.num_deltas, deltas.qweight.shape[2], num_groups(k, deltas.group_size), gs,
+        m, n, k, deltas.num_deltas, rb, num_groups(k, deltas.group_size), gs,
         x.stride(0), out.stride(0),
         BITS=deltas.bits, THRESH=use_thr, BLOCK_GROUP=block_group, GEMV=block_m == 1, WORDS=words, BM=block_m,
         BN=block_n, BK=block_k, MP=max(2, _next_pow2(m)), DOT_PREC=_dot_prec(x), num_warps=num_warps,

@@ -120,7 +120,7 @@ def sparse_base_kernel(
     x_ptr, wt_ptr, bias_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, thr,
     M, N, K, stride_xm, stride_wk, stride_om,
     HAS_BIAS: tl.constexpr, THRESH: tl.constexpr, GEMV: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKI: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -132,7 +132,18 @@ def sparse_base_kernel(
     cols = pid_k * BK + tl.arange(0, BK)
     kmask = cols < K
     w_ptrs = wt_ptr + cols.to(tl.int64)[:, None] * stride_wk + offs_n[None, :]
-    if GEMV:  # one row: a [BK] x [BK, BN] product without MMA
+    if GEMV and BKI < BK:  # one row, the tile in [BKI, BN] steps summed inside each lane, one reduction
+        x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
+        acc = tl.full([BKI, BN], 0.0, tl.float32)
+        for kk in range(0, BK, BKI):
+            c = pid_k * BK + kk + tl.arange(0, BKI)
+            xv, keep = _kept_input_row(x_row, c, c < K, thr, THRESH)
+            wt = tl.load(wt_ptr + c.to(tl.int64)[:, None] * stride_wk + offs_n[None, :],
+                         mask=keep[:, None] & nmask[None, :], other=0.0, eviction_policy="evict_first")
+            acc += xv.to(tl.float32)[:, None] * wt.to(tl.float32)
+        tl.atomic_add(ws_ptr + pid_m.to(tl.int64) * N + offs_n, tl.reduce(acc, 0, _add), mask=nmask,
+                      sem="relaxed", scope="gpu")
+    elif GEMV:  # one row: a [BK] x [BK, BN] product without MMA
         xv, keep = _kept_input_row(x_ptr + pid_m.to(tl.int64) * stride_xm, cols, kmask, thr, THRESH)
         if _any(keep, 0):
             # only the weight rows of kept inputs are read (masked lines are never requested)
@@ -182,6 +193,39 @@ def _delta_row_words(x_row, cols, kmask, thr, q32_base, s_base, z_base, RW, N, G
                 zm = tl.load(z_base + gi, mask=gm, other=0).to(tl.float32) + 8388608.0
                 part = tl.reduce(xf[:, None] * ((cm - zm) * sc), 0, _add)
             tl.atomic_add(ws_row + n_j, part, mask=nm, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _delta_row_words_loop(x_row, k0, K, thr, q32_base, s_base, z_base, RW, N, GS, wcol, ws_row,
+                          BITS: tl.constexpr, CMASK: tl.constexpr, THRESH: tl.constexpr,
+                          BK: tl.constexpr, BKI: tl.constexpr, W: tl.constexpr):
+    # one row times one [BK, BN] tile inside one quantization group, in [BKI] steps: the codes of a
+    # step as [BKI, W, 32/BITS] (word, slot), summed over k inside each lane; one reduction at the end,
+    # then s * (x.c - z * sum(x)) per output (output of word w, slot j: w * (32/BITS) + j)
+    P32: tl.constexpr = 32 // BITS
+    shifts = (tl.arange(0, P32) * BITS)[None, None, :]
+    acc = tl.full([BKI, W, P32], 0.0, tl.float32)
+    xsum = tl.full([BKI], 0.0, tl.float32)
+    kept = tl.full([BKI], 0, tl.int32)
+    for kk in range(0, BK, BKI):
+        c = k0 + kk + tl.arange(0, BKI)
+        xv, keep = _kept_input_row(x_row, c, c < K, thr, THRESH)
+        words = tl.load(q32_base + c.to(tl.int64)[:, None] * RW + wcol[None, :],
+                        mask=keep[:, None] & (wcol < RW)[None, :], other=0, eviction_policy="evict_first")
+        # the code as a float without an int->float conversion: OR-ed into the mantissa of 2**23
+        cm = (((words[:, :, None] >> shifts) & CMASK) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        xf = xv.to(tl.float32)
+        acc += xf[:, None, None] * cm
+        xsum += xf
+        kept += keep.to(tl.int32)
+    if tl.reduce(kept, 0, _add) > 0:  # a group no input of the row keeps: its scales are never read
+        n3 = wcol[:, None] * P32 + tl.arange(0, P32)[None, :]
+        nm = n3 < N
+        g = k0 // GS
+        sc = tl.load(s_base + g * N + n3, mask=nm, other=0.0).to(tl.float32)
+        zf = tl.load(z_base + g * N + n3, mask=nm, other=0).to(tl.float32)
+        part = sc * (tl.reduce(acc, 0, _add) - zf * tl.reduce(xsum, 0, _add))
+        tl.atomic_add(ws_row + n3, part, mask=nm, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -243,8 +287,8 @@ def sparse_delta_kernel(
     x_ptr, q_ptr, q32_ptr, s_ptr, z_ptr, seg_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, thr,
     M, N, K, U, RB, G, GS, stride_xm, stride_om,
     BITS: tl.constexpr, THRESH: tl.constexpr, BLOCK_GROUP: tl.constexpr, GEMV: tl.constexpr,
-    WORDS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    WORDS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKI: tl.constexpr,
+    MP: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     P: tl.constexpr = 8 // BITS  # codes per byte (along the outputs)
     CMASK: tl.constexpr = (1 << BITS) - 1
@@ -272,8 +316,12 @@ def sparse_delta_kernel(
         if GEMV:  # each row of the segment on its own (a segment of one row is the usual case)
             for r in range(0, count):
                 row = tl.load(seg_ptr + first + r).to(tl.int64)
-                if WORDS:
-                    W: tl.constexpr = BN * BITS // 32
+                W: tl.constexpr = BN * BITS // 32
+                if WORDS and BLOCK_GROUP and BKI < BK:
+                    _delta_row_words_loop(x_ptr + row * stride_xm, k0, K, thr, q32_ptr + u64 * K * (RB // 4),
+                                          s_base, z_base, RB // 4, N, GS, pid_n * W + tl.arange(0, W),
+                                          ws_ptr + row * N, BITS, CMASK, THRESH, BK, BKI, W)
+                elif WORDS:
                     _delta_row_words(x_ptr + row * stride_xm, cols, kmask, thr, q32_ptr + u64 * K * (RB // 4),
                                      s_base, z_base, RB // 4, N, GS, k0, pid_n * W + tl.arange(0, W),
                                      ws_ptr + row * N, BITS, CMASK, THRESH, BLOCK_GROUP)

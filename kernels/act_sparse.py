@@ -270,6 +270,15 @@ def _workspace(device: torch.device, m: int, n: int, counters: int) -> tuple[tor
     return ws
 
 
+def _inner_k(inner_k: int, block_k: int) -> int:
+    """The kernels' ``BKI``: ``inner_k``, or ``block_k`` (one step) for 0."""
+    if inner_k == 0:
+        return block_k
+    if inner_k < 1 or inner_k & (inner_k - 1) or inner_k > block_k:
+        raise ValueError(f"inner_k must be 0 or a power of two up to block_k={block_k}, got {inner_k}")
+    return inner_k
+
+
 def _check_blocks(block_n: int, block_k: int, block_m: Optional[int] = None) -> None:
     for name, v in (("block_n", block_n), ("block_k", block_k), ("block_m", block_m)):
         if v is not None and (v < 1 or v & (v - 1)):
@@ -283,7 +292,7 @@ def _check_blocks(block_n: int, block_k: int, block_m: Optional[int] = None) -> 
 def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                        threshold: Optional[float] = None, out: Optional[torch.Tensor] = None,
                        block_n: int = 64, block_k: int = 256, num_warps: int = 4,
-                       mma: bool = False) -> torch.Tensor:
+                       mma: bool = False, inner_k: int = 0) -> torch.Tensor:
     """``y = x W^T + bias`` reading only the weight columns of inputs some row of ``x`` keeps.
 
     Args:
@@ -298,12 +307,16 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
             of two, at least 16) and its warps. Memory is skipped per input whatever the tile.
         mma: one row through ``tl.dot`` too, padded to 16 rows; ``False`` (default, faster on the
             H200): one row runs as a GEMV (a multiply and a sum across lanes).
+        inner_k: one-row GEMV only: walk the tile in steps of ``inner_k`` inputs (a power of two
+            below ``block_k``), summing inside each lane and across lanes once per tile; 0 (default):
+            the whole tile in one step.
 
     Returns:
         ``[M, N]`` in ``out``'s dtype (default ``x.dtype``), accumulated in float32.
     """
     _check_base(x, weight_t, bias, out)
     _check_blocks(block_n, block_k)
+    bki = _inner_k(inner_k, block_k)
     thr, use_thr = _thr(threshold, x.dtype)
     if _runs_reference(x):
         y = sparse_base_linear_reference(x, weight_t, bias, threshold)
@@ -325,7 +338,7 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
     _kernel("sparse_base_kernel")[grid](
         x, weight_t, bias if bias is not None else out, out, ws, ws.view(torch.int32), cnt, thr,
         m, n, k, x.stride(0), weight_t.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, THRESH=use_thr, GEMV=bm == 1, BM=bm, BN=block_n, BK=block_k,
+        HAS_BIAS=bias is not None, THRESH=use_thr, GEMV=bm == 1, BM=bm, BN=block_n, BK=block_k, BKI=bki,
         DOT_PREC=_dot_prec(x), num_warps=num_warps,
     )
     return out
@@ -338,7 +351,7 @@ def _cdiv(a: int, b: int) -> int:
 def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: torch.Tensor, *,
                         out: Optional[torch.Tensor] = None, threshold: Optional[float] = None,
                         segments: Optional[torch.Tensor] = None, block_m: int = 1, block_n: int = 128,
-                        block_k: int = 0, num_warps: int = 4) -> torch.Tensor:
+                        block_k: int = 0, num_warps: int = 4, inner_k: int = 0) -> torch.Tensor:
     """``out[m] += x[m] @ dequant(deltas[row_delta[m]])^T``, each segment of rows sharing a delta
     reading only the delta columns its own rows keep.
 
@@ -358,6 +371,10 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
             multiplied together with ``tl.dot`` (a segment of one row padded to 16).
         block_n, block_k, num_warps: the ``[block_k, block_n]`` tile of one program (powers of two,
             at least 16; ``block_k`` 0: the group size up to 128, so a tile reads one scale row).
+        inner_k: one-row GEMV on codes read as int32 words with the tile inside one group: walk the
+            tile in steps of ``inner_k`` inputs (a power of two below ``block_k``), the sum over
+            inputs kept inside each lane and reduced once per tile; 0 (default): one step. Other
+            paths ignore it.
 
     Returns:
         ``out``.
@@ -370,6 +387,7 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
         while block_k > 16 and gs % block_k:
             block_k //= 2
     _check_blocks(block_n, block_k, block_m)
+    bki = _inner_k(inner_k, block_k)
     thr, use_thr = _thr(threshold, x.dtype)
     if _runs_reference(x):
         y = sparse_delta_linear_reference(x, deltas, row_delta, out, threshold)
@@ -399,7 +417,7 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
         m, n, k, deltas.num_deltas, rb, num_groups(k, deltas.group_size), gs,
         x.stride(0), out.stride(0),
         BITS=deltas.bits, THRESH=use_thr, BLOCK_GROUP=block_group, GEMV=block_m == 1, WORDS=words, BM=block_m,
-        BN=block_n, BK=block_k, MP=max(2, _next_pow2(m)), DOT_PREC=_dot_prec(x), num_warps=num_warps,
+        BN=block_n, BK=block_k, BKI=bki, MP=max(2, _next_pow2(m)), DOT_PREC=_dot_prec(x), num_warps=num_warps,
     )
     return out
 

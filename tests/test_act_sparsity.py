@@ -59,6 +59,11 @@ def test_sparse_base_linear_matches_dense_reference(interpret, dtype, m, n, k):
     torch.testing.assert_close(A.sparse_base_linear(x, wt, bias, block_n=16, block_k=64), dense, **_tol(dtype))
     for mma in (True, False):  # one row through tl.dot (padded to 16 rows) or as a GEMV
         torch.testing.assert_close(A.sparse_base_linear(x, wt, bias, block_n=32, block_k=32, mma=mma), dense, **_tol(dtype))
+    for inner in (8, 16):  # one-row GEMV walking each tile in steps, summed inside lanes (ignored for M > 1)
+        torch.testing.assert_close(A.sparse_base_linear(x, wt, bias, block_n=32, block_k=64, inner_k=inner), dense,
+                                   **_tol(dtype))
+    with pytest.raises(ValueError, match="inner_k"):
+        A.sparse_base_linear(x, wt, bias, block_k=32, inner_k=64)
     # the threshold fused in the kernel: the same as thresholding x first
     got_t = A.sparse_base_linear(x, wt, None, threshold=0.7, block_n=32, block_k=32)
     ref_t = A.sparse_base_linear_reference(x, wt, None, threshold=0.7)
@@ -108,7 +113,10 @@ def test_sparse_delta_linear_matches_reference_per_segment(interpret, dtype, bit
     # rows of a segment together through tl.dot (narrow and wide tiles); one row at a time (GEMV: on
     # rows of whole int32 words, n = 80, the codes are read as words and taken apart slot by slot)
     for kw in (dict(block_m=16, block_n=32, block_k=block_k), dict(block_m=1, block_n=32, block_k=block_k),
-               dict(block_m=16, block_n=512 // bits, block_k=min(block_k, group_size if group_size > 0 else k))):
+               dict(block_m=16, block_n=512 // bits, block_k=min(block_k, group_size if group_size > 0 else k)),
+               # the words GEMV in steps of 8 inputs (tiles inside one group; a wider tile ignores it)
+               dict(block_m=1, block_n=32, block_k=block_k, inner_k=8),
+               dict(block_m=1, block_n=64, block_k=block_k, inner_k=block_k // 2)):
         got_kw = A.sparse_delta_linear(x, deltas, row_delta, out=base.clone(), **kw)
         torch.testing.assert_close(got_kw, want.to(dtype), **_tol(dtype), msg=lambda e, kw=kw: f"{kw}: {e}")
     got_t = A.sparse_delta_linear(x, deltas, row_delta, threshold=0.5, block_n=64, block_k=block_k)
@@ -126,6 +134,7 @@ def test_each_segment_skips_only_the_columns_its_own_rows_drop(interpret):
     poisoned.scales[1, 1] = float("nan")  # delta 1, group 1: must never be read
     got = A.sparse_delta_linear(x, poisoned, row_delta, block_n=32, block_k=32)
     assert torch.isfinite(got).all()
+    assert torch.isfinite(A.sparse_delta_linear(x, poisoned, row_delta, block_n=32, block_k=32, inner_k=8)).all()
     torch.testing.assert_close(got, A.sparse_delta_linear_reference(x, A.input_major_deltas(stack), row_delta),
                                atol=1e-4, rtol=1e-4)
     poisoned.scales[0, 1] = float("nan")  # delta 0's rows keep group 1: the kernel has to read it

@@ -231,14 +231,19 @@ SHAPES_8B = {  # name: (out_features N, in_features K) of one Llama-3-8B decoder
     "gate_proj": (14336, 4096), "up_proj": (14336, 4096), "down_proj": (4096, 14336),
 }
 LAYERS_8B, VOCAB_8B = 32, 128256
-#: launch settings tried by ``speed --sweep``: (block_n, block_k, num_warps, mma) of the base kernel at
-#: batch 1 and (block_n, block_k, num_warps, block_m) of the delta kernel with 8 distinct deltas. The MMA
+#: launch settings tried by ``speed --sweep``: (block_n, block_k, num_warps, mma, inner_k) of the base kernel
+#: at batch 1 and (block_n, block_k, num_warps, block_m, inner_k) of the delta kernel with 8 distinct deltas. The MMA
 #: variants were slower in every setting of the 2026-12-02 sweep (BENCHMARKS.md section 8): one of each is
 #: kept for reference; wider column tiles keep more of the sum over k inside a lane
-BASE_SWEEP = ((64, 256, 4, False), (64, 128, 4, False), (128, 128, 4, False), (128, 256, 8, False),
-              (256, 64, 4, False), (256, 128, 8, False), (32, 256, 4, False), (256, 64, 4, True))
-DELTA_SWEEP = ((128, 128, 4, 1), (256, 128, 4, 1), (512, 128, 4, 1), (512, 64, 4, 1), (1024, 64, 8, 1),
-               (256, 64, 4, 1), (512, 128, 8, 1), (256, 128, 4, 16))
+BASE_SWEEP = ((64, 256, 4, False, 0), (64, 128, 4, False, 0), (128, 256, 8, False, 0), (256, 64, 4, False, 0),
+              (256, 64, 4, True, 0),
+              # inner_k: the tile walked in steps, the sum over inputs kept inside each lane
+              (256, 256, 4, False, 16), (256, 512, 4, False, 16), (512, 256, 4, False, 8),
+              (512, 512, 8, False, 16), (128, 512, 4, False, 32), (256, 1024, 4, False, 32),
+              (1024, 256, 8, False, 8))
+DELTA_SWEEP = ((128, 128, 4, 1, 0), (256, 128, 4, 1, 0), (512, 64, 4, 1, 0), (256, 128, 4, 16, 0),
+               (128, 128, 4, 1, 16), (256, 128, 4, 1, 8), (256, 128, 4, 1, 16), (512, 128, 4, 1, 8),
+               (512, 128, 8, 1, 16), (1024, 128, 8, 1, 8), (512, 64, 4, 1, 8), (256, 128, 2, 1, 8))
 
 
 def _sparse_rows(m: int, k: int, sparsity: float, gen: torch.Generator, device) -> torch.Tensor:
@@ -260,8 +265,9 @@ def _block(device, bits: int, group_size: int, deltas: int, gen) -> dict:
     return layers
 
 
-def _check(layers, gen, device) -> float:
-    """Largest error of the sparse path (base + delta) against the dense reference, relative to its scale."""
+def _check(layers, gen, device, base_cfg=None, delta_cfg=None) -> float:
+    """Largest error of the sparse path (base + delta, with these launch settings) against the dense
+    reference, relative to its scale."""
     from ..kernels import act_sparse as A
     from ..kernels import multi_delta_linear_reference
 
@@ -270,9 +276,10 @@ def _check(layers, gen, device) -> float:
         k = lay["w"].shape[1]
         x = _sparse_rows(8, k, 0.5, gen, device)
         rd = torch.arange(8, device=device, dtype=torch.int32) % lay["stack"].num_deltas
-        got = A.sparse_delta_linear(x, lay["im"], rd, out=torch.nn.functional.linear(x, lay["w"]).float())
+        got = A.sparse_delta_linear(x, lay["im"], rd, out=torch.nn.functional.linear(x, lay["w"]).float(),
+                                    **(delta_cfg or {}))
         ref = multi_delta_linear_reference(x, lay["w"], None, lay["stack"], rd, out_dtype=torch.float32)
-        got1 = A.sparse_base_linear(x[:1], lay["wt"]).float()
+        got1 = A.sparse_base_linear(x[:1], lay["wt"], **(base_cfg or {})).float()
         ref1 = (x[:1].float() @ lay["w"].float().t())
         scale = ref.abs().max().item()
         worst = max(worst, (got - ref).abs().max().item() / scale, (got1 - ref1).abs().max().item() / scale)
@@ -324,18 +331,20 @@ def run_speed(args) -> dict:
     if args.sweep:
         top = xs[max(args.sparsity)]
         gs = args.group_size
-        for bn, bk, nw, mma in BASE_SWEEP:
-            cfg = {"block_n": bn, "block_k": bk, "num_warps": nw, "mma": mma}
+        for bn, bk, nw, mma, inner in BASE_SWEEP:
+            cfg = {"block_n": bn, "block_k": bk, "num_warps": nw, "mma": mma, "inner_k": inner}
             us = time_calls(base_calls(top, cfg), rep_ms=args.rep_ms) * len(SHAPES_8B)
             sweep["base"].append({**cfg, "us_per_block": us})
             print(f"sweep base {cfg}: {us:.1f} us/block", flush=True)
-        for bn, bk, nw, bm in DELTA_SWEEP:
-            cfg = {"block_n": bn, "block_k": min(bk, gs) if gs > 0 else bk, "num_warps": nw, "block_m": bm}
+        for bn, bk, nw, bm, inner in DELTA_SWEEP:
+            bk = min(bk, gs) if gs > 0 else bk
+            cfg = {"block_n": bn, "block_k": bk, "num_warps": nw, "block_m": bm, "inner_k": min(inner, bk)}
             us = time_calls(delta8_calls(top, cfg), rep_ms=args.rep_ms) * len(SHAPES_8B)
             sweep["delta"].append({**cfg, "us_per_block": us})
             print(f"sweep 8 deltas {cfg}: {us:.1f} us/block", flush=True)
         base_cfg = {k: v for k, v in min(sweep["base"], key=lambda r: r["us_per_block"]).items() if k != "us_per_block"}
         delta_cfg = {k: v for k, v in min(sweep["delta"], key=lambda r: r["us_per_block"]).items() if k != "us_per_block"}
+        err = max(err, _check(layers, gen, device, base_cfg, delta_cfg))  # the chosen settings are right too
     dense_x = xs[min(args.sparsity)]
     add("base, batch 1", 1, 0.0, "cuBLAS dense", [lambda L=L, x=dense_x[n][:1]: lin(x, L["w"]) for n, L in layers.items()])
     add("1 delta, batch 1", 1, 0.0, "fused planar kernel (dense)",

@@ -234,11 +234,12 @@ def _baseline_model(ft, mats: dict, method: str, bits_per_weight: float, device,
     return model, total
 
 
-def _ours(pair, cfg, calib, tok, device, fp16_bytes, merge: bool = True, measurements=None) -> tuple[dict, dict, object]:
+def _ours(pair, cfg, calib, tok, device, fp16_bytes, merge: bool = True, measurements=None,
+          progress: bool = False) -> tuple[dict, dict, object]:
     """Compress with ``cfg`` (calibrated, or RTN when ``calib`` is None); the merged model (None
     without ``merge``), the bytes report and the delta."""
     delta = compress(pair.base_dir, pair.finetuned_dir, cfg, calibration=calib, tokenizer=tok if calib else None,
-                     device=device, progress=False, budget_measurements=measurements)
+                     device=device, progress=progress, budget_measurements=measurements)
     with tempfile.TemporaryDirectory() as d:
         delta.save_pretrained(d)
         report = delta_bytes_report(d)
@@ -260,6 +261,7 @@ def run_quality(
     seq_len: int = 256,
     ours: str = "ladder",
     log=print,
+    progress: bool = False,
 ) -> dict:
     """Gain kept by every method at every whole-file ratio, on one built pair (see module doc).
 
@@ -314,7 +316,8 @@ def run_quality(
         if rung not in done_rungs:
             t1 = time.perf_counter()
             try:
-                merged, report, delta = _ours(pair, cfg, calib, tok, device, fp16_bytes, measurements=shared)
+                merged, report, delta = _ours(pair, cfg, calib, tok, device, fp16_bytes, measurements=shared,
+                                              progress=progress)
             except DeltaZipConfigError as e:  # the budget cannot land there (too high, or too low to need it)
                 if ours != "budget":
                     raise
@@ -492,6 +495,7 @@ def main(argv=None) -> int:
                    help="ours at R: the nearest fixed-setting rung (ladder) or DeltaZipConfig(target_ratio=R) (budget)")
     p.add_argument("--n-calibration", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--progress", action="store_true", help="show compress()'s progress bars (on stderr)")
     p.add_argument("--json", help="write all results as JSON here")
     p.add_argument("--md", help="write the Markdown tables here")
     p.add_argument("--plot", help="write the plot (PNG) here, e.g. docs/quality_gemma3_270m.png")
@@ -504,7 +508,8 @@ def main(argv=None) -> int:
     results = []
     for pair in _pairs(args):
         results.append(run_quality(pair, ratios=args.ratios, methods=args.methods, device=args.device,
-                                   n_calibration=args.n_calibration, seq_len=args.seq_len, ours=args.ours))
+                                   n_calibration=args.n_calibration, seq_len=args.seq_len, ours=args.ours,
+                                   progress=args.progress))
     md = "\n".join(to_markdown(r, command.strip()) for r in results)
     print(md)
     if args.json:

@@ -291,7 +291,7 @@ def _check_blocks(block_n: int, block_k: int, block_m: Optional[int] = None) -> 
 
 def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                        threshold: Optional[float] = None, out: Optional[torch.Tensor] = None,
-                       block_n: int = 64, block_k: int = 256, num_warps: int = 4,
+                       block_n: int = 64, block_k: int = 256, num_warps: int = 2,
                        mma: bool = False, inner_k: int = 0) -> torch.Tensor:
     """``y = x W^T + bias`` reading only the weight columns of inputs some row of ``x`` keeps.
 
@@ -351,7 +351,7 @@ def _cdiv(a: int, b: int) -> int:
 def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: torch.Tensor, *,
                         out: Optional[torch.Tensor] = None, threshold: Optional[float] = None,
                         segments: Optional[torch.Tensor] = None, block_m: int = 1, block_n: int = 128,
-                        block_k: int = 0, num_warps: int = 4, inner_k: int = 0) -> torch.Tensor:
+                        block_k: int = 0, num_warps: int = 1, inner_k: int = 16) -> torch.Tensor:
     """``out[m] += x[m] @ dequant(deltas[row_delta[m]])^T``, each segment of rows sharing a delta
     reading only the delta columns its own rows keep.
 

@@ -235,15 +235,10 @@ LAYERS_8B, VOCAB_8B = 32, 128256
 #: at batch 1 and (block_n, block_k, num_warps, block_m, inner_k) of the delta kernel with 8 distinct deltas. The MMA
 #: variants were slower in every setting of the 2026-12-02 sweep (BENCHMARKS.md section 8): one of each is
 #: kept for reference; wider column tiles keep more of the sum over k inside a lane
-BASE_SWEEP = ((64, 256, 4, False, 0), (64, 128, 4, False, 0), (128, 256, 8, False, 0), (256, 64, 4, False, 0),
-              (256, 64, 4, True, 0),
-              # inner_k: the tile walked in steps, the sum over inputs kept inside each lane
-              (256, 256, 4, False, 16), (256, 512, 4, False, 16), (512, 256, 4, False, 8),
-              (512, 512, 8, False, 16), (128, 512, 4, False, 32), (256, 1024, 4, False, 32),
-              (1024, 256, 8, False, 8))
-DELTA_SWEEP = ((128, 128, 4, 1, 0), (256, 128, 4, 1, 0), (512, 64, 4, 1, 0), (256, 128, 4, 16, 0),
-               (128, 128, 4, 1, 16), (256, 128, 4, 1, 8), (256, 128, 4, 1, 16), (512, 128, 4, 1, 8),
-               (512, 128, 8, 1, 16), (1024, 128, 8, 1, 8), (512, 64, 4, 1, 8), (256, 128, 2, 1, 8))
+BASE_SWEEP = ((64, 256, 2, False, 0), (64, 256, 4, False, 0), (64, 512, 4, False, 0), (32, 512, 2, False, 0),
+              (64, 1024, 4, False, 0), (128, 256, 2, False, 0), (256, 64, 4, True, 0), (256, 256, 4, False, 16))
+DELTA_SWEEP = ((128, 128, 1, 1, 16), (256, 128, 2, 1, 16), (512, 128, 4, 1, 16), (512, 128, 1, 1, 8),
+               (256, 128, 1, 1, 8), (128, 128, 4, 1, 0), (256, 128, 4, 1, 0), (256, 128, 4, 16, 0))
 
 
 def _sparse_rows(m: int, k: int, sparsity: float, gen: torch.Generator, device) -> torch.Tensor:
@@ -324,9 +319,8 @@ def run_speed(args) -> dict:
                 for n, L in layers.items()]
 
     # launch settings of the sparse kernels: the ones given, or the fastest of a sweep at the highest sparsity
-    given = {k: v for k, v in (("block_n", args.block_n), ("block_k", args.block_k)) if v}
-    base_cfg = {**given, "num_warps": args.num_warps}
-    delta_cfg = {**given, "num_warps": args.num_warps}
+    given = {k: v for k, v in (("block_n", args.block_n), ("block_k", args.block_k), ("num_warps", args.num_warps)) if v}
+    base_cfg, delta_cfg = dict(given), dict(given)
     sweep = {"base": [], "delta": []}
     if args.sweep:
         top = xs[max(args.sparsity)]
@@ -373,8 +367,8 @@ def _tiles(cfg: Optional[dict]) -> str:
     if not cfg:
         return "defaults"
     extra = "".join(f", {k} {v}" for k, v in cfg.items() if k not in ("block_n", "block_k", "num_warps"))
-    return (f"{cfg.get('block_n', 'default')}x{cfg.get('block_k') or 'default'} (n x k), {cfg['num_warps']} "
-            f"warps{extra}")
+    return (f"{cfg.get('block_n', 'default')}x{cfg.get('block_k') or 'default'} (n x k), "
+            f"{cfg.get('num_warps', 'default')} warps{extra}")
 
 
 def speed_table(result: dict) -> str:
@@ -425,7 +419,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                           "defaults)")
     s.add_argument("--block-k", type=int, default=0, help="inputs per program of the sparse kernels (0: their "
                                                           "defaults)")
-    s.add_argument("--num-warps", type=int, default=4)
+    s.add_argument("--num-warps", type=int, help="warps of both sparse kernels (default: each kernel's own)")
     s.add_argument("--sweep", action="store_true", help="time the settings of BASE_SWEEP and DELTA_SWEEP at the "
                                                         "highest sparsity first and use the fastest (recorded in the JSON)")
     for sp in (q, s):

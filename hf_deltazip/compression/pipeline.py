@@ -383,8 +383,8 @@ class _Compression:
         sparsity = settings.sparsity
         if sparsity == "2:4" and delta.shape[1] % 4:
             sparsity = None
+        delta = delta.to(self.dev)  # the vocabulary's selection and grids: seconds on a GPU, minutes on a CPU
         if hessian is not None:
-            delta = delta.to(self.dev)
             res = obs_compress(delta, hessian, bits=settings.bits, group_size=settings.group_size,
                                symmetric=settings.symmetric, sparsity=sparsity, block_size=settings.block_size,
                                damp=settings.damp)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_deltazip import DeltaModel, DeltaZipConfig, DeltaZipError, compress
-from hf_deltazip.decoding import jacobi_generate
+from hf_deltazip.decoding import JacobiGate, jacobi_generate
 
 from model_factory import matrix_finetune, matrix_model
 
@@ -112,6 +112,20 @@ def test_falls_back_to_greedy_steps_when_guesses_keep_failing():
     assert backed_off.stats.jacobi_forwards <= 10 < backed_off.stats.forwards
 
 
+def test_a_gate_carried_across_calls_starts_the_next_call_where_the_last_one_left_off():
+    model = matrix_finetune("llama", 1)  # guesses almost never right: the gate backs off
+    ids, mask = padded_prompts([6], seed=2)
+    want = greedy(model, ids, mask, max_new_tokens=30)
+    gate = JacobiGate()
+    first = jacobi_generate(model, ids, mask, max_new_tokens=30, gate=gate, return_dict_in_generate=True)
+    second = jacobi_generate(model, ids, mask, max_new_tokens=30, gate=gate, return_dict_in_generate=True)
+    fresh = jacobi_generate(model, ids, mask, max_new_tokens=30, return_dict_in_generate=True)
+    for out in (first, second, fresh):
+        assert torch.equal(out.sequences, want)
+    assert first.stats.jacobi_forwards == fresh.stats.jacobi_forwards >= 3  # a fresh gate probes from scratch
+    assert second.stats.jacobi_forwards <= 1  # the carried gate starts in its back-off: one probe at most
+
+
 def test_trajectories_record_the_blocks_fed():
     model = repeat_model()
     ids = repeat_ids(1, 4, seed=5)
@@ -151,6 +165,32 @@ def test_delta_model_rows_with_their_own_deltas_advance_by_different_amounts(two
                             jacobi_block_size=8, max_new_tokens=24, pad_token_id=0,
                             min_accept=None, return_dict_in_generate=True).stats for r in range(3)]
     assert alone[0].tokens_per_forward > 2 * max(alone[1].tokens_per_forward, alone[2].tokens_per_forward)
+
+
+def test_delta_model_remembers_each_deltas_jacobi_acceptance_between_calls(two_deltas):
+    model = two_deltas
+    ids = repeat_ids(1, 7, seed=13)
+    kw = dict(decoding="jacobi", jacobi_block_size=8, max_new_tokens=24, pad_token_id=0, return_dict_in_generate=True)
+    model._jacobi_gates.clear()
+    runs = {name: [model.generate(ids, delta_names=[name], **kw) for _ in range(2)] for name in ("other", "repeat")}
+    for name, (a, b) in runs.items():
+        ref = model.generate(ids, delta_names=[name], do_sample=False, max_new_tokens=24, pad_token_id=0)
+        assert torch.equal(a.sequences, ref) and torch.equal(b.sequences, ref)
+    # the delta Jacobi steps do not speed up: its second call starts in the back-off its first call reached
+    assert runs["other"][1].stats.jacobi_forwards < runs["other"][0].stats.jacobi_forwards
+    # the converging delta keeps its own gate: every step of its second call is wide
+    assert runs["repeat"][1].stats.jacobi_forwards == runs["repeat"][1].stats.forwards
+    assert len(model._jacobi_gates) == 2
+    # an explicit fresh gate forgets; unloading a delta forgets every gate
+    fresh = model.generate(ids, delta_names=["other"], gate=JacobiGate(), **kw)
+    assert fresh.stats.jacobi_forwards == runs["other"][0].stats.jacobi_forwards
+    model.delete_delta("other")
+    try:
+        assert model._jacobi_gates == {}
+    finally:
+        model.add_delta(compress(matrix_model("llama"), matrix_finetune("llama", 3),
+                                 DeltaZipConfig(bits=8, group_size=32, n_samples=8, seq_len=24),
+                                 calibration=repeat_ids(8, 24, seed=7), progress=False), "other")
 
 
 def test_delta_model_active_delta_and_bad_decoding_name(two_deltas):

@@ -267,6 +267,7 @@ def jacobi_generate(
     pad_token_id: Optional[int] = None,
     generation_config=None,
     min_accept: Optional[float] = 1.5,
+    gate: Optional[JacobiGate] = None,
     return_dict_in_generate: bool = False,
     record_trajectories: bool = False,
     **kwargs,
@@ -285,6 +286,9 @@ def jacobi_generate(
         min_accept: tokens per forward under which the decoder falls back to greedy steps for a while;
             it also falls back while a wide step costs more than that many one-token steps (see
             :class:`JacobiGate`). ``None``: never.
+        gate: a :class:`JacobiGate` carried over from earlier calls (its own ``min_accept`` then applies;
+            the ``min_accept`` argument is not used): what it learned about this model's acceptance and step
+            costs decides from the first step. ``None``: a fresh gate for this call.
         return_dict_in_generate: return a :class:`JacobiOutput` (ids and :class:`JacobiStats`).
         record_trajectories: keep every Jacobi block fed in ``stats.trajectories`` (for consistency training).
 
@@ -324,7 +328,8 @@ def jacobi_generate(
     rows = _Rows(first, max_new, eos)
     stats = JacobiStats(new_tokens=[0] * batch, row_forwards=[0] * batch)
     real = mask.sum(-1)  # real tokens in the cache per row (the next position id)
-    gate = JacobiGate(min_accept)
+    if gate is None:
+        gate = JacobiGate(min_accept)
 
     while rows.active():
         active = rows.active()

@@ -56,6 +56,9 @@ class DeltaModel(nn.Module):
         self._placer = DeltaPlacer(base_model, self.router, self.layout_version, self.kernel_policy)
         self._cache = DeltaCache(self._placer)
         self._active = _UNSET
+        # Jacobi decoding's fallback gates, one per (rows' deltas, batch, block, min_accept): a delta that
+        # does not accept several tokens per forward falls back at once on the next generate call
+        self._jacobi_gates: dict = {}
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -278,6 +281,7 @@ class DeltaModel(nn.Module):
         self._cache.remove(name)
         if self._active == name:
             self._active = _UNSET
+        self._jacobi_gates.clear()
 
     # ------------------------------------------------------------------ routing
     def _routing_for(self, delta_names: Optional[Sequence]) -> BatchRouting:
@@ -338,7 +342,11 @@ class DeltaModel(nn.Module):
         """``generate`` with one delta per row (``None`` = base; omitted: the active delta); every generate option works.
 
         ``decoding="jacobi"`` (with ``jacobi_block_size=16``) decodes greedily by Jacobi iteration, several
-        tokens per forward, same output (see :func:`hf_deltazip.decoding.jacobi_generate`)."""
+        tokens per forward, same output (see :func:`hf_deltazip.decoding.jacobi_generate`). Its fallback
+        gate is kept per delta (per row's delta, batch size, block size and ``min_accept``) from one call
+        to the next: a delta whose outputs Jacobi steps do not speed up is decoded with one-token steps from
+        the start of the next call, with an occasional probe. Pass ``gate=JacobiGate(...)`` to use your own
+        (a fresh one forgets); :meth:`delete_delta` forgets them all."""
         _check_rows(delta_names, args, kwargs)
         if decoding not in (None, "jacobi"):
             raise DeltaZipError(f'decoding must be None (transformers generate) or "jacobi", got {decoding!r}')
@@ -346,8 +354,26 @@ class DeltaModel(nn.Module):
             if decoding == "jacobi":
                 from ..decoding import jacobi_generate
 
-                return jacobi_generate(self.base_model, *args, block_size=kwargs.pop("jacobi_block_size", 16), **kwargs)
+                block = kwargs.pop("jacobi_block_size", 16)
+                if "gate" not in kwargs:
+                    kwargs["gate"] = self._jacobi_gate(delta_names, args, kwargs, block)
+                return jacobi_generate(self.base_model, *args, block_size=block, **kwargs)
             return self.base_model.generate(*args, **kwargs)
+
+    _JACOBI_GATES = 256  # gates remembered, at most (the oldest is forgotten first)
+
+    def _jacobi_gate(self, delta_names, args, kwargs, block):
+        from ..decoding import JacobiGate
+
+        ids = args[0] if args else kwargs.get("input_ids")
+        rows = tuple(delta_names) if delta_names is not None else ("<active>", self.active_delta)
+        min_accept = kwargs.pop("min_accept", 1.5)
+        key = (rows, int(ids.shape[0]) if torch.is_tensor(ids) and ids.dim() == 2 else None, block, min_accept)
+        gate = self._jacobi_gates.pop(key, None) or JacobiGate(min_accept)
+        self._jacobi_gates[key] = gate  # most recently used last
+        while len(self._jacobi_gates) > self._JACOBI_GATES:
+            self._jacobi_gates.pop(next(iter(self._jacobi_gates)))
+        return gate
 
     def __getattr__(self, name):
         try:

@@ -9,7 +9,9 @@ tiny counting pair on the spot for a CPU smoke test):
 3. for each delta, at batch 1 (each evaluation prompt alone) and batch ``--batch`` (left-padded): greedy
    ``generate`` and Jacobi decoding, wall-clock time (median of ``--repeats``), tokens accepted per forward,
    and every output compared with greedy token for token. A mismatch whose first differing token is
-   decided by rounding (see :func:`_ties`) is counted as such, with its logit gap;
+   decided by rounding (see :func:`_ties`) is counted as such, with its logit gap. The prompts of one
+   delta and batch size run one after another on one ``DeltaModel``, whose Jacobi fallback gate is kept per
+   delta between calls (as a deployed model's is): the warm-up run and the earlier prompts teach it;
 4. the gain each delta keeps: mean token NLL on held-out prompts + the fine-tune's greedy continuations,
    against base and fine-tune. A consistency model is trained on such continuations and can score them
    better than the fine-tune itself (over 100 %), so this measure cannot show what it lost;

@@ -287,6 +287,27 @@ def test_engine_jacobi_falls_back_to_one_token_steps_on_a_model_that_never_conve
     assert engine.stats.jacobi_steps == engine.stats.decode_steps > 0
 
 
+def test_engine_gates_jacobi_rows_per_delta_so_a_converging_delta_stays_wide_beside_one_that_falls_back(two_deltas):
+    from hf_deltazip.decoding import JacobiGate
+    from hf_deltazip.serving import DecodeEngine
+
+    model = two_deltas
+    ps = [repeat_ids(1, 5, seed=40 + i)[0].tolist() for i in range(2)]
+    names, news = ["repeat", "other"], [64, 64]
+    want = [_alone(model, p, n, d) for p, n, d in zip(ps, news, names)]
+    engine = DecodeEngine(model, max_batch_size=2, max_length=200)
+    assert engine.run(ps, names, max_new_tokens=news, decoding="jacobi", jacobi_block_size=8) == want
+    repeat, other = engine.jacobi_gate("repeat"), engine.jacobi_gate("other")
+    assert other.backoff > JacobiGate.FIRST_BACKOFF  # "other" failed its probes and backed off ...
+    assert repeat.backoff == JacobiGate.FIRST_BACKOFF  # ... while "repeat" never fell back
+    st = engine.stats
+    # some wide steps widened the "repeat" row only ("other" took one token in them)
+    assert 0 < st.jacobi_row_steps < 2 * st.jacobi_steps, st.as_dict()
+    assert st.jacobi_tokens_per_step > 2.0, st.as_dict()
+    engine.jacobi_min_accept = None  # the setting reaches every delta's gate
+    assert repeat.min_accept is None and other.min_accept is None
+
+
 def test_engine_and_server_refuse_bad_jacobi_requests_and_the_server_decodes_them(two_deltas):
     from hf_deltazip.serving import DecodeEngine, DeltaServer
 

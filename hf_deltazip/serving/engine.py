@@ -306,7 +306,9 @@ class DecodeEngine:
             steps), and at least as many as a Jacobi step costs in one-token steps (a Jacobi step runs
             eagerly, an ordinary one may replay a CUDA graph); below it the engine takes ordinary
             steps for a while, then probes again, as :func:`~hf_deltazip.decoding.jacobi_generate`
-            does (:class:`~hf_deltazip.decoding.jacobi.JacobiGate`). ``None``: never fall back.
+            does (:class:`~hf_deltazip.decoding.jacobi.JacobiGate`). Each delta's Jacobi rows are judged on
+            their own (:meth:`jacobi_gate`): a delta that falls back takes one token per step, also inside
+            the wide steps of another delta whose rows still pay. ``None``: never fall back.
 
     Jacobi decoding (``add(..., decoding="jacobi", jacobi_block_size=n)``): a step feeds each Jacobi row
     its last token and ``n - 1`` guesses, writes all ``n`` keys at ``n`` cache indices and keeps, per row,
@@ -387,17 +389,31 @@ class DecodeEngine:
         self._logits = None
         self._cache = _StepCache(getattr(config, "num_hidden_layers", 0))
         self._cache.write = torch.zeros((1,), dtype=torch.long, device=d)
-        self._jacobi_gate = JacobiGate(jacobi_min_accept)  # when Jacobi rows get wide steps
+        # when Jacobi rows get wide steps: one gate per delta (a consistency delta stays wide while an
+        # ordinary one beside it falls back); the gates of deltas with no Jacobi row are kept for later
+        self._jacobi_min_accept = jacobi_min_accept
+        self._jacobi_gates: dict = {}
+        self._wide_deltas: frozenset = frozenset()  # deltas whose Jacobi rows the coming step widens
+        self._consulted: dict = {}  # delta -> gate, the gates asked about the coming step
 
     # ------------------------------------------------------------------ public
     @property
     def jacobi_min_accept(self) -> Optional[float]:
         """Tokens per Jacobi step under which Jacobi rows fall back to one-token steps (see the class docstring)."""
-        return self._jacobi_gate.min_accept
+        return self._jacobi_min_accept
 
     @jacobi_min_accept.setter
     def jacobi_min_accept(self, value: Optional[float]) -> None:
-        self._jacobi_gate.min_accept = value
+        self._jacobi_min_accept = value
+        for gate in self._jacobi_gates.values():
+            gate.min_accept = value
+
+    def jacobi_gate(self, delta: Optional[str]) -> JacobiGate:
+        """The fallback gate of ``delta``'s Jacobi rows (``None``: the base's), made on first use."""
+        gate = self._jacobi_gates.get(delta)
+        if gate is None:
+            gate = self._jacobi_gates[delta] = JacobiGate(self._jacobi_min_accept)
+        return gate
 
     @property
     def free(self) -> int:
@@ -776,27 +792,37 @@ class DecodeEngine:
             self._after_step()  # reads the tokens back: the step is done
         seconds = time.perf_counter() - t0
         self._count_step(used, seconds)
-        self._jacobi_gate.record(width > 1, seconds, accepted)
+        for delta, gate in self._consulted.items():
+            if width <= 1:
+                gate.record(False, seconds)
+            elif delta in self._wide_deltas:
+                gate.record(True, seconds, (accepted or {}).get(delta))
+            # a delta that rode along one token per step in another delta's wide step: no sample of either kind
 
     # -- Jacobi steps
     def _jacobi_width(self) -> int:
-        """Tokens per row of the coming step: the widest Jacobi row's block, or 1 (an ordinary step)
-        while no Jacobi row is active or the engine waits after poor acceptance."""
-        width = max((r.jacobi for r in self._rows if r is not None), default=0)
-        if width <= 1 or not self._jacobi_gate.wide():
-            return 1
-        return width
+        """Tokens per row of the coming step: the widest block among the Jacobi rows whose delta's gate
+        says wide (they are ``_wide_deltas``), or 1 (an ordinary step) while there are none. Each gate of a
+        delta with Jacobi rows is asked once per step (``_consulted``)."""
+        jacobi = {}
+        for r in self._rows:
+            if r is not None and r.jacobi > 1:
+                jacobi[r.delta] = max(jacobi.get(r.delta, 0), r.jacobi)
+        self._consulted = {d: self.jacobi_gate(d) for d in jacobi}
+        self._wide_deltas = frozenset(d for d, gate in self._consulted.items() if gate.wide())
+        return max((jacobi[d] for d in self._wide_deltas), default=1)
 
-    def _jacobi_step(self, width: int) -> Optional[float]:
+    def _jacobi_step(self, width: int) -> dict:
         """One forward over ``width`` tokens per row at cache indices ``[ptr, ptr + width)``; each row
-        keeps (unmasks) the entries of the inputs it accepted. Returns the mean tokens a Jacobi row
-        accepted (``None`` without Jacobi rows)."""
+        keeps (unmasks) the entries of the inputs it accepted. The Jacobi rows of the deltas in
+        ``_wide_deltas`` get blocks; every other row takes one token. Returns, per delta with widened
+        rows, the mean tokens its rows accepted."""
         b, dev, ptr = self.max_batch_size, self.device, self._ptr
         last = self._ids[:, 0].tolist()  # one read back; the blocks are built on the host and copied once
         host = [[t] * width for t in last]  # idle and one-token rows: their last token, then filler
         blocks = {}
         for i, r in enumerate(self._rows):
-            if r is not None and r.jacobi:
+            if r is not None and r.jacobi > 1 and r.delta in self._wide_deltas:
                 blocks[i] = [last[i]] + (r.guesses + [last[i]] * width)[: min(r.jacobi, width) - 1]
                 host[i][: len(blocks[i])] = blocks[i]
         ids = torch.tensor(host, dtype=torch.long, device=dev)
@@ -848,7 +874,10 @@ class DecodeEngine:
         self.stats.jacobi_steps += 1
         self.stats.jacobi_row_steps += len(accepted_counts)
         self.stats.jacobi_tokens += sum(accepted_counts)
-        return sum(accepted_counts) / len(accepted_counts) if accepted_counts else None
+        per_delta: dict = {}
+        for i in blocks:
+            per_delta.setdefault(names[i], []).append(len(accepted[i]))
+        return {d: sum(c) / len(c) for d, c in per_delta.items()}
 
     def _squeeze(self) -> None:
         """Move each active row's visible cache entries together, right-aligned at a new write index,

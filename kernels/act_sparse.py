@@ -292,7 +292,7 @@ def _check_blocks(block_n: int, block_k: int, block_m: Optional[int] = None) -> 
 def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                        threshold: Optional[float] = None, out: Optional[torch.Tensor] = None,
                        block_n: int = 64, block_k: int = 256, num_warps: int = 2,
-                       mma: bool = False, inner_k: int = 0) -> torch.Tensor:
+                       mma: bool = False) -> torch.Tensor:
     """``y = x W^T + bias`` reading only the weight columns of inputs some row of ``x`` keeps.
 
     Args:
@@ -307,16 +307,12 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
             of two, at least 16) and its warps. Memory is skipped per input whatever the tile.
         mma: one row through ``tl.dot`` too, padded to 16 rows; ``False`` (default, faster on the
             H200): one row runs as a GEMV (a multiply and a sum across lanes).
-        inner_k: one-row GEMV only: walk the tile in steps of ``inner_k`` inputs (a power of two
-            below ``block_k``), summing inside each lane and across lanes once per tile; 0 (default):
-            the whole tile in one step.
 
     Returns:
         ``[M, N]`` in ``out``'s dtype (default ``x.dtype``), accumulated in float32.
     """
     _check_base(x, weight_t, bias, out)
     _check_blocks(block_n, block_k)
-    bki = _inner_k(inner_k, block_k)
     thr, use_thr = _thr(threshold, x.dtype)
     if _runs_reference(x):
         y = sparse_base_linear_reference(x, weight_t, bias, threshold)
@@ -338,7 +334,7 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
     _kernel("sparse_base_kernel")[grid](
         x, weight_t, bias if bias is not None else out, out, ws, ws.view(torch.int32), cnt, thr,
         m, n, k, x.stride(0), weight_t.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, THRESH=use_thr, GEMV=bm == 1, BM=bm, BN=block_n, BK=block_k, BKI=bki,
+        HAS_BIAS=bias is not None, THRESH=use_thr, GEMV=bm == 1, BM=bm, BN=block_n, BK=block_k,
         DOT_PREC=_dot_prec(x), num_warps=num_warps,
     )
     return out

@@ -59,11 +59,6 @@ def test_sparse_base_linear_matches_dense_reference(interpret, dtype, m, n, k):
     torch.testing.assert_close(A.sparse_base_linear(x, wt, bias, block_n=16, block_k=64), dense, **_tol(dtype))
     for mma in (True, False):  # one row through tl.dot (padded to 16 rows) or as a GEMV
         torch.testing.assert_close(A.sparse_base_linear(x, wt, bias, block_n=32, block_k=32, mma=mma), dense, **_tol(dtype))
-    for inner in (8, 16):  # one-row GEMV walking each tile in steps, summed inside lanes (ignored for M > 1)
-        torch.testing.assert_close(A.sparse_base_linear(x, wt, bias, block_n=32, block_k=64, inner_k=inner), dense,
-                                   **_tol(dtype))
-    with pytest.raises(ValueError, match="inner_k"):
-        A.sparse_base_linear(x, wt, bias, block_k=32, inner_k=64)
     # the threshold fused in the kernel: the same as thresholding x first
     got_t = A.sparse_base_linear(x, wt, None, threshold=0.7, block_n=32, block_k=32)
     ref_t = A.sparse_base_linear_reference(x, wt, None, threshold=0.7)
@@ -119,6 +114,8 @@ def test_sparse_delta_linear_matches_reference_per_segment(interpret, dtype, bit
                dict(block_m=1, block_n=64, block_k=block_k, inner_k=block_k // 2)):
         got_kw = A.sparse_delta_linear(x, deltas, row_delta, out=base.clone(), **kw)
         torch.testing.assert_close(got_kw, want.to(dtype), **_tol(dtype), msg=lambda e, kw=kw: f"{kw}: {e}")
+    with pytest.raises(ValueError, match="inner_k"):
+        A.sparse_delta_linear(x, deltas, row_delta, block_k=32, inner_k=64)
     got_t = A.sparse_delta_linear(x, deltas, row_delta, threshold=0.5, block_n=64, block_k=block_k)
     torch.testing.assert_close(got_t, A.sparse_delta_linear_reference(x, deltas, row_delta, threshold=0.5), **_tol(dtype))
 

@@ -231,12 +231,12 @@ SHAPES_8B = {  # name: (out_features N, in_features K) of one Llama-3-8B decoder
     "gate_proj": (14336, 4096), "up_proj": (14336, 4096), "down_proj": (4096, 14336),
 }
 LAYERS_8B, VOCAB_8B = 32, 128256
-#: launch settings tried by ``speed --sweep``: (block_n, block_k, num_warps, mma, inner_k) of the base kernel
-#: at batch 1 and (block_n, block_k, num_warps, block_m, inner_k) of the delta kernel with 8 distinct deltas. The MMA
-#: variants were slower in every setting of the 2026-12-02 sweep (BENCHMARKS.md section 8): one of each is
-#: kept for reference; wider column tiles keep more of the sum over k inside a lane
-BASE_SWEEP = ((64, 256, 2, False, 0), (64, 256, 4, False, 0), (64, 512, 4, False, 0), (32, 512, 2, False, 0),
-              (64, 1024, 4, False, 0), (128, 256, 2, False, 0), (256, 64, 4, True, 0), (256, 256, 4, False, 16))
+#: launch settings tried by ``speed --sweep``: (block_n, block_k, num_warps, mma) of the base kernel at
+#: batch 1 and (block_n, block_k, num_warps, block_m, inner_k) of the delta kernel with 8 distinct deltas:
+#: the fastest of the 2026-12-02 H200 sweeps and their neighbours (BENCHMARKS.md section 8). The MMA
+#: variants were slower in every setting tried: one of each is kept for reference.
+BASE_SWEEP = ((64, 256, 2, False), (64, 256, 4, False), (64, 512, 4, False), (32, 512, 2, False),
+              (64, 1024, 4, False), (128, 256, 2, False), (256, 64, 4, True))
 DELTA_SWEEP = ((128, 128, 1, 1, 16), (256, 128, 2, 1, 16), (512, 128, 4, 1, 16), (512, 128, 1, 1, 8),
                (256, 128, 1, 1, 8), (128, 128, 4, 1, 0), (256, 128, 4, 1, 0), (256, 128, 4, 16, 0))
 
@@ -325,8 +325,8 @@ def run_speed(args) -> dict:
     if args.sweep:
         top = xs[max(args.sparsity)]
         gs = args.group_size
-        for bn, bk, nw, mma, inner in BASE_SWEEP:
-            cfg = {"block_n": bn, "block_k": bk, "num_warps": nw, "mma": mma, "inner_k": inner}
+        for bn, bk, nw, mma in BASE_SWEEP:
+            cfg = {"block_n": bn, "block_k": bk, "num_warps": nw, "mma": mma}
             us = time_calls(base_calls(top, cfg), rep_ms=args.rep_ms) * len(SHAPES_8B)
             sweep["base"].append({**cfg, "us_per_block": us})
             print(f"sweep base {cfg}: {us:.1f} us/block", flush=True)

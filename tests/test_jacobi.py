@@ -124,6 +124,8 @@ def test_a_gate_carried_across_calls_starts_the_next_call_where_the_last_one_lef
         assert torch.equal(out.sequences, want)
     assert first.stats.jacobi_forwards == fresh.stats.jacobi_forwards >= 3  # a fresh gate probes from scratch
     assert second.stats.jacobi_forwards <= 1  # the carried gate starts in its back-off: one probe at most
+    with pytest.raises(DeltaZipError, match="JacobiGate"):
+        jacobi_generate(model, ids, mask, max_new_tokens=4, gate=1.5)
 
 
 def test_trajectories_record_the_blocks_fed():

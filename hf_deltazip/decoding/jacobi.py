@@ -330,6 +330,8 @@ def jacobi_generate(
     real = mask.sum(-1)  # real tokens in the cache per row (the next position id)
     if gate is None:
         gate = JacobiGate(min_accept)
+    elif not isinstance(gate, JacobiGate):
+        raise DeltaZipError(f"gate must be a JacobiGate (or None for a fresh one), got {type(gate).__name__}")
 
     while rows.active():
         active = rows.active()

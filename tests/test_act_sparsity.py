@@ -8,6 +8,7 @@ fp16 / fp32 against the plain-PyTorch reference given the same inputs (so the sa
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 
 import pytest
@@ -245,6 +246,39 @@ def test_installed_thresholds_zero_small_inputs_and_remove_restores_dense_output
         assert torch.equal(model(input_ids=ids).logits, dense)
 
 
+def test_decode_only_sparsity_leaves_prompts_dense_and_one_pass_reproduces_decoding():
+    model = copy.deepcopy(base_model("llama")).eval()
+    ids = calibration_ids(n=1, length=12, seed=5)
+    th = S.calibrate_activation_thresholds(model, calibration_ids(), 0.5)
+    p = 5
+    with torch.no_grad():
+        dense = model(input_ids=ids).logits
+        S.install_activation_sparsity(model, th, decode_only=True)
+        assert torch.equal(model(input_ids=ids).logits, dense)  # several tokens per row: a prefill, dense
+        # a prompt of p tokens prefilled, then one token per step: those steps are thresholded
+        from transformers import DynamicCache
+
+        # the cache argument's name changed in transformers 5.2x; the cache object is updated in place
+        key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        cache = DynamicCache()
+        steps = [model(input_ids=ids[:, :p], use_cache=True, **{key: cache}).logits[:, -1]]
+        for t in range(p, ids.shape[1]):
+            steps.append(model(input_ids=ids[:, t:t + 1], use_cache=True, **{key: cache}).logits[:, -1])
+        decoded = torch.stack(steps, dim=1)  # logits at positions p - 1 .. end
+        assert not torch.allclose(decoded[:, 1:], dense[:, p:], atol=1e-3)
+        # one teacher-forced pass with positions >= p thresholded computes the same
+        with S.sparsify_positions_from(p):
+            one_pass = model(input_ids=ids).logits
+        torch.testing.assert_close(one_pass[:, p - 1:], decoded, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(one_pass[:, :p], dense[:, :p], atol=1e-5, rtol=1e-5)
+        # every token thresholded (the default) differs from both on the prompt
+        S.install_activation_sparsity(model, th)
+        assert not torch.allclose(model(input_ids=ids).logits[:, :p], dense[:, :p], atol=1e-3)
+    with pytest.raises(ValueError, match="position"):
+        with S.sparsify_positions_from(-1):
+            pass
+
+
 def test_thresholds_file_keeps_every_target_and_refuses_what_it_lacks(tmp_path):
     model = copy.deepcopy(base_model("llama"))
     ths = S.calibrate_activation_thresholds(model, calibration_ids(), [0.25, 0.4])
@@ -286,6 +320,12 @@ def test_delta_model_applies_thresholds_to_base_and_delta_rows(delta_folder, tmp
     th = S.ActivationThresholds(0.4, S.activation_sparsity_of(model))
     assert len(th.thresholds) == len(S.target_modules(base_model("llama")))
     th.save(folder)
+    model = DeltaModel.from_pretrained(folder, base=copy.deepcopy(base_model("llama")), activation_sparsity=0.4,
+                                       activation_decode_only=True)
+    assert S.activation_sparsity_of(model) == th.thresholds
+    with torch.no_grad():  # decode-only: a forward over several tokens is dense
+        torch.testing.assert_close(model(input_ids=ids[:1]).logits,
+                                   model.merge_and_unload("default")(input_ids=ids[:1]).logits, atol=1e-5, rtol=1e-5)
     model = DeltaModel.from_pretrained(folder, base=copy.deepcopy(base_model("llama")), activation_sparsity=0.4)
     assert S.activation_sparsity_of(model) == th.thresholds
     rows = ["default", None, "default"]
@@ -362,3 +402,26 @@ def test_inputs_equal_to_the_rounded_threshold_are_dropped_as_sparsify_input_dro
     rd = torch.tensor([1, 0, 1])
     got = A.sparse_delta_linear(x, deltas, rd, threshold=0.6, block_n=32, block_k=32)
     torch.testing.assert_close(got, A.sparse_delta_linear_reference(x, deltas, rd, threshold=0.6), **_tol(dtype))
+
+
+def test_quality_bench_scores_decode_only_sparsity_after_a_dense_prefix(tmp_path):
+    from hf_deltazip.bench import act_sparsity as bench
+
+    runs = {}
+    for prefix in (None, 0.5):
+        out = tmp_path / f"q{prefix}.json"
+        argv = ["quality", "--tiny", "--sparsity", "0.5", "--device", "cpu", "--json", str(out)]
+        assert bench.main(argv + (["--dense-prefix", str(prefix)] if prefix else [])) == 0
+        runs[prefix] = json.loads(out.read_text())
+    assert runs[0.5]["dense_prefix"] == 0.5 and runs[None]["dense_prefix"] is None
+    def nll(result, s, ev):
+        return next(r["nll"] for r in result["rows"] if r["model"] == "fine-tune" and r["sparsity"] == s and r["eval"] == ev)
+
+    assert {r["eval"] for r in runs[None]["rows"]} == {"task"}
+    assert {r["eval"] for r in runs[0.5]["rows"]} == {"task, decode-only", "task, every token"}
+    # dense: the same second halves either way, other positions than the whole-sequence score
+    assert nll(runs[0.5], 0.0, "task, decode-only") == nll(runs[0.5], 0.0, "task, every token") != nll(runs[None], 0.0, "task")
+    # thresholded: a dense first half changes what the second half sees
+    assert nll(runs[0.5], 0.5, "task, decode-only") != nll(runs[0.5], 0.5, "task, every token")
+    with pytest.raises(SystemExit):
+        bench.main(["quality", "--tiny", "--dense-prefix", "1.5"])

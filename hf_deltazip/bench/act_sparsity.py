@@ -133,12 +133,40 @@ def _load_pair(args, device, dtype) -> dict:
             "eval": evals, "name": name}
 
 
-def _nlls(model, evals: dict, batch_size: int) -> dict:
+def _prefix_nll(model, seqs: list, dense_prefix: float, prompt_sparse: bool = False) -> float:
+    """Mean NLL of the tokens after the first ``dense_prefix`` share of each sequence (the prompt), that
+    share run dense (a prompt's prefill under decode-only sparsity; ``prompt_sparse``: thresholded too, as
+    when every token is) and the rest thresholded, one sequence per pass."""
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for seq in seqs:
+            p = min(max(1, int(len(seq) * dense_prefix)), len(seq) - 1)
+            if p < 1:
+                continue
+            ids = torch.tensor([seq], device=device)
+            with acts.sparsify_positions_from(0 if prompt_sparse else p):
+                logits = model(input_ids=ids).logits[0, p - 1:-1].float()
+            total += float(torch.nn.functional.cross_entropy(logits, ids[0, p:], reduction="sum"))
+            count += len(seq) - p
+    if count == 0:
+        raise ValueError("no sequence is long enough to score after its dense prefix")
+    return total / count
+
+
+def _nlls(model, evals: dict, batch_size: int, dense_prefix: Optional[float] = None) -> dict:
+    if dense_prefix:  # the same positions scored both ways: decode-only sparsity, and every token thresholded
+        out = {}
+        for k, ids in evals.items():
+            out[f"{k}, decode-only"] = _prefix_nll(model, ids, dense_prefix)
+            out[f"{k}, every token"] = _prefix_nll(model, ids, dense_prefix, prompt_sparse=True)
+        return out
     return {k: metrics.mean_token_nll(model, ids, batch_size=batch_size) for k, ids in evals.items()}
 
 
-def _sweep(model, calib, evals, sparsities, batch_size, save_dir=None) -> dict:
-    """NLL per eval set at each sparsity, thresholds calibrated on ``model`` itself."""
+def _sweep(model, calib, evals, sparsities, batch_size, save_dir=None, dense_prefix=None) -> dict:
+    """NLL per eval set at each sparsity, thresholds calibrated on ``model`` itself (``dense_prefix``: see
+    :func:`_prefix_nll`)."""
     out = {}
     targets = [s for s in sparsities if s > 0]
     ths = acts.calibrate_activation_thresholds(model, calib, targets) if targets else {}
@@ -150,7 +178,7 @@ def _sweep(model, calib, evals, sparsities, batch_size, save_dir=None) -> dict:
             model.set_activation_sparsity(th)
         else:
             acts.install_activation_sparsity(model, th)
-        out[s] = _nlls(model, evals, batch_size)
+        out[s] = _nlls(model, evals, batch_size, dense_prefix)
     acts.remove_activation_sparsity(model)
     return out
 
@@ -175,18 +203,20 @@ def run_quality(args) -> dict:
     base, ft = pair["base"], pair["finetune"]
     evals, calib = pair["eval"], pair["calibration"]
     sparsities = sorted(set([0.0] + list(args.sparsity)))
-    base_nll = _nlls(base, evals, args.batch_size)
-    ft_sweep = _sweep(ft, calib, evals, sparsities, args.batch_size, args.save_thresholds)
+    prefix = args.dense_prefix
+    base_nll = _nlls(base, evals, args.batch_size, prefix)
+    ft_sweep = _sweep(ft, calib, evals, sparsities, args.batch_size, args.save_thresholds, prefix)
     rows = []
     for kind, sweep in [("fine-tune", ft_sweep)] + _delta_sweeps(args, pair, calib, evals, sparsities, DeltaModel):
         for s in sparsities:
-            for k in evals:
+            for k in sweep[s]:  # the eval sets (with --dense-prefix: each scored two ways)
                 nll, dense = sweep[s][k], ft_sweep[0.0][k]
                 gain = _gain(nll, base_nll[k], dense)
                 rows.append({"model": kind, "eval": k, "sparsity": s, "nll": nll, "base_nll": base_nll[k],
                              "finetune_nll": dense, "rel_nll_increase": nll / dense - 1.0, "gain_kept": gain})
     return {"mode": "quality", "pair": pair["name"], "device": device, "dtype": str(dtype).replace("torch.", ""),
-            "calibration_sequences": len(calib), "rows": rows, "seconds": round(time.time() - t0, 1)}
+            "calibration_sequences": len(calib), "dense_prefix": prefix, "rows": rows,
+            "seconds": round(time.time() - t0, 1)}
 
 
 def _gain(nll, base_nll, ft_nll) -> Optional[float]:
@@ -208,19 +238,22 @@ def _delta_sweeps(args, pair, calib, evals, sparsities, delta_model_cls) -> list
         dm = delta_model_cls(copy.deepcopy(pair["base"]), use_kernels="auto")
         dm.load_delta(delta, delta_name="ft")
         dm.set_delta("ft")
-        return [("DeltaModel (compressed delta)", _sweep(dm, calib, evals, sparsities, args.batch_size))]
+        return [("DeltaModel (compressed delta)", _sweep(dm, calib, evals, sparsities, args.batch_size,
+                                                         dense_prefix=args.dense_prefix))]
     finally:
         if tmp is not None:
             tmp.cleanup()
 
 
 def quality_table(result: dict) -> str:
+    prefix = result.get("dense_prefix")
+    scope = (f"; first {prefix:.0%} of each sequence dense, NLL over the rest" if prefix else "; every token thresholded")
     lines = [f"activation sparsity, quality: {result['pair']} ({result['device']}, {result['dtype']}, "
-             f"{result['calibration_sequences']} calibration sequences)",
-             f"{'model':<30} {'eval':<8} {'sparsity':>8} {'NLL':>8} {'rel. NLL':>9} {'gain kept':>9}"]
+             f"{result['calibration_sequences']} calibration sequences{scope})",
+             f"{'model':<30} {'eval':<20} {'sparsity':>8} {'NLL':>8} {'rel. NLL':>9} {'gain kept':>9}"]
     for r in result["rows"]:
         gain = "n/a" if r["gain_kept"] is None else f"{r['gain_kept']:.3f}"
-        lines.append(f"{r['model']:<30} {r['eval']:<8} {r['sparsity']:>8.0%} {r['nll']:>8.4f} "
+        lines.append(f"{r['model']:<30} {r['eval']:<20} {r['sparsity']:>8.0%} {r['nll']:>8.4f} "
                      f"{r['rel_nll_increase']:>+9.2%} {gain:>9}")
     return "\n".join(lines)
 
@@ -385,6 +418,13 @@ def speed_table(result: dict) -> str:
 
 
 # =============================================================================================== cli
+def _fraction(text: str) -> float:
+    v = float(text)
+    if not 0.0 < v < 1.0:
+        raise argparse.ArgumentTypeError(f"a share strictly between 0 and 1, got {text}")
+    return v
+
+
 def _sparsities(text: str) -> list:
     vals = [float(v) for v in text.split(",") if v.strip()]
     for v in vals:
@@ -410,6 +450,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     q.add_argument("--max-length", type=int, default=512)
     q.add_argument("--batch-size", type=int, default=8)
     q.add_argument("--save-thresholds", help="folder to save the fine-tune's thresholds in")
+    q.add_argument("--dense-prefix", type=_fraction, help="decode-only sparsity: run this share of each evaluation "
+                   "sequence dense (as a prompt's prefill) and score the NLL of the rest, thresholded (default: every "
+                   "token thresholded, NLL over all)")
     q.add_argument("--device", help="default: cuda when available")
     s = sub.add_parser("speed", help="layer time and decode tokens/s at 8B shapes (CUDA)")
     s.add_argument("--bits", type=int, default=4, choices=(2, 4, 8))

@@ -16,14 +16,23 @@ get the same threshold; o_proj and down_proj get their own. The LM head is left 
 
 Dropped inputs are exact zeros, so a kernel that skips their weight columns
 (``hf_deltazip.kernels.act_sparse``) computes the same result as the dense matmul.
+
+**Which tokens.** By default every token's inputs are thresholded. ``decode_only=True`` leaves a forward
+over several tokens per row (a prompt's prefill, a Jacobi block) dense and thresholds one-token decode
+steps only: the sparse kernels pay only where decoding is memory-bound, and a dense prompt keeps what
+the answer attends to exact. Since the thresholding is per token, a teacher-forced pass inside
+:func:`sparsify_positions_from` (positions before ``p`` dense, the rest thresholded) scores exactly what
+decode-only generation after a ``p``-token prompt computes.
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
 import math
 import os
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
@@ -43,6 +52,7 @@ __all__ = [
     "remove_activation_sparsity",
     "activation_sparsity_of",
     "sparsify_module_input",
+    "sparsify_positions_from",
     "sparsity_targets",
     "resolve_activation_sparsity",
     "target_modules",
@@ -170,14 +180,35 @@ def _wraps(mod, head) -> bool:
 
 
 # --------------------------------------------------------------------------- applying
+_SPARSE_FROM: contextvars.ContextVar = contextvars.ContextVar("hf_deltazip_sparse_from", default=None)
+
+
+@contextmanager
+def sparsify_positions_from(position: int):
+    """Inside this block, thresholded layers leave the inputs at sequence positions ``< position`` dense
+    and threshold the rest (whatever ``decode_only`` says): one teacher-forced pass then computes what
+    decode-only sparsity computes when a ``position``-token prompt is prefilled and the rest decoded."""
+    if not isinstance(position, int) or position < 0:
+        raise ValueError(f"position must be an integer >= 0, got {position!r}")
+    token = _SPARSE_FROM.set(position)
+    try:
+        yield
+    finally:
+        _SPARSE_FROM.reset(token)
+
+
 class _Rule:
     """What happens to one module's input: thresholding, or recording for calibration."""
 
-    def __init__(self, threshold: Optional[float] = None, recorder=None):
+    def __init__(self, threshold: Optional[float] = None, recorder=None, decode_only: bool = False):
         self.threshold = threshold
         self.recorder = recorder
+        self.decode_only = decode_only
         self.handle = None
         self.last_out = None  # weakref to the last tensor produced: not processed twice
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x.abs() > self.threshold, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_tensor(x) or (self.last_out is not None and self.last_out() is x):
@@ -186,7 +217,14 @@ class _Rule:
             self.recorder(x)
             y = x
         else:
-            y = torch.where(x.abs() > self.threshold, x, torch.zeros((), dtype=x.dtype, device=x.device))
+            start = _SPARSE_FROM.get()
+            if start is not None and x.dim() >= 3:  # [..., tokens, features]: the prompt's part stays dense
+                y = x.clone()
+                y[..., start:, :] = self._drop(x[..., start:, :])
+            elif self.decode_only and x.dim() >= 3 and x.shape[-2] > 1:  # a prefill or a Jacobi block
+                y = x
+            else:
+                y = self._drop(x)
         self.last_out = weakref.ref(y)
         return y
 
@@ -226,12 +264,14 @@ def remove_activation_sparsity(model: nn.Module) -> None:
 
 
 def install_activation_sparsity(model: nn.Module, thresholds: Optional[ActivationThresholds], *,
-                                strict: bool = True) -> int:
+                                strict: bool = True, decode_only: bool = False) -> int:
     """Zero each target layer's inputs with ``|x| <= threshold`` (``None``: turn it off). Returns the
     number of layers thresholded.
 
     Works on a plain transformers model (a pre-forward hook on each layer) and on a ``DeltaModel``
     (prefer ``DeltaModel.set_activation_sparsity``). Replaces thresholds installed before.
+    ``decode_only``: threshold one-token steps only; forwards over several tokens per row (prefill,
+    Jacobi blocks) stay dense (see the module docstring).
 
     Raises:
         DeltaZipError: ``strict`` and a threshold names a module the model does not have, or the model
@@ -256,7 +296,7 @@ def install_activation_sparsity(model: nn.Module, thresholds: Optional[Activatio
     for name, mod in mods.items():
         t = thresholds.thresholds.get(name)
         if t is not None:
-            _install_rule(mod, _Rule(threshold=t))
+            _install_rule(mod, _Rule(threshold=t, decode_only=decode_only))
             n += 1
     return n
 

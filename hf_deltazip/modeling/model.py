@@ -75,6 +75,7 @@ class DeltaModel(nn.Module):
         use_kernels: str = "auto",
         activation_sparsity=None,
         activation_calibration=None,
+        activation_decode_only: bool = False,
         **base_kwargs,
     ) -> "DeltaModel":
         """Load a base model and one delta onto it; that delta is made active.
@@ -90,6 +91,7 @@ class DeltaModel(nn.Module):
                 calibrated from ``activation_calibration``); or thresholds / their file (see
                 :mod:`.activation_sparsity` and :meth:`set_activation_sparsity`).
             activation_calibration: texts or token ids to calibrate thresholds on when none are saved.
+            activation_decode_only: threshold one-token decode steps only (prompts run dense).
             base_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (dtype, device_map, tp_plan,
                 quantization_config, ...). A bitsandbytes base (``BitsAndBytesConfig(load_in_4bit=True)``,
                 nf4 or fp4, double quantization, or ``load_in_8bit=True``) computes its own matmuls and the
@@ -128,7 +130,7 @@ class DeltaModel(nn.Module):
             local_base = Path(base_dir) if base_dir and Path(base_dir).is_dir() else None
             model.set_activation_sparsity(resolve_activation_sparsity(
                 model, activation_sparsity, [folder, local_base], activation_calibration,
-                tokenizer_from=[folder, base_dir]))
+                tokenizer_from=[folder, base_dir]), decode_only=activation_decode_only)
         return model
 
     def load_delta(
@@ -320,17 +322,18 @@ class DeltaModel(nn.Module):
         """Whether every delta module can run inside a captured decode step (kernel route, no host decisions)."""
         return self._placer.graph_safe()
 
-    def set_activation_sparsity(self, thresholds) -> int:
+    def set_activation_sparsity(self, thresholds, *, decode_only: bool = False) -> int:
         """Zero each linear layer's small inputs (``|x| <= threshold``), for the base and every delta;
         ``None`` turns it off. Returns the number of layers thresholded.
 
         ``thresholds``: :class:`~.activation_sparsity.ActivationThresholds` (from
         :func:`~.activation_sparsity.calibrate_activation_thresholds`), a thresholds file or folder
-        holding one target, or ``None``.
+        holding one target, or ``None``. ``decode_only``: one-token decode steps only; prompts (and
+        Jacobi blocks) run dense.
         """
         from .activation_sparsity import install_activation_sparsity, resolve_activation_sparsity
 
-        return install_activation_sparsity(self, resolve_activation_sparsity(self, thresholds))
+        return install_activation_sparsity(self, resolve_activation_sparsity(self, thresholds), decode_only=decode_only)
 
     # ------------------------------------------------------------------ running
     def forward(self, *args, delta_names: Optional[Sequence] = None, **kwargs):

@@ -222,3 +222,26 @@ def test_jacobi_bench_refuses_pair_with_tiny_and_an_unfinished_pair(tmp_path):
         jacobi.main(["--pair", str(tmp_path / "dates"), "--tiny"])
     with pytest.raises(DeltaZipError, match="no finished real pair"):  # a folder the pair builder never finished
         jacobi.task_scores(tmp_path / "dates", tmp_path / "base", None, None, {}, [])
+
+
+def test_answer_nll_scores_only_the_answers_tokens(base_dir):
+    from transformers import AutoTokenizer
+
+    from hf_deltazip.bench import metrics
+
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    examples = [("<bos>Question: Rewrite the date 3 March 2021 in ISO format (YYYY-MM-DD).\nAnswer:", " 2021-03-03" + tok.eos_token),
+                ("<bos>Question: Rewrite the date 12/01/1999 in ISO format (YYYY-MM-DD).\nAnswer:", " 1999-01-12" + tok.eos_token)]
+    total = count = 0.0
+    with torch.no_grad():
+        for prompt, answer in examples:
+            p = tok(prompt, add_special_tokens=False)["input_ids"]
+            full = tok(prompt + answer, add_special_tokens=False)["input_ids"]
+            logp = torch.log_softmax(model(input_ids=torch.tensor([full])).logits[0].float(), -1)
+            for j in range(len(p), len(full)):  # token j predicted at position j - 1
+                total -= float(logp[j - 1, full[j]])
+                count += 1
+    assert metrics.answer_nll(model, tok, examples, batch_size=2) == pytest.approx(total / count, rel=1e-5)
+    with pytest.raises(ValueError, match="no examples"):
+        metrics.answer_nll(model, tok, [])

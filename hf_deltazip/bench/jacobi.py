@@ -284,16 +284,19 @@ def run(args) -> dict:
 
 
 def task_scores(pair_dir, base_dir, tokenizer, dm, models: dict, delta_names: list) -> dict:
-    """Exact match and answer NLL on a real pair's held-out examples for the base (``dm`` with no delta),
+    """Exact match, text NLL (question and answer) and answer NLL on a real pair's held-out examples for the base (``dm`` with no delta),
     each plain model of ``models`` and each delta of ``dm``; gain kept of each against base and ``"finetune"``."""
-    from .metrics import exact_match, gain_kept, mean_token_nll
+    from .metrics import answer_nll, exact_match, gain_kept, mean_token_nll
     from .real_pairs import load_real_pair
 
     pair = load_real_pair(pair_dir, base_dir=base_dir)
+    # the answers as the pair trains them: after a space, then end-of-sequence
+    answers = [(ex.prompt, " " + ex.answer + (tokenizer.eos_token or "")) for ex in pair.eval_examples]
 
     def score(model):
         return {"exact_match": exact_match(model, tokenizer, pair.eval_examples, max_new_tokens=pair.max_new_tokens),
-                "task_nll": mean_token_nll(model, tokenizer, pair.eval_texts)}
+                "task_nll": mean_token_nll(model, tokenizer, pair.eval_texts),
+                "answer_nll": answer_nll(model, tokenizer, answers)}
 
     scores = {}
     for name in [None, *delta_names]:
@@ -308,7 +311,8 @@ def task_scores(pair_dir, base_dir, tokenizer, dm, models: dict, delta_names: li
         return gain_kept(c, b, f) if f != b else float("nan")
 
     kept = {k: {"exact_match": share(v["exact_match"], base["exact_match"], ft["exact_match"]),
-                "task_nll": share(-v["task_nll"], -base["task_nll"], -ft["task_nll"])}
+                "task_nll": share(-v["task_nll"], -base["task_nll"], -ft["task_nll"]),
+                "answer_nll": share(-v["answer_nll"], -base["answer_nll"], -ft["answer_nll"])}
             for k, v in scores.items()}
     return {"pair": str(pair_dir), "task": pair.task, "examples": len(pair.eval_examples), "scores": scores,
             "gain_kept": kept}
@@ -333,11 +337,12 @@ def to_table(result: dict) -> str:
     if "task" in result:
         t = result["task"]
         lines += ["", f"task gain kept on the pair's {t['examples']} held-out {t['task']} examples:", "",
-                  "| model | exact match | EM gain kept | answer NLL | NLL gain kept |", "|---|---:|---:|---:|---:|"]
+                  "| model | exact match | EM gain kept | answer NLL | answer NLL gain kept | text NLL | text NLL gain kept |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
         for k, v in t["scores"].items():
             g = t["gain_kept"][k]
-            lines.append(f"| {k} | {v['exact_match']:.3f} | {100 * g['exact_match']:.1f} % | {v['task_nll']:.4f} | "
-                         f"{100 * g['task_nll']:.1f} % |")
+            lines.append(f"| {k} | {v['exact_match']:.3f} | {100 * g['exact_match']:.1f} % | {v['answer_nll']:.4f} | "
+                         f"{100 * g['answer_nll']:.1f} % | {v['task_nll']:.4f} | {100 * g['task_nll']:.1f} % |")
     return "\n".join(lines)
 
 

@@ -137,6 +137,44 @@ def mean_token_nll(
     return total / count
 
 
+def answer_nll(model, tokenizer, examples: Sequence[tuple[str, str]], *, batch_size: int = 8) -> float:
+    """Mean NLL (nats) per token of the *answers* only: each example is ``(prompt, continuation)``, the
+    sequence is ``prompt + continuation`` and only the continuation's tokens are scored (pooled over all
+    examples). A model that forgot how to predict the questions (a consistency model trained on answers)
+    is not charged for it here, as :func:`mean_token_nll` of the whole text would charge it.
+
+    Raises:
+        ValueError: the prompt's tokens are not a prefix of the whole sequence's (the continuation would
+            merge with the prompt's last token: start the continuation at a token boundary, e.g. a space),
+            or nothing to score.
+    """
+    rows, starts = [], []
+    for prompt, continuation in examples:
+        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        full = tokenizer(prompt + continuation, add_special_tokens=False)["input_ids"]
+        if full[: len(p)] != p or len(full) <= len(p):
+            raise ValueError(f"the prompt {prompt[-30:]!r} does not tokenize as a prefix of prompt + continuation "
+                             f"{continuation[:30]!r}: start the continuation at a token boundary")
+        rows.append(full)
+        starts.append(len(p))
+    if not rows:
+        raise ValueError("answer_nll got no examples")
+    device = _device(model)
+    total, count = 0.0, 0
+    with _eval_mode(model):
+        for start in range(0, len(rows), batch_size):
+            part, first = rows[start:start + batch_size], starts[start:start + batch_size]
+            ids, mask = _pad(part, device)
+            logp = F.log_softmax(_logits(model, ids, mask)[:, :-1], dim=-1)
+            nll = -logp.gather(-1, ids[:, 1:, None])[..., 0]
+            # position j predicts token j + 1: the answer's tokens are predicted from position p - 1 on
+            pos = torch.arange(ids.shape[1] - 1, device=device)[None, :]
+            keep = mask[:, 1:].bool() & (pos >= torch.tensor(first, device=device)[:, None] - 1)
+            total += float(nll[keep].double().sum())
+            count += int(keep.sum())
+    return total / count
+
+
 def _example_fields(example) -> tuple[str, str]:
     if isinstance(example, dict):
         return example["prompt"], example["answer"]

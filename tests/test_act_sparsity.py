@@ -279,6 +279,26 @@ def test_decode_only_sparsity_leaves_prompts_dense_and_one_pass_reproduces_decod
             pass
 
 
+def test_jacobi_decoding_under_decode_only_sparsity_equals_greedy_of_the_same_model():
+    from hf_deltazip.decoding import jacobi_generate
+    from hf_deltazip.serving import DecodeEngine
+
+    model = copy.deepcopy(base_model("llama")).eval()
+    S.install_activation_sparsity(model, S.calibrate_activation_thresholds(model, calibration_ids(), 0.5),
+                                  decode_only=True)
+    ids = calibration_ids(n=1, length=6, seed=8)
+    greedy = model.generate(ids, do_sample=False, max_new_tokens=20, pad_token_id=0, eos_token_id=None)
+    dense = copy.deepcopy(base_model("llama")).eval().generate(ids, do_sample=False, max_new_tokens=20,
+                                                               pad_token_id=0, eos_token_id=None)
+    assert not torch.equal(greedy, dense)  # the thresholds change this model's greedy output
+    # wide Jacobi steps are decode steps: thresholded like one-token steps, so the output is that greedy output
+    got = jacobi_generate(model, ids, block_size=4, max_new_tokens=20, min_accept=None, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(got, greedy)
+    engine = DecodeEngine(model, max_batch_size=2, max_length=64, cuda_graphs=False, jacobi_min_accept=None)
+    out = engine.run([ids[0].tolist()], max_new_tokens=20, decoding="jacobi", jacobi_block_size=4, eos_token_id=None)
+    assert out[0] == greedy[0, ids.shape[1]:].tolist()
+
+
 def test_thresholds_file_keeps_every_target_and_refuses_what_it_lacks(tmp_path):
     model = copy.deepcopy(base_model("llama"))
     ths = S.calibrate_activation_thresholds(model, calibration_ids(), [0.25, 0.4])

@@ -42,6 +42,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..errors import DeltaZipError
+from ..modeling.activation_sparsity import sparsify_positions_from
 
 __all__ = ["jacobi_generate", "JacobiOutput", "JacobiStats", "JacobiGate"]
 
@@ -343,8 +344,9 @@ def jacobi_generate(
         ids = torch.tensor(blocks, dtype=torch.long, device=device)
         mask = torch.cat([mask, torch.ones(batch, width, dtype=torch.long, device=device)], dim=1)
         positions = real[:, None] + torch.arange(width, device=device)
-        pred = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                     **{cache_arg: cache}).logits.argmax(-1).tolist()
+        with sparsify_positions_from(0):  # decode steps, however wide: decode-only activation sparsity applies
+            pred = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         **{cache_arg: cache}).logits.argmax(-1).tolist()
         seconds = time.perf_counter() - t0  # the read-back waited for the device
         stats.forwards += 1
         stats.jacobi_forwards += int(jacobi)

@@ -18,9 +18,10 @@ Dropped inputs are exact zeros, so a kernel that skips their weight columns
 (``hf_deltazip.kernels.act_sparse``) computes the same result as the dense matmul.
 
 **Which tokens.** By default every token's inputs are thresholded. ``decode_only=True`` leaves a forward
-over several tokens per row (a prompt's prefill, a Jacobi block) dense and thresholds one-token decode
-steps only: the sparse kernels pay only where decoding is memory-bound, and a dense prompt keeps what
-the answer attends to exact. Since the thresholding is per token, a teacher-forced pass inside
+over several tokens per row (a prompt's prefill) dense and thresholds one-token decode steps only: the
+sparse kernels pay only where decoding is memory-bound, and a dense prompt keeps what the answer attends
+to exact. Jacobi decoding's wide steps are decode steps too: ``jacobi_generate`` and the decode engine run
+them inside ``sparsify_positions_from(0)``, so their output stays the greedy output of the same model. Since the thresholding is per token, a teacher-forced pass inside
 :func:`sparsify_positions_from` (positions before ``p`` dense, the rest thresholded) scores exactly what
 decode-only generation after a ``p``-token prompt computes.
 """
@@ -221,7 +222,7 @@ class _Rule:
             if start is not None and x.dim() >= 3:  # [..., tokens, features]: the prompt's part stays dense
                 y = x.clone()
                 y[..., start:, :] = self._drop(x[..., start:, :])
-            elif self.decode_only and x.dim() >= 3 and x.shape[-2] > 1:  # a prefill or a Jacobi block
+            elif self.decode_only and x.dim() >= 3 and x.shape[-2] > 1:  # a prefill (Jacobi steps set a start)
                 y = x
             else:
                 y = self._drop(x)
@@ -270,8 +271,8 @@ def install_activation_sparsity(model: nn.Module, thresholds: Optional[Activatio
 
     Works on a plain transformers model (a pre-forward hook on each layer) and on a ``DeltaModel``
     (prefer ``DeltaModel.set_activation_sparsity``). Replaces thresholds installed before.
-    ``decode_only``: threshold one-token steps only; forwards over several tokens per row (prefill,
-    Jacobi blocks) stay dense (see the module docstring).
+    ``decode_only``: threshold decode steps only; a forward over several tokens per row (a prompt's
+    prefill) stays dense, Jacobi steps count as decode steps (see the module docstring).
 
     Raises:
         DeltaZipError: ``strict`` and a threshold names a module the model does not have, or the model

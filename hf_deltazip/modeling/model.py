@@ -328,8 +328,8 @@ class DeltaModel(nn.Module):
 
         ``thresholds``: :class:`~.activation_sparsity.ActivationThresholds` (from
         :func:`~.activation_sparsity.calibrate_activation_thresholds`), a thresholds file or folder
-        holding one target, or ``None``. ``decode_only``: one-token decode steps only; prompts (and
-        Jacobi blocks) run dense.
+        holding one target, or ``None``. ``decode_only``: decode steps only (Jacobi steps included);
+        prompts run dense.
         """
         from .activation_sparsity import install_activation_sparsity, resolve_activation_sparsity
 

@@ -58,6 +58,7 @@ from ..modeling.quantized import device_map_problem
 from ..modeling.routing import BatchRouting
 from ..modeling.tensor_parallel import tensor_parallel_problem
 from ..decoding.jacobi import JacobiGate
+from ..modeling.activation_sparsity import sparsify_positions_from
 from .attention import use_grouped_attention
 
 __all__ = ["AdmissionPolicy", "DecodeEngine", "EngineStats", "Finished", "Pending", "auto_max_deltas"]
@@ -836,7 +837,8 @@ class DecodeEngine:
         self._cache.write = torch.arange(ptr, ptr + width, device=dev)
         try:
             kwargs = {self._cache_kw: self._cache, "use_cache": True}
-            with torch.no_grad(), route:
+            # decode steps, however wide: decode-only activation sparsity thresholds them like one-token steps
+            with torch.no_grad(), route, sparsify_positions_from(0):
                 logits = self.lm(input_ids=ids, attention_mask=mask, position_ids=positions, **kwargs).logits
             nxt = logits.argmax(-1).tolist()
         finally:

@@ -124,6 +124,11 @@ def mean_token_nll(
     rows = [r for r in rows if len(r) >= 2]
     if not rows:
         raise ValueError("mean_token_nll has nothing to predict: every sequence is shorter than 2 tokens.")
+    return _pooled_nll(model, rows, [1] * len(rows), batch_size)
+
+
+def _pooled_nll(model, rows: list[list[int]], first: list[int], batch_size: int) -> float:
+    """Mean NLL over the tokens ``rows[i][first[i]:]`` of every row, each predicted from the ones before it."""
     device = _device(model)
     total, count = 0.0, 0
     with _eval_mode(model):
@@ -131,7 +136,10 @@ def mean_token_nll(
             ids, mask = _pad(rows[start : start + batch_size], device)
             logp = F.log_softmax(_logits(model, ids, mask)[:, :-1], dim=-1)
             nll = -logp.gather(-1, ids[:, 1:, None])[..., 0]
-            keep = mask[:, 1:].bool()
+            # position j predicts token j + 1: a row's scored tokens are predicted from position first - 1 on
+            pos = torch.arange(ids.shape[1] - 1, device=device)[None, :]
+            lo = torch.tensor(first[start : start + batch_size], device=device)[:, None] - 1
+            keep = mask[:, 1:].bool() & (pos >= lo)
             total += float(nll[keep].double().sum())
             count += int(keep.sum())
     return total / count
@@ -159,20 +167,7 @@ def answer_nll(model, tokenizer, examples: Sequence[tuple[str, str]], *, batch_s
         starts.append(len(p))
     if not rows:
         raise ValueError("answer_nll got no examples")
-    device = _device(model)
-    total, count = 0.0, 0
-    with _eval_mode(model):
-        for start in range(0, len(rows), batch_size):
-            part, first = rows[start:start + batch_size], starts[start:start + batch_size]
-            ids, mask = _pad(part, device)
-            logp = F.log_softmax(_logits(model, ids, mask)[:, :-1], dim=-1)
-            nll = -logp.gather(-1, ids[:, 1:, None])[..., 0]
-            # position j predicts token j + 1: the answer's tokens are predicted from position p - 1 on
-            pos = torch.arange(ids.shape[1] - 1, device=device)[None, :]
-            keep = mask[:, 1:].bool() & (pos >= torch.tensor(first, device=device)[:, None] - 1)
-            total += float(nll[keep].double().sum())
-            count += int(keep.sum())
-    return total / count
+    return _pooled_nll(model, rows, starts, batch_size)
 
 
 def _example_fields(example) -> tuple[str, str]:

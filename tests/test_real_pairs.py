@@ -243,5 +243,14 @@ def test_answer_nll_scores_only_the_answers_tokens(base_dir):
                 total -= float(logp[j - 1, full[j]])
                 count += 1
     assert metrics.answer_nll(model, tok, examples, batch_size=2) == pytest.approx(total / count, rel=1e-5)
+    # the whole text's NLL: every token but the first, pooled; padding (rows of other lengths) never counts
+    whole = [tok(p + a, add_special_tokens=False)["input_ids"] for p, a in examples] + [[5, 6, 7]]
+    total = count = 0.0
+    with torch.no_grad():
+        for row in whole:
+            logp = torch.log_softmax(model(input_ids=torch.tensor([row])).logits[0].float(), -1)
+            total -= float(sum(logp[j - 1, row[j]] for j in range(1, len(row))))
+            count += len(row) - 1
+    assert metrics.mean_token_nll(model, whole, batch_size=3) == pytest.approx(total / count, rel=1e-5)
     with pytest.raises(ValueError, match="no examples"):
         metrics.answer_nll(model, tok, [])

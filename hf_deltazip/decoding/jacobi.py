@@ -42,7 +42,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..errors import DeltaZipError
-from ..modeling.activation_sparsity import sparsify_positions_from
+from .scope import sparsify_positions_from
 
 __all__ = ["jacobi_generate", "JacobiOutput", "JacobiStats", "JacobiGate"]
 

@@ -21,19 +21,18 @@ Dropped inputs are exact zeros, so a kernel that skips their weight columns
 over several tokens per row (a prompt's prefill) dense and thresholds one-token decode steps only: the
 sparse kernels pay only where decoding is memory-bound, and a dense prompt keeps what the answer attends
 to exact. Jacobi decoding's wide steps are decode steps too: ``jacobi_generate`` and the decode engine run
-them inside ``sparsify_positions_from(0)``, so their output stays the greedy output of the same model. Since the thresholding is per token, a teacher-forced pass inside
-:func:`sparsify_positions_from` (positions before ``p`` dense, the rest thresholded) scores exactly what
-decode-only generation after a ``p``-token prompt computes.
+them inside ``sparsify_positions_from(0)``, so their output stays the greedy output of the same model.
+Since the thresholding is per token, a teacher-forced pass inside :func:`sparsify_positions_from(p)
+<hf_deltazip.decoding.scope.sparsify_positions_from>` (positions before ``p`` dense, the rest
+thresholded) scores exactly what decode-only generation after a ``p``-token prompt computes.
 """
 
 from __future__ import annotations
 
-import contextvars
 import json
 import math
 import os
 import weakref
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional, Sequence, Union
@@ -41,6 +40,7 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from ..decoding.scope import decode_start, sparsify_positions_from
 from ..errors import DeltaZipError
 from ..fileio import atomic_write_bytes
 from .arch import is_linear
@@ -181,23 +181,6 @@ def _wraps(mod, head) -> bool:
 
 
 # --------------------------------------------------------------------------- applying
-_SPARSE_FROM: contextvars.ContextVar = contextvars.ContextVar("hf_deltazip_sparse_from", default=None)
-
-
-@contextmanager
-def sparsify_positions_from(position: int):
-    """Inside this block, thresholded layers leave the inputs at sequence positions ``< position`` dense
-    and threshold the rest (whatever ``decode_only`` says): one teacher-forced pass then computes what
-    decode-only sparsity computes when a ``position``-token prompt is prefilled and the rest decoded."""
-    if not isinstance(position, int) or position < 0:
-        raise ValueError(f"position must be an integer >= 0, got {position!r}")
-    token = _SPARSE_FROM.set(position)
-    try:
-        yield
-    finally:
-        _SPARSE_FROM.reset(token)
-
-
 class _Rule:
     """What happens to one module's input: thresholding, or recording for calibration."""
 
@@ -218,7 +201,7 @@ class _Rule:
             self.recorder(x)
             y = x
         else:
-            start = _SPARSE_FROM.get()
+            start = decode_start()
             if start is not None and x.dim() >= 3:  # [..., tokens, features]: the prompt's part stays dense
                 y = x.clone()
                 y[..., start:, :] = self._drop(x[..., start:, :])

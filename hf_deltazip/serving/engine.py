@@ -58,7 +58,7 @@ from ..modeling.quantized import device_map_problem
 from ..modeling.routing import BatchRouting
 from ..modeling.tensor_parallel import tensor_parallel_problem
 from ..decoding.jacobi import JacobiGate
-from ..modeling.activation_sparsity import sparsify_positions_from
+from ..decoding.scope import sparsify_positions_from
 from .attention import use_grouped_attention
 
 __all__ = ["AdmissionPolicy", "DecodeEngine", "EngineStats", "Finished", "Pending", "auto_max_deltas"]

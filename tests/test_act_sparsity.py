@@ -445,3 +445,5 @@ def test_quality_bench_scores_decode_only_sparsity_after_a_dense_prefix(tmp_path
     assert nll(runs[0.5], 0.5, "task, decode-only") != nll(runs[0.5], 0.5, "task, every token")
     with pytest.raises(SystemExit):
         bench.main(["quality", "--tiny", "--dense-prefix", "1.5"])
+    with pytest.raises(SystemExit, match="real-pair"):  # no prompts to take the lengths of
+        bench.main(["quality", "--tiny", "--sparsity", "0.5", "--dense-prefix", "prompt"])

@@ -149,6 +149,12 @@ def test_benchmarks_take_a_real_pair_folder(tmp_path, base_dir, capsys):
     assert [r["sparsity"] for r in result["rows"]] == [0.0, 0.5]
     dense = result["rows"][0]
     assert dense["rel_nll_increase"] == 0.0 and dense["gain_kept"] == pytest.approx(1.0)
+    # decode-only sparsity scored on the answers, each example's own prompt dense
+    assert act_sparsity.main(["quality", "--real-pair", str(pair_dir), "--base", str(base_dir), "--sparsity", "0.5",
+                              "--device", "cpu", "--dense-prefix", "prompt", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["dense_prefix"] == "prompt"
+    assert {r["eval"] for r in result["rows"]} == {"text, decode-only", "text, every token"}
     # quantized_base: the base defaults to the folder beside the pair (WORK/base)
     parser = argparse.ArgumentParser()
     args = argparse.Namespace(pair=str(pair_dir), base=None, finetune=None, eval_texts=None, calibration=None)

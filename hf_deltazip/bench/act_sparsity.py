@@ -86,6 +86,8 @@ def tiny_pair(steps: int = 60, seed: int = 0) -> dict:
 def _load_pair(args, device, dtype) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    prompt_lengths = None
+
     if args.tiny:
         return tiny_pair()
     if args.real_pair:
@@ -101,6 +103,7 @@ def _load_pair(args, device, dtype) -> dict:
         calib = _ids(tok, calib_texts[:n], args.max_length)
         evals = {"text": _ids(tok, eval_texts[:n], args.max_length)}
         name = f"{base_dir} -> {pair_dir / 'finetuned'}"
+        prompt_lengths = _prompt_lengths(tok, pair_dir, base_dir, evals["text"])
     elif args.pair:
         from .pairs import load_pair
 
@@ -129,19 +132,41 @@ def _load_pair(args, device, dtype) -> dict:
         calib = _ids(tok, calib_texts, args.max_length)
         evals = {"text": _ids(tok, eval_texts, args.max_length)}
         name = f"{args.base} -> {args.finetune}"
-    return {"base": base.to(device, dtype).eval(), "finetune": ft.to(device, dtype).eval(), "calibration": calib,
-            "eval": evals, "name": name}
+    out = {"base": base.to(device, dtype).eval(), "finetune": ft.to(device, dtype).eval(), "calibration": calib,
+           "eval": evals, "name": name}
+    if prompt_lengths is not None:
+        out["prompt_lengths"] = {"text": prompt_lengths}
+    return out
 
 
-def _prefix_nll(model, seqs: list, dense_prefix: float, prompt_sparse: bool = False) -> float:
-    """Mean NLL of the tokens after the first ``dense_prefix`` share of each sequence (the prompt), that
-    share run dense (a prompt's prefill under decode-only sparsity; ``prompt_sparse``: thresholded too, as
-    when every token is) and the rest thresholded, one sequence per pass."""
+def _prompt_lengths(tok, pair_dir: Path, base_dir: Path, seqs: list) -> Optional[list]:
+    """Tokens of each evaluation sequence's prompt, when the sequences are the pair's examples, prompt
+    first (the date pair); ``None`` otherwise (the facts pair scores rephrased questions)."""
+    from .real_pairs import load_real_pair
+
+    examples = load_real_pair(pair_dir, base_dir=base_dir).eval_examples
+    if len(examples) < len(seqs):
+        return None
+    lengths = []
+    for ex, seq in zip(examples, seqs):
+        p = tok(ex.prompt, add_special_tokens=False)["input_ids"]
+        if seq[:len(p)] != p or len(seq) <= len(p):
+            return None
+        lengths.append(len(p))
+    return lengths
+
+
+def _prefix_nll(model, seqs: list, dense_prefix, prompt_sparse: bool = False, lengths: Optional[list] = None) -> float:
+    """Mean NLL of the tokens after each sequence's prompt: its first ``dense_prefix`` share, or
+    ``lengths[i]`` tokens when ``dense_prefix`` is ``"prompt"``. The prompt runs dense (a prefill under
+    decode-only sparsity; ``prompt_sparse``: thresholded too, as when every token is) and the rest
+    thresholded, one sequence per pass."""
     device = next(model.parameters()).device
     total, count = 0.0, 0
     with torch.no_grad():
-        for seq in seqs:
-            p = min(max(1, int(len(seq) * dense_prefix)), len(seq) - 1)
+        for i, seq in enumerate(seqs):
+            cut = lengths[i] if dense_prefix == "prompt" else int(len(seq) * dense_prefix)
+            p = min(max(1, cut), len(seq) - 1)
             if p < 1:
                 continue
             ids = torch.tensor([seq], device=device)
@@ -154,17 +179,18 @@ def _prefix_nll(model, seqs: list, dense_prefix: float, prompt_sparse: bool = Fa
     return total / count
 
 
-def _nlls(model, evals: dict, batch_size: int, dense_prefix: Optional[float] = None) -> dict:
+def _nlls(model, evals: dict, batch_size: int, dense_prefix=None, lengths: Optional[dict] = None) -> dict:
     if dense_prefix:  # the same positions scored both ways: decode-only sparsity, and every token thresholded
         out = {}
         for k, ids in evals.items():
-            out[f"{k}, decode-only"] = _prefix_nll(model, ids, dense_prefix)
-            out[f"{k}, every token"] = _prefix_nll(model, ids, dense_prefix, prompt_sparse=True)
+            n = (lengths or {}).get(k)
+            out[f"{k}, decode-only"] = _prefix_nll(model, ids, dense_prefix, lengths=n)
+            out[f"{k}, every token"] = _prefix_nll(model, ids, dense_prefix, prompt_sparse=True, lengths=n)
         return out
     return {k: metrics.mean_token_nll(model, ids, batch_size=batch_size) for k, ids in evals.items()}
 
 
-def _sweep(model, calib, evals, sparsities, batch_size, save_dir=None, dense_prefix=None) -> dict:
+def _sweep(model, calib, evals, sparsities, batch_size, save_dir=None, dense_prefix=None, lengths=None) -> dict:
     """NLL per eval set at each sparsity, thresholds calibrated on ``model`` itself (``dense_prefix``: see
     :func:`_prefix_nll`)."""
     out = {}
@@ -178,7 +204,7 @@ def _sweep(model, calib, evals, sparsities, batch_size, save_dir=None, dense_pre
             model.set_activation_sparsity(th)
         else:
             acts.install_activation_sparsity(model, th)
-        out[s] = _nlls(model, evals, batch_size, dense_prefix)
+        out[s] = _nlls(model, evals, batch_size, dense_prefix, lengths)
     acts.remove_activation_sparsity(model)
     return out
 
@@ -203,9 +229,12 @@ def run_quality(args) -> dict:
     base, ft = pair["base"], pair["finetune"]
     evals, calib = pair["eval"], pair["calibration"]
     sparsities = sorted(set([0.0] + list(args.sparsity)))
-    prefix = args.dense_prefix
-    base_nll = _nlls(base, evals, args.batch_size, prefix)
-    ft_sweep = _sweep(ft, calib, evals, sparsities, args.batch_size, args.save_thresholds, prefix)
+    prefix, lengths = args.dense_prefix, pair.get("prompt_lengths")
+    if prefix == "prompt" and lengths is None:
+        raise SystemExit("--dense-prefix prompt needs --real-pair with evaluation texts that start with their "
+                         "examples' prompts (the date pair); give a share such as 0.7 instead")
+    base_nll = _nlls(base, evals, args.batch_size, prefix, lengths)
+    ft_sweep = _sweep(ft, calib, evals, sparsities, args.batch_size, args.save_thresholds, prefix, lengths)
     rows = []
     for kind, sweep in [("fine-tune", ft_sweep)] + _delta_sweeps(args, pair, calib, evals, sparsities, DeltaModel):
         for s in sparsities:
@@ -239,7 +268,8 @@ def _delta_sweeps(args, pair, calib, evals, sparsities, delta_model_cls) -> list
         dm.load_delta(delta, delta_name="ft")
         dm.set_delta("ft")
         return [("DeltaModel (compressed delta)", _sweep(dm, calib, evals, sparsities, args.batch_size,
-                                                         dense_prefix=args.dense_prefix))]
+                                                         dense_prefix=args.dense_prefix,
+                                                         lengths=pair.get("prompt_lengths")))]
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -247,7 +277,8 @@ def _delta_sweeps(args, pair, calib, evals, sparsities, delta_model_cls) -> list
 
 def quality_table(result: dict) -> str:
     prefix = result.get("dense_prefix")
-    scope = (f"; first {prefix:.0%} of each sequence dense, NLL over the rest" if prefix else "; every token thresholded")
+    scope = ("; each prompt dense, NLL over the answers" if prefix == "prompt" else
+             f"; first {prefix:.0%} of each sequence dense, NLL over the rest" if prefix else "; every token thresholded")
     lines = [f"activation sparsity, quality: {result['pair']} ({result['device']}, {result['dtype']}, "
              f"{result['calibration_sequences']} calibration sequences{scope})",
              f"{'model':<30} {'eval':<20} {'sparsity':>8} {'NLL':>8} {'rel. NLL':>9} {'gain kept':>9}"]
@@ -418,7 +449,9 @@ def speed_table(result: dict) -> str:
 
 
 # =============================================================================================== cli
-def _fraction(text: str) -> float:
+def _fraction(text: str):
+    if text == "prompt":
+        return text
     v = float(text)
     if not 0.0 < v < 1.0:
         raise argparse.ArgumentTypeError(f"a share strictly between 0 and 1, got {text}")
@@ -451,8 +484,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     q.add_argument("--batch-size", type=int, default=8)
     q.add_argument("--save-thresholds", help="folder to save the fine-tune's thresholds in")
     q.add_argument("--dense-prefix", type=_fraction, help="decode-only sparsity: run this share of each evaluation "
-                   "sequence dense (as a prompt's prefill) and score the NLL of the rest, thresholded (default: every "
-                   "token thresholded, NLL over all)")
+                   "sequence dense (as a prompt's prefill) and score the NLL of the rest, thresholded; 'prompt' "
+                   "(--real-pair, date pair): each example's own prompt (default: every token thresholded, NLL "
+                   "over all)")
     q.add_argument("--device", help="default: cuda when available")
     s = sub.add_parser("speed", help="layer time and decode tokens/s at 8B shapes (CUDA)")
     s.add_argument("--bits", type=int, default=4, choices=(2, 4, 8))

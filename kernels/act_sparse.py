@@ -368,9 +368,9 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
         block_n, block_k, num_warps: the ``[block_k, block_n]`` tile of one program (powers of two,
             at least 16; ``block_k`` 0: the group size up to 128, so a tile reads one scale row).
         inner_k: one-row GEMV on codes read as int32 words with the tile inside one group: walk the
-            tile in steps of ``inner_k`` inputs (a power of two below ``block_k``), the sum over
-            inputs kept inside each lane and reduced once per tile; 0 (default): one step. Other
-            paths ignore it.
+            tile in steps of ``inner_k`` inputs (a power of two up to ``block_k``; default 16, the
+            fastest on the H200), the sum over inputs kept inside each lane and reduced once per
+            tile; 0: the whole tile in one step. Other paths ignore it.
 
     Returns:
         ``out``.

@@ -165,10 +165,10 @@ def _prefix_nll(model, seqs: list, dense_prefix, prompt_sparse: bool = False, le
     total, count = 0.0, 0
     with torch.no_grad():
         for i, seq in enumerate(seqs):
+            if len(seq) < 2:  # nothing after a prompt of at least one token
+                continue
             cut = lengths[i] if dense_prefix == "prompt" else int(len(seq) * dense_prefix)
             p = min(max(1, cut), len(seq) - 1)
-            if p < 1:
-                continue
             ids = torch.tensor([seq], device=device)
             with acts.sparsify_positions_from(0 if prompt_sparse else p):
                 logits = model(input_ids=ids).logits[0, p - 1:-1].float()
@@ -449,7 +449,8 @@ def speed_table(result: dict) -> str:
 
 
 # =============================================================================================== cli
-def _fraction(text: str):
+def _dense_prefix(text: str):
+    """``--dense-prefix``: a share strictly between 0 and 1, or ``"prompt"``."""
     if text == "prompt":
         return text
     v = float(text)
@@ -483,7 +484,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     q.add_argument("--max-length", type=int, default=512)
     q.add_argument("--batch-size", type=int, default=8)
     q.add_argument("--save-thresholds", help="folder to save the fine-tune's thresholds in")
-    q.add_argument("--dense-prefix", type=_fraction, help="decode-only sparsity: run this share of each evaluation "
+    q.add_argument("--dense-prefix", type=_dense_prefix, help="decode-only sparsity: run this share of each evaluation "
                    "sequence dense (as a prompt's prefill) and score the NLL of the rest, thresholded; 'prompt' "
                    "(--real-pair, date pair): each example's own prompt (default: every token thresholded, NLL "
                    "over all)")

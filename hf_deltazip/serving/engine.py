@@ -797,7 +797,7 @@ class DecodeEngine:
             if width <= 1:
                 gate.record(False, seconds)
             elif delta in self._wide_deltas:
-                gate.record(True, seconds, (accepted or {}).get(delta))
+                gate.record(True, seconds, accepted.get(delta))
             # a delta that rode along one token per step in another delta's wide step: no sample of either kind
 
     # -- Jacobi steps

@@ -155,6 +155,17 @@ def test_benchmarks_take_a_real_pair_folder(tmp_path, base_dir, capsys):
     result = json.loads(out.read_text())
     assert result["dense_prefix"] == "prompt"
     assert {r["eval"] for r in result["rows"]} == {"text, decode-only", "text, every token"}
+    # dense, the prompt-prefixed score is the answers' NLL as metrics.answer_nll computes it on the examples
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_deltazip.bench import metrics
+
+    tok = AutoTokenizer.from_pretrained(pair_dir / "finetuned")
+    ft = AutoModelForCausalLM.from_pretrained(pair_dir / "finetuned", dtype=torch.float32).eval()
+    answers = [(ex.prompt, " " + ex.answer + tok.eos_token) for ex in pair.eval_examples]
+    dense_rows = [r for r in result["rows"] if r["model"] == "fine-tune" and r["sparsity"] == 0.0]
+    for r in dense_rows:
+        assert r["nll"] == pytest.approx(metrics.answer_nll(ft, tok, answers), rel=1e-4)
     # quantized_base: the base defaults to the folder beside the pair (WORK/base)
     parser = argparse.ArgumentParser()
     args = argparse.Namespace(pair=str(pair_dir), base=None, finetune=None, eval_texts=None, calibration=None)

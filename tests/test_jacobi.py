@@ -415,4 +415,18 @@ def test_gate_weighs_accepted_tokens_against_what_a_jacobi_step_costs():
     slow = JacobiGate(min_accept=1.5)
     for _ in range(3):
         slow.record(False, 1.0)
-    assert _under_gate(slow, 3000, 100.0, 1.0)[:5] == [0, 1, 6, 15, 1040]
+    assert _under_gate(slow, 3000, 100.0, 1.0)[:5] == [0, 1, 6, 23, 1048]
+
+
+def test_gate_backs_off_faster_when_no_guess_is_ever_accepted():
+    from hf_deltazip.decoding import JacobiGate
+
+    # an ordinary delta, 11 steps a call (short answers in a batch of 8), a wide step costing 1.5 one-token
+    # steps: the first call pays the two judging steps and one probe; the next call runs no wide step,
+    # because two steps that accepted nothing at all quadruple the wait instead of doubling it
+    gate = JacobiGate(min_accept=1.5)
+    first, second = _under_gate(gate, 11, 1.5, 1.0), _under_gate(gate, 11, 1.5, 1.0)
+    assert first == [0, 1, 6] and second == []
+    # some guesses accepted, though too few to pay: the wait doubles, and the second call probes
+    slower = JacobiGate(min_accept=1.5)
+    assert _under_gate(slower, 11, 1.5, 1.2) == [0, 1, 6] and _under_gate(slower, 11, 1.5, 1.2) == [4]

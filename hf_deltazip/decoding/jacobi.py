@@ -23,7 +23,7 @@ each kind of step and, after every two Jacobi steps, compares their mean tokens
 per forward (over unfinished rows) with ``max(min_accept, wide step time / one-token step time)``.
 Below it, the decoder runs plain greedy steps (one token per row, or the re-fed tokens) for ``backoff``
 steps, then probes with one Jacobi step, judged with the one before it; each failed probe doubles
-``backoff`` (from 4), and ``backoff`` is at least what keeps the probes' extra time within 2 % of the
+``backoff`` (from 4; quadruples it when the two steps accepted no guess at all), and ``backoff`` is at least what keeps the probes' extra time within 2 % of the
 greedy steps between them (64 at most when the two kinds of step cost the same, 1024 at most in any
 case). Step costs are medians of the last 9 steps of each kind, so a compile or a graph capture
 inside one step does not count. A successful probe resets ``backoff``. ``min_accept=None`` never
@@ -109,14 +109,17 @@ class JacobiGate:
         self.recent.append(accepted)
         if len(self.recent) < self.WINDOW:
             return
-        if sum(self.recent) / self.WINDOW < self.threshold():
+        mean = sum(self.recent) / self.WINDOW
+        if mean < self.threshold():
             self.wait = self.backoff
-            self.backoff = self._next_backoff()
+            # not one guess accepted (only the token every step gains): the model shows no sign of
+            # converging, so the wait grows four times as fast
+            self.backoff = self._next_backoff(4 if mean <= 1.0 else 2)
         else:
             self.backoff = self.FIRST_BACKOFF
 
-    def _next_backoff(self) -> int:
-        nxt = min(2 * self.backoff, self.MAX_BACKOFF)
+    def _next_backoff(self, factor: int = 2) -> int:
+        nxt = min(factor * self.backoff, self.MAX_BACKOFF)
         wide, narrow = self.cost(True), self.cost(False)
         if wide and narrow and wide > narrow:  # keep the next probe's extra time within the budget
             nxt = max(nxt, math.ceil((wide - narrow) / (self.probe_budget * narrow)))

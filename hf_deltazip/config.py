@@ -33,12 +33,24 @@ def _check_bits(bits, where="bits"):
         raise DeltaZipConfigError(f"{where} must be one of {list(ALLOWED_BITS)}, got {bits!r}")
 
 
+def lowrank_bits_per_weight(sparsity) -> Optional[float]:
+    """``x`` of a ``"lowrank:x"`` setting (factors of ``x`` bits per weight of the module), else None."""
+    if isinstance(sparsity, str) and sparsity.startswith("lowrank:"):
+        try:
+            x = float(sparsity[len("lowrank:"):])
+        except ValueError:
+            return None
+        return x if 0 < x <= 16 and math.isfinite(x) else None
+    return None
+
+
 def _check_sparsity(sparsity, where="sparsity"):
-    if sparsity is None or sparsity == "2:4":
+    if sparsity is None or sparsity == "2:4" or lowrank_bits_per_weight(sparsity) is not None:
         return
     if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not (0 < float(sparsity) < 1):
         raise DeltaZipConfigError(
-            f'{where} must be None (dense), "2:4", or a fraction of weights to prune in (0, 1), got {sparsity!r}'
+            f'{where} must be None (dense), "2:4", a fraction of weights to prune in (0, 1), or "lowrank:x" '
+            f'(a low-rank delta whose factors take x bits per weight, 0 < x <= 16), got {sparsity!r}'
         )
 
 
@@ -105,7 +117,9 @@ class DeltaZipConfig:
     bits: int = field(default=4, metadata={"help": "Bits per kept delta weight: 2, 3, 4 or 8."})
     sparsity: Sparsity = field(
         default=None,
-        metadata={"help": 'None (dense), "2:4" (2 of every 4 inputs kept) or a fraction in (0, 1) pruned unstructured.'},
+        metadata={"help": 'None (dense), "2:4" (2 of every 4 inputs kept), a fraction in (0, 1) pruned unstructured, or '
+                          '"lowrank:x": singular directions in bands of 8/4/3/2 bits taking x bits per weight (linear layers; '
+                          'served as bits-bit codes on group_size groups rebuilt from them on load).'},
     )
     group_size: int = field(
         default=128, metadata={"help": "Inputs sharing one scale and zero point; -1 = one per output row."}
@@ -145,7 +159,9 @@ class DeltaZipConfig:
         default_factory=lambda: [2, 3, 4, 8], metadata={"help": "Bits the target_ratio budget may choose from."})
     budget_sparsity: list = field(
         default_factory=lambda: [None, "2:4", 0.5, 0.75, 0.9],
-        metadata={"help": 'Sparsities the budget may choose from (None = dense; "2:4" is not offered to input embeddings).'})
+        metadata={"help": 'Sparsities the budget may choose from (None = dense; "2:4" and "lowrank:x" are not offered to '
+                          'input embeddings; "lowrank:x" is offered once, served at the largest budget_bits on the smallest '
+                          'budget_group_sizes).'})
     budget_group_sizes: list = field(
         default_factory=lambda: [64, 128, -1], metadata={"help": "Group sizes the budget may choose from."})
     format_version: int = field(default=FORMAT_VERSION, metadata={"help": "Version of this config's JSON layout."})

@@ -63,6 +63,62 @@ class PackedModule:
     positions: Optional[torch.Tensor] = None
     mask: Optional[torch.Tensor] = None
     nnz: Optional[int] = None
+    # the lowrank layout: ((bits, A, B), ...) per band, A [r, N] and B [r, K] dense modules with one grid per
+    # direction. The file stores these; the fields above hold the served delta, RTN(sum A^T B) on the module's
+    # own grid, rebuilt from them on load (:meth:`from_factors`), which is what kernels, merges and
+    # references read
+    factors: Optional[tuple] = None
+
+    @classmethod
+    def from_factors(cls, factors, shape, *, bits: int, group_size: int, symmetric: bool = True,
+                     kind: str = "linear", transposed: bool = False) -> "PackedModule":
+        """A lowrank-layout module: ``factors`` as stored (``(bits, A, B)`` per band, CPU :class:`PackedModule`
+        s) and the served delta they define: their product, summed over bands in float32 on the CPU, rounded
+        to ``bits`` on ``group_size`` groups (so loading a file rebuilds the very codes compression made)."""
+        from .compression.solver import rtn_compress
+
+        n, k = shape
+        product = torch.zeros(n, k, dtype=torch.float32)
+        for _, a, b in factors:
+            product += a.dequantize().t() @ b.dequantize()
+        gs = group_size if group_size == -1 or k % group_size == 0 else -1
+        res = rtn_compress(product, bits=bits, group_size=gs, symmetric=symmetric)
+        served = cls.from_codes(res.codes, res.scales, res.zeros, None, bits=bits, group_size=gs, symmetric=symmetric,
+                                kind=kind, transposed=transposed)
+        return dataclasses.replace(served, factors=tuple(factors))
+
+    @classmethod
+    def split_factors(cls, tensors: dict, bands, shape) -> tuple:
+        """The ``(bits, A, B)`` bands of a lowrank layout's six stored tensors (see :meth:`tensors`)."""
+        n, k = shape
+        out, at = [], {"a": 0, "b": 0}
+        row = 0
+        for r, b in bands:
+            sides = []
+            for side, width in (("a", n), ("b", k)):
+                size = r * packed_nbytes(width, b)
+                q = tensors[f"{side}.qweight"][at[side]:at[side] + size].reshape(r, packed_nbytes(width, b))
+                at[side] += size
+                sides.append(cls(kind="factor", shape=(r, width), bits=b, group_size=-1, symmetric=True, sparsity="dense",
+                                 transposed=False, qweight=q, scales=tensors[f"{side}.scales"][row:row + r],
+                                 zeros=tensors[f"{side}.zeros"][row:row + r]))
+            out.append((b, *sides))
+            row += r
+        return tuple(out)
+
+    @classmethod
+    def lowrank(cls, bands, shape, *, bits: int, group_size: int, symmetric: bool = True, kind: str = "linear",
+                transposed: bool = False) -> "PackedModule":
+        """A lowrank-layout module from solved bands: ``(bits, A, B)`` with ``A``, ``B``
+        :class:`~hf_deltazip.compression.solver.SolverResult` s (see
+        :func:`~hf_deltazip.compression.lowrank.mixed_precision_factors`)."""
+        factors = tuple((b, cls.from_codes(a.codes, a.scales, a.zeros, None, bits=b, group_size=-1, symmetric=a.symmetric,
+                                           kind="factor"),
+                         cls.from_codes(bt.codes, bt.scales, bt.zeros, None, bits=b, group_size=-1, symmetric=bt.symmetric,
+                                        kind="factor"))
+                        for b, a, bt in bands)
+        return cls.from_factors(factors, shape, bits=bits, group_size=group_size, symmetric=symmetric, kind=kind,
+                                transposed=transposed)
 
     @classmethod
     def from_codes(
@@ -232,6 +288,8 @@ class PackedModule:
         """Bytes this delta occupies on a GPU once loaded for the kernels (bitmask and rows are expanded
         to dense codes there; 2:4 stays 2:4): what a decode step reads, unlike the file's zstd bytes."""
         n, k = self.shape
+        if self.factors is not None:  # the served codes, not the stored factors
+            return sum(_tensor_bytes(t) for t in (self.qweight, self.scales, self.zeros))
         if self.sparsity not in ("bitmask", "rows"):
             return self.nbytes
         g = self.scales.shape[1]
@@ -239,6 +297,22 @@ class PackedModule:
 
     # ------------------------------------------------------------------ storage
     def tensors(self) -> dict:
+        """The tensors the file stores, by role. The lowrank layout stores its factors only, six tensors
+        whatever the bands: per side (``a``: ``[r, N]`` rows, ``b``: ``[r, K]``) the bands' packed codes one
+        after the other (``qweight``, 1-D), and one scale and zero point per direction (``scales``, ``zeros``
+        ``[R, 1]``, bands in order)."""
+        if self.factors is not None:
+            out = {}
+            for side, pick in (("a", 1), ("b", 2)):
+                fs = [band[pick] for band in self.factors]
+                scales = [f.scales for f in fs]
+                wide = any(t.dtype == torch.float32 for t in scales)
+                out[f"{side}.qweight"] = torch.cat([f.qweight.reshape(-1) for f in fs]) if fs else \
+                    torch.zeros(0, dtype=torch.uint8)
+                out[f"{side}.scales"] = torch.cat([t.float() if wide else t for t in scales]) if fs else \
+                    torch.zeros(0, 1, dtype=torch.float16)
+                out[f"{side}.zeros"] = torch.cat([f.zeros for f in fs]) if fs else torch.zeros(0, 1, dtype=torch.uint8)
+            return out
         out = {"qweight": self.qweight, "scales": self.scales, "zeros": self.zeros}
         if self.positions is not None:
             out["positions"] = self.positions
@@ -247,14 +321,20 @@ class PackedModule:
         return out
 
     def record(self, name: str) -> ModuleRecord:
+        lowrank = self.factors is not None
         return ModuleRecord(
             kind=self.kind, shape=tuple(self.shape), bits=self.bits, group_size=self.group_size,
-            symmetric=self.symmetric, sparsity=self.sparsity, transposed=self.transposed,
-            tensors={role: f"{name}.{role}" for role in self.tensors()}, nnz=self.nnz,
+            symmetric=self.symmetric, sparsity="lowrank" if lowrank else self.sparsity, transposed=self.transposed,
+            tensors={role: f"{name}.{role}" for role in self.tensors()}, nnz=None if lowrank else self.nnz,
+            bands=[(int(a.shape[0]), b) for b, a, _ in self.factors] if lowrank else None,
         )
 
     @classmethod
     def from_record(cls, rec: ModuleRecord, tensors: dict) -> "PackedModule":
+        if rec.sparsity == "lowrank":
+            factors = cls.split_factors(tensors, rec.bands, rec.shape)
+            return cls.from_factors(factors, tuple(rec.shape), bits=rec.bits, group_size=rec.group_size,
+                                    symmetric=rec.symmetric, kind=rec.kind, transposed=rec.transposed)
         return cls(
             kind=rec.kind, shape=tuple(rec.shape), bits=rec.bits, group_size=rec.group_size, symmetric=rec.symmetric,
             sparsity=rec.sparsity, transposed=rec.transposed, qweight=tensors["qweight"], scales=tensors["scales"],
@@ -269,8 +349,11 @@ class PackedModule:
     def info(self) -> dict:
         """Layout and size of this module: what ``CompressedDelta.summary["modules"]`` lists per module."""
         n, k = self.shape
+        sparsity = self.sparsity
+        if self.factors is not None:
+            sparsity = "lowrank[" + "+".join(f"{a.shape[0]}x{b}b" for b, a, _ in self.factors) + "]"
         return {"kind": self.kind, "shape": [n, k], "bits": self.bits, "group_size": self.group_size,
-                "symmetric": self.symmetric, "sparsity": self.sparsity, "bytes": self.nbytes,
+                "symmetric": self.symmetric, "sparsity": sparsity, "bytes": self.nbytes,
                 "resident_bytes": self.resident_nbytes,
                 "bits_per_weight": 8 * self.nbytes / (n * k)}
 
@@ -278,7 +361,8 @@ class PackedModule:
         n, k = self.shape
         group = "per row" if self.group_size == -1 else f"group {self.group_size}"
         grid = "symmetric" if self.symmetric else "asymmetric"
-        return (f"PackedModule({self.kind} [{n}, {k}], {self.bits}-bit, {group}, {grid}, {self.sparsity}, "
+        layout = self.info()["sparsity"] if self.factors is not None else self.sparsity
+        return (f"PackedModule({self.kind} [{n}, {k}], {self.bits}-bit, {group}, {grid}, {layout}, "
                 f"{format_bytes(self.nbytes)}{', transposed' if self.transposed else ''})")
 
     def _repr_html_(self) -> str:

@@ -441,6 +441,8 @@ def _describe_sparsity(sparsity: Any) -> str:
     if sparsity in (None, 0, 0.0, "", "none", "dense"):
         return "none (dense)"
     if isinstance(sparsity, str):
+        if sparsity.startswith("lowrank:"):
+            return f"low-rank, {sparsity.split(':', 1)[1]} bits per weight"
         return f"{sparsity} structured" if ":" in sparsity else sparsity
     value = float(sparsity)
     fraction = value if value <= 1 else value / 100

@@ -203,3 +203,28 @@ def test_compress_with_a_target_ratio_and_info_shows_each_choice(tmp_path, capsy
     for m in report["modules"]:  # one row per module with the chosen bits, group size, layout and bytes
         row = next(line for line in printed.splitlines() if line.startswith(m["module"] + " "))
         assert row.split()[3:7] == [str(m["bits"]), str(m["group_size"]), m["sparsity"], str(m["bytes"])]
+
+
+def test_compress_with_the_lowrank_layout_and_info_shows_its_bands(tmp_path, capsys):
+    from hf_deltazip.format.folder import delta_bytes_report
+
+    from model_factory import base_model, finetune
+
+    base_model("llama").save_pretrained(tmp_path / "base")
+    finetune("llama", 1).save_pretrained(tmp_path / "ft")
+    out = tmp_path / "delta"
+    assert main(["compress", "--base", str(tmp_path / "base"), "--finetuned", str(tmp_path / "ft"), "--out", str(out),
+                 "--sparsity", "lowrank:2", "--bits", "8", "--group-size", "-1"]) == 0
+    capsys.readouterr()
+    report = delta_bytes_report(out)
+    linear = [m for m in report["modules"] if ".layers." in m["module"]]
+    assert linear and all(m["sparsity"].startswith("lowrank[") for m in linear)
+    assert all(m["resident_bytes"] > m["bytes"] for m in linear)  # the GPU holds 8-bit codes, the file factors
+    assert main(["info", "--verbose", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for m in linear:
+        row = next(line for line in printed.splitlines() if line.startswith(m["module"] + " "))
+        assert row.split()[3:7] == [str(m["bits"]), str(m["group_size"]), m["sparsity"], str(m["bytes"])]
+    assert main(["compress", "--base", str(tmp_path / "base"), "--finetuned", str(tmp_path / "ft"),
+                 "--out", str(tmp_path / "bad"), "--sparsity", "lowrank:0"]) != 0
+    assert "lowrank:x" in capsys.readouterr().err

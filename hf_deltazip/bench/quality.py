@@ -70,6 +70,15 @@ OUR_LADDER = (
 # once per pair and shared by every ratio. Per-row scales only, and pruning up to 98 %: from 16x up a module
 # has about one bit per weight or less to spend, and the rungs of OUR_LADDER stop near 26x.
 BUDGET_CANDIDATES = dict(budget_bits=[2, 3, 4], budget_sparsity=[None, 0.75, 0.9, 0.95, 0.98], budget_group_sizes=[-1])
+# ... plus, unless ``--lowrank`` says otherwise, the lowrank layout at these bits per weight (Delta-CoMe bands,
+# served as 4-bit per-row codes of their product)
+LOWRANK_LEVELS = (0.125, 0.25, 0.5, 1.0)
+
+
+def budget_candidates(lowrank=LOWRANK_LEVELS) -> dict:
+    """:data:`BUDGET_CANDIDATES` with the lowrank layout at each of ``lowrank`` bits per weight."""
+    return {**BUDGET_CANDIDATES,
+            "budget_sparsity": BUDGET_CANDIDATES["budget_sparsity"] + [f"lowrank:{x:g}" for x in lowrank]}
 
 # Ours is reported at R only if its measured ratio is at least this share of R; beyond, the
 # baselines still run at R's budget and ours is marked out of reach.
@@ -260,13 +269,15 @@ def run_quality(
     n_calibration: int = 128,
     seq_len: int = 256,
     ours: str = "ladder",
+    lowrank=LOWRANK_LEVELS,
     log=print,
     progress: bool = False,
 ) -> dict:
     """Gain kept by every method at every whole-file ratio, on one built pair (see module doc).
 
     ``ours``: ``"ladder"`` (the :data:`OUR_LADDER` rung nearest each ratio) or ``"budget"``
-    (``DeltaZipConfig(target_ratio=R)`` over :data:`BUDGET_CANDIDATES`, the candidates measured once per
+    (``DeltaZipConfig(target_ratio=R)`` over :func:`budget_candidates` (``lowrank``: its bits per weight of
+    the lowrank layout; empty for quantization and pruning alone), the candidates measured once per
     pair and shared by every ratio through a :class:`~hf_deltazip.compression.BudgetMeasurements`)."""
     if ours not in ("ladder", "budget"):
         raise ValueError(f"ours must be 'ladder' or 'budget', got {ours!r}")
@@ -307,7 +318,7 @@ def run_quality(
     for ratio in ratios:
         budget = fp16_bytes / ratio
         if ours == "budget":
-            cfg = DeltaZipConfig(target_ratio=ratio, n_samples=n_calibration, seq_len=seq_len, **BUDGET_CANDIDATES)
+            cfg = DeltaZipConfig(target_ratio=ratio, n_samples=n_calibration, seq_len=seq_len, **budget_candidates(lowrank))
             rung = f"budget {ratio:g}x"
         else:
             cfg = our_config(ratio, measured=measured, shapes=shapes, n_samples=n_calibration, seq_len=seq_len)
@@ -493,6 +504,8 @@ def main(argv=None) -> int:
     p.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
     p.add_argument("--ours", choices=["ladder", "budget"], default="ladder",
                    help="ours at R: the nearest fixed-setting rung (ladder) or DeltaZipConfig(target_ratio=R) (budget)")
+    p.add_argument("--lowrank", nargs="*", type=float, default=list(LOWRANK_LEVELS),
+                   help="--ours budget: bits per weight of the lowrank candidates (none given: no lowrank candidates)")
     p.add_argument("--n-calibration", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--progress", action="store_true", help="show compress()'s progress bars (on stderr)")
@@ -508,7 +521,7 @@ def main(argv=None) -> int:
     results = []
     for pair in _pairs(args):
         results.append(run_quality(pair, ratios=args.ratios, methods=args.methods, device=args.device,
-                                   n_calibration=args.n_calibration, seq_len=args.seq_len, ours=args.ours,
+                                   n_calibration=args.n_calibration, seq_len=args.seq_len, ours=args.ours, lowrank=args.lowrank,
                                    progress=args.progress))
     md = "\n".join(to_markdown(r, command.strip()) for r in results)
     print(md)

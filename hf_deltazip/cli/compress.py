@@ -11,12 +11,13 @@ from ..errors import DeltaZipError
 def _sparsity(value: str):
     if value in ("none", "None", "0", ""):
         return None
-    if value == "2:4":
-        return value
+    if value == "2:4" or value.startswith("lowrank:"):
+        return value  # DeltaZipConfig checks the lowrank size
     try:
         return float(value)
     except ValueError:
-        raise DeltaZipError(f'--sparsity must be "none", "2:4" or a fraction such as 0.5, got {value!r}') from None
+        raise DeltaZipError(f'--sparsity must be "none", "2:4", a fraction such as 0.5 or "lowrank:x" such as '
+                            f'lowrank:0.5, got {value!r}') from None
 
 
 def device_type(value: str) -> str:
@@ -92,7 +93,8 @@ def add_parser(sub) -> None:
     p.add_argument("--finetuned", required=True, help="fine-tuned model id or path")
     p.add_argument("--out", required=True, help="output folder (must be new or empty unless --overwrite)")
     p.add_argument("--bits", type=int, help="2, 3, 4 or 8")
-    p.add_argument("--sparsity", help='"none", "2:4" or a fraction pruned, e.g. 0.5')
+    p.add_argument("--sparsity", help='"none", "2:4", a fraction pruned (e.g. 0.5), or "lowrank:x" (linear deltas as '
+                                      'quantized singular directions taking x bits per weight)')
     p.add_argument("--group-size", dest="group_size", type=int, help="-1 (per row) or a power of two 32..1024")
     p.add_argument("--asymmetric", action="store_true", help="asymmetric grid")
     p.add_argument("--calibration", help="a local .jsonl or .txt file")

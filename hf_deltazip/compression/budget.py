@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..config import Sparsity
+from ..config import Sparsity, lowrank_bits_per_weight
 from ..delta import PackedModule
 from ..errors import DeltaZipConfigError
 from ..format.container import encoded_nbytes
@@ -59,8 +59,14 @@ def candidates(config, kind: str) -> tuple:
     Linear layers (the LM head included) get every one (every layout the kernels serve). Input embeddings
     (``kind="embedding"``) get no 2:4: the embedding lookup on the GPU reads dense rows.
     """
-    sparsities = [s for s in config.budget_sparsity if kind == "linear" or s != "2:4"]
-    return tuple(Candidate(b, s, g) for b in config.budget_bits for s in sparsities for g in config.budget_group_sizes)
+    lowrank = [s for s in config.budget_sparsity if lowrank_bits_per_weight(s) is not None]
+    sparsities = [s for s in config.budget_sparsity if s not in lowrank and (kind == "linear" or s != "2:4")]
+    out = [Candidate(b, s, g) for b in config.budget_bits for s in sparsities for g in config.budget_group_sizes]
+    if kind == "linear" and lowrank:  # served at the most precise grid offered: one candidate per factor size
+        groups = [g for g in config.budget_group_sizes if g != -1]
+        served = (max(config.budget_bits), min(groups) if groups else -1)
+        out += [Candidate(served[0], s, served[1]) for s in lowrank]
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,7 @@ class Option:
     nbytes: int
     error: float
     layout: tuple = ()
+    bands: tuple = ()  # the lowrank layout: (directions, bits) of each band, most precise first
 
 
 def skeleton(option: Option) -> PackedModule:
@@ -80,6 +87,11 @@ def skeleton(option: Option) -> PackedModule:
     kind, shape, sparsity, nnz, symmetric, tensors = option.layout
     zeros = {role: torch.zeros(t_shape, dtype=dtype) for role, t_shape, dtype in tensors}
     c = option.candidate
+    if sparsity == "lowrank":  # the factors' tensors are what the file holds; the served codes are not stored
+        empty = torch.zeros(0, dtype=torch.uint8)
+        return PackedModule(kind=kind, shape=shape, bits=c.bits, group_size=c.group_size, symmetric=symmetric,
+                            sparsity="dense", transposed=False, qweight=empty, scales=empty, zeros=empty,
+                            factors=PackedModule.split_factors(zeros, option.bands, shape))
     return PackedModule(kind=kind, shape=shape, bits=c.bits, group_size=c.group_size, symmetric=symmetric,
                         sparsity=sparsity, transposed=False, nnz=nnz, qweight=zeros["qweight"],
                         scales=zeros["scales"], zeros=zeros["zeros"], positions=zeros.get("positions"),
@@ -117,7 +129,10 @@ def measure_module(
     """
     k = delta.shape[1]
     options = []
-    candidates = [c for c in candidates if not (c.sparsity == "2:4" and k % 4)]
+    lowrank = [c for c in candidates if lowrank_bits_per_weight(c.sparsity) is not None]
+    if lowrank and kind == "linear":
+        options += _measure_lowrank(delta, lowrank, hessian, symmetric, zstd_level)
+    candidates = [c for c in candidates if c not in lowrank and not (c.sparsity == "2:4" and k % 4)]
     solved, masks = {}, {}
     if hessian is not None:  # one stacked OBS pass per group size (2:4 goes one by one)
         for gs in dict.fromkeys(c.group_size for c in candidates):
@@ -151,6 +166,26 @@ def measure_module(
                   tuple((role, tuple(t.shape), t.dtype) for role, t in packed.tensors().items()))
         options.append(Option(cand, nbytes, error, layout))
     return options
+
+
+def _measure_lowrank(delta, candidates, hessian, symmetric, zstd_level) -> list:
+    """The lowrank candidates of one linear module: one SVD shared by every factor size; the error is that of
+    the served codes (the factors' product rounded to the candidate's grid), as kernels and merges see it."""
+    from .lowrank import lowrank_module
+
+    d = delta.detach().float()
+    factors = torch.linalg.svd(d, full_matrices=False)
+    out = []
+    for cand in candidates:
+        packed = lowrank_module(d, lowrank_bits_per_weight(cand.sparsity), bits=cand.bits, group_size=cand.group_size,
+                                symmetric=symmetric, factors=factors, hessian=hessian)
+        approx = packed.dequantize().to(d.device)
+        error = objective(d, approx, hessian) if hessian is not None else float((approx - d).pow(2).sum())
+        nbytes = sum(encoded_nbytes(t, zstd_level) for t in packed.tensors().values())
+        layout = ("linear", tuple(packed.shape), "lowrank", None, packed.symmetric,
+                  tuple((role, tuple(t.shape), t.dtype) for role, t in packed.tensors().items()))
+        out.append(Option(cand, nbytes, error, layout, tuple((int(a.shape[0]), b) for b, a, _ in packed.factors)))
+    return out
 
 
 def _frontier(options: list) -> list:

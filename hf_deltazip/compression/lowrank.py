@@ -3,7 +3,8 @@
 Like :mod:`hf_deltazip.compression.baselines`, each function maps a delta ``D [N, K]`` and a byte
 budget to a :class:`~hf_deltazip.compression.baselines.Reconstruction` (the dense delta a loader
 would rebuild and every byte it would store), so a benchmark can compare them with our method at
-equal bytes. They are evaluation code: the ``.dz`` format does not store them.
+equal bytes. :func:`lowrank_module` stores the Delta-CoMe factors as a ``.dz`` module (the lowrank layout,
+``sparsity="lowrank:x"``, which the byte budget may choose); low rank + residual is evaluation code only.
 
 * :func:`mixed_precision_svd`: singular vectors in bands of falling precision (8, 4, 3, 2 bits,
   1 : 2 : 4 : 8 vectors), the Delta-CoMe idea that the top directions deserve more bits.
@@ -26,7 +27,8 @@ from .. import packing
 from .baselines import Reconstruction, rank_for_bytes, svd_baseline
 from .solver import rtn_compress, storage_nbytes
 
-__all__ = ["lowrank_plus_residual", "mixed_precision_svd", "mixed_precision_nbytes", "rice_nbytes"]
+__all__ = ["lowrank_plus_residual", "mixed_precision_factors", "mixed_precision_ranks", "mixed_precision_svd",
+           "mixed_precision_nbytes", "rice_nbytes", "lowrank_module"]
 
 Factors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # U, S, V^T of a thin SVD
 DELTA_COME_BITS = (8, 4, 3, 2)
@@ -78,6 +80,54 @@ def mixed_precision_nbytes(shape: tuple[int, int], ranks: Sequence[int], bits: S
     return sum(storage_nbytes(r, n, bits=b) + storage_nbytes(r, k, bits=b) for r, b in zip(ranks, bits) if r)
 
 
+def mixed_precision_ranks(shape: tuple[int, int], nbytes: int, *, bits: Sequence[int] = DELTA_COME_BITS,
+                          shares: Sequence[int] = DELTA_COME_SHARES) -> list[int]:
+    """Directions per band of the largest banded SVD of a ``shape`` matrix whose factors fit ``nbytes``:
+    band ``i`` holds ``shares[i] * s`` directions at ``bits[i]``, ``s`` as large as the budget allows, and
+    what is left buys more directions at the last band's bits."""
+    n, k = shape
+    if len(bits) != len(shares):
+        raise ValueError(f"bits {tuple(bits)} and shares {tuple(shares)} must have one entry per band")
+    limit = min(n, k)
+    lo, hi = 0, limit  # largest scale whose bytes fit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if mixed_precision_nbytes((n, k), _band_ranks(mid, limit, shares), bits) <= nbytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    ranks = _band_ranks(lo, limit, shares)
+    while sum(ranks) < limit and mixed_precision_nbytes((n, k), [*ranks[:-1], ranks[-1] + 1], bits) <= nbytes:
+        ranks[-1] += 1
+    return ranks
+
+
+def mixed_precision_factors(
+    delta: torch.Tensor, nbytes: int, *, bits: Sequence[int] = DELTA_COME_BITS, shares: Sequence[int] = DELTA_COME_SHARES,
+    factors: Optional[Factors] = None,
+) -> list:
+    """The quantized factors of :func:`mixed_precision_svd`: one ``(bits, A, B)`` per non-empty band, ``A``
+    the band's ``u_j sqrt(s_j)`` as rows ``[r, N]`` and ``B`` its ``sqrt(s_j) v_j`` ``[r, K]``, each a
+    :class:`~hf_deltazip.compression.solver.SolverResult` with one symmetric grid per direction; the
+    band's delta is ``A.dequantize().t() @ B.dequantize()``."""
+    n, k = _check(delta, nbytes)
+    ranks = mixed_precision_ranks((n, k), nbytes, bits=bits, shares=shares)
+    if not sum(ranks):
+        return []
+    d = delta.detach().float()
+    u, s, vh = factors if factors is not None else torch.linalg.svd(d, full_matrices=False)
+    root = s.sqrt()
+    out, start = [], 0
+    for r, b in zip(ranks, bits):
+        if not r:
+            continue
+        sl = slice(start, start + r)
+        out.append((b, rtn_compress((u[:, sl] * root[sl]).t().contiguous(), bits=b),
+                    rtn_compress((root[sl, None] * vh[sl]).contiguous(), bits=b)))
+        start += r
+    return out
+
+
 def mixed_precision_svd(
     delta: torch.Tensor, nbytes: int, *, bits: Sequence[int] = DELTA_COME_BITS, shares: Sequence[int] = DELTA_COME_SHARES,
     factors: Optional[Factors] = None,
@@ -90,38 +140,58 @@ def mixed_precision_svd(
     one symmetric grid per vector. ``factors``: ``torch.linalg.svd(delta, full_matrices=False)`` if
     already computed (a benchmark reuses it across budgets).
     """
-    n, k = _check(delta, nbytes)
-    if len(bits) != len(shares):
-        raise ValueError(f"bits {tuple(bits)} and shares {tuple(shares)} must have one entry per band")
-    limit = min(n, k)
-    lo, hi = 0, limit  # largest scale whose bytes fit
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if mixed_precision_nbytes((n, k), _band_ranks(mid, limit, shares), bits) <= nbytes:
-            lo = mid
-        else:
-            hi = mid - 1
-    ranks = _band_ranks(lo, limit, shares)
-    # the rest of the budget: more directions at the last (cheapest) band's bits
-    while sum(ranks) < limit and mixed_precision_nbytes((n, k), [*ranks[:-1], ranks[-1] + 1], bits) <= nbytes:
-        ranks[-1] += 1
-    d = delta.detach().float()
-    out = torch.zeros_like(d)
-    if not sum(ranks):
-        return Reconstruction(out, 0)
-    u, s, vh = factors if factors is not None else torch.linalg.svd(d, full_matrices=False)
-    root = s.sqrt()
-    used, start = 0, 0
-    for r, b in zip(ranks, bits):
-        if not r:
-            continue
-        sl = slice(start, start + r)
-        a = rtn_compress((u[:, sl] * root[sl]).t().contiguous(), bits=b)
-        bt = rtn_compress(root[sl, None] * vh[sl], bits=b)
-        out += a.dequantize().t() @ bt.dequantize()
-        used += a.nbytes() + bt.nbytes()
-        start += r
+    out = torch.zeros_like(delta.detach().float())
+    used = 0
+    for _, a, b in mixed_precision_factors(delta, nbytes, bits=bits, shares=shares, factors=factors):
+        out += a.dequantize().t() @ b.dequantize()
+        used += a.nbytes() + b.nbytes()
     return Reconstruction(out, used)
+
+
+#: band layouts :func:`lowrank_module` tries, as ``(bits, shares)``: Delta-CoMe's falling precision, one
+#: precision for every direction, and two-band splits. Small or nearly low-rank deltas do best with few precise
+#: directions; large deltas with a long spectrum with Delta-CoMe's bands
+BAND_PATTERNS = (((8, 4, 3, 2), (1, 2, 4, 8)), ((8, 4), (1, 2)), ((4, 2), (1, 2)), ((8,), (1,)), ((4,), (1,)),
+                 ((3,), (1,)), ((2,), (1,)))
+
+
+def lowrank_module(delta: torch.Tensor, bits_per_weight: float, *, bits: int, group_size: int, symmetric: bool = True,
+                   kind: str = "linear", transposed: bool = False, factors: Optional[Factors] = None,
+                   hessian: Optional[torch.Tensor] = None, patterns=BAND_PATTERNS):
+    """``delta [N, K]`` in the ``.dz`` lowrank layout (``sparsity="lowrank:x"``): banded, quantized singular
+    directions (:func:`mixed_precision_factors`) in ``bits_per_weight * N * K / 8`` bytes (before zstd),
+    served as ``bits``-bit codes on ``group_size`` groups of their product (a
+    :class:`~hf_deltazip.delta.PackedModule` whose ``factors`` the file stores).
+
+    Of the band layouts ``patterns``, the one whose product has the least error is kept: the OBS objective
+    ``trace(E H E^T)`` with ``hessian`` (the module's calibration inputs), else the squared Frobenius error.
+    """
+    from ..delta import PackedModule
+    from .solver import objective
+
+    n, k = _check(delta, 0)
+    d = delta.detach().float()
+    factors = factors if factors is not None else torch.linalg.svd(d, full_matrices=False)
+    best = None
+    for band_bits, shares in patterns:
+        bands = mixed_precision_factors(d, int(bits_per_weight * n * k / 8), bits=band_bits, shares=shares,
+                                        factors=factors)
+        approx = torch.zeros_like(d)
+        for _, a, bt in bands:
+            approx += a.dequantize().t() @ bt.dequantize()
+        error = objective(d, approx, hessian) if hessian is not None else float((approx - d).pow(2).sum())
+        if best is None or error < best[0]:
+            best = (error, bands)
+    bands = [(b, _to_cpu(a), _to_cpu(bt)) for b, a, bt in best[1]]
+    return PackedModule.lowrank(bands, (n, k), bits=bits, group_size=group_size, symmetric=symmetric, kind=kind,
+                                transposed=transposed)
+
+
+def _to_cpu(res):
+    import dataclasses
+
+    return dataclasses.replace(res, codes=res.codes.cpu(), scales=res.scales.cpu(), zeros=res.zeros.cpu(),
+                               mask=None if res.mask is None else res.mask.cpu())
 
 
 # --------------------------------------------------------------------------- low rank + residual

@@ -27,7 +27,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .._version import __version__
-from ..config import CONFIG_NAME, DeltaZipConfig
+from ..config import CONFIG_NAME, DeltaZipConfig, lowrank_bits_per_weight
 from ..delta import CompressedDelta, PackedModule, recorded_location
 from ..errors import DeltaZipConfigError, DeltaZipError, UnsupportedModelError
 from ..fingerprint import base_fingerprint
@@ -40,6 +40,7 @@ from ..modeling.arch import (
     weight_as_nk,
 )
 from .calibration import calibration_length, prepare_calibration
+from .lowrank import lowrank_module
 from .solver import HessianAccumulator, obs_compress, relative_objective, rtn_compress
 
 logger = logging.getLogger(__name__)
@@ -383,6 +384,9 @@ class _Compression:
         sparsity = settings.sparsity
         if sparsity == "2:4" and delta.shape[1] % 4:
             sparsity = None
+        if lowrank_bits_per_weight(sparsity) is not None:
+            logger.warning("%s: the lowrank layout is for linear layers; this vocabulary delta is stored dense", name)
+            sparsity = None
         delta = delta.to(self.dev)  # the vocabulary's selection and grids: seconds on a GPU, minutes on a CPU
         if hessian is not None:
             res = obs_compress(delta, hessian, bits=settings.bits, group_size=settings.group_size,
@@ -699,19 +703,25 @@ class _Compression:
             if not bool(delta.any()):
                 continue
             h = hess.get(rel)
-            if h is not None:
-                res = obs_compress(delta, h, bits=settings.bits, group_size=settings.group_size,
-                                   symmetric=settings.symmetric, sparsity=sparsity,
-                                   block_size=settings.block_size, damp=settings.damp)
+            transposed = conv1d is not None and isinstance(mod, conv1d)
+            bpw = lowrank_bits_per_weight(sparsity)
+            if bpw is not None:  # factors of the delta itself; the served codes are what later layers see
+                self.modules[full] = lowrank_module(delta, bpw, bits=settings.bits, group_size=settings.group_size,
+                                                    symmetric=settings.symmetric, transposed=transposed, hessian=h)
+                approx = self.modules[full].dequantize().to(self.dev)
             else:
-                res = rtn_compress(delta, bits=settings.bits, group_size=settings.group_size,
-                                   symmetric=settings.symmetric, sparsity=sparsity)
-            approx = res.dequantize()
-            self.modules[full] = PackedModule.from_codes(
-                res.codes, res.scales, res.zeros, res.mask, bits=res.bits, group_size=res.group_size,
-                symmetric=res.symmetric, two_four=sparsity == "2:4", kind="linear",
-                transposed=conv1d is not None and isinstance(mod, conv1d),
-            )
+                if h is not None:
+                    res = obs_compress(delta, h, bits=settings.bits, group_size=settings.group_size,
+                                       symmetric=settings.symmetric, sparsity=sparsity,
+                                       block_size=settings.block_size, damp=settings.damp)
+                else:
+                    res = rtn_compress(delta, bits=settings.bits, group_size=settings.group_size,
+                                       symmetric=settings.symmetric, sparsity=sparsity)
+                approx = res.dequantize()
+                self.modules[full] = PackedModule.from_codes(
+                    res.codes, res.scales, res.zeros, res.mask, bits=res.bits, group_size=res.group_size,
+                    symmetric=res.symmetric, two_four=sparsity == "2:4", kind="linear", transposed=transposed,
+                )
             if h is not None:
                 errors[full] = relative_objective(delta, approx, h)
             else:

@@ -26,10 +26,10 @@ from ..fileio import atomic_write_bytes
 from ..packing import CODE_BITS, num_groups, packed_nbytes
 from .header import HEADER_TABLES, DeltaHeader, HeaderError
 
-DZ_FORMAT_VERSION = 2  # 2 added the "rows" layout; a file without it is still written as version 1
-SUPPORTED_FORMAT_VERSIONS = (1, 2)
+DZ_FORMAT_VERSION = 3  # 2 added the "rows" layout, 3 "lowrank"; a file is written as the oldest version its layouts allow
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)
 # the first format version each layout exists in
-LAYOUT_SINCE = {"dense": 1, "2:4": 1, "bitmask": 1, "rows": 2}
+LAYOUT_SINCE = {"dense": 1, "2:4": 1, "bitmask": 1, "rows": 2, "lowrank": 3}
 FORMAT_TAG = "hf-deltazip"
 DZ_FILENAME = "delta.dz"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -46,7 +46,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 ENCODINGS = ("raw", "zstd")
-SPARSITY_LAYOUTS = ("dense", "2:4", "bitmask", "rows")
+SPARSITY_LAYOUTS = ("dense", "2:4", "bitmask", "rows", "lowrank")
 MODULE_KINDS = ("linear", "embedding")
 SCALE_DTYPES = ("float16", "float32")
 
@@ -81,6 +81,7 @@ class ModuleRecord:
     transposed: bool
     tensors: dict  # role -> stored tensor name
     nnz: Optional[int] = None  # bitmask layout: weights kept; rows layout: rows stored
+    bands: Optional[list] = None  # lowrank layout: [[directions, bits], ...], most precise band first
 
     def to_json(self) -> dict:
         d = {
@@ -95,11 +96,20 @@ class ModuleRecord:
         }
         if self.nnz is not None:
             d["nnz"] = self.nnz
+        if self.bands is not None:
+            d["bands"] = [list(b) for b in self.bands]
         return d
 
     def expected_shapes(self) -> dict:
         """role -> (shape, allowed dtype names) that this record's tensors must have."""
         n, k = self.shape
+        if self.sparsity == "lowrank":  # the factors only: the served codes are rebuilt from them on load
+            out, rank = {}, sum(r for r, _ in self.bands)
+            for side, width in (("a", n), ("b", k)):
+                out[f"{side}.qweight"] = ((sum(r * packed_nbytes(width, b) for r, b in self.bands),), ("uint8",))
+                out[f"{side}.scales"] = ((rank, 1), SCALE_DTYPES)
+                out[f"{side}.zeros"] = ((rank, 1), ("uint8",))
+            return out
         g = num_groups(k, self.group_size)
         out = {"scales": ((n, g), SCALE_DTYPES), "zeros": ((n, g), ("uint8",))}
         if self.sparsity == "dense":
@@ -387,6 +397,7 @@ class DeltaZipFile:
                 transposed=m["transposed"],
                 tensors=dict(m["tensors"]),
                 nnz=m.get("nnz"),
+                bands=m.get("bands"),
             )
         except (KeyError, TypeError, ValueError) as e:
             self._fail(f"module {name!r}: incomplete record ({e})")
@@ -410,6 +421,17 @@ class DeltaZipFile:
         if rec.sparsity == "bitmask":
             if not (_is_int(rec.nnz) and 0 <= rec.nnz <= rec.shape[0] * rec.shape[1]):
                 self._fail(f"module {name!r}: bad nnz {rec.nnz!r}")
+        if rec.sparsity == "lowrank":
+            bands = rec.bands
+            ok = isinstance(bands, list) and rec.nnz is None and rec.kind == "linear" and all(
+                isinstance(b, list) and len(b) == 2 and _is_int(b[0]) and b[0] >= 1 and _is_int(b[1]) and b[1] in CODE_BITS
+                for b in bands)
+            if not ok or sum(b[0] for b in bands) > min(rec.shape):
+                self._fail(f"module {name!r}: bad lowrank bands {bands!r} (a linear module's [[directions, bits], ...], "
+                           f"at most {min(rec.shape)} directions in all, no nnz)")
+            rec.bands = [tuple(b) for b in bands]
+        elif rec.bands is not None:
+            self._fail(f"module {name!r}: bands given for the {rec.sparsity} layout, which has none")
         if rec.sparsity in ("dense", "2:4") and rec.nnz is not None:
             self._fail(f"module {name!r}: nnz {rec.nnz!r} given for the {rec.sparsity} layout, which has none")
         if rec.sparsity == "rows":

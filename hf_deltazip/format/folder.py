@@ -31,10 +31,11 @@ def categorize_bytes(modules, param_bytes) -> dict:
     for kind, stored in modules:
         if kind == "embedding":
             cats["embeddings and head"] += sum(stored.values())
-        else:
-            cats["linear deltas"] += stored["qweight"]
-            cats["scales and zeros"] += stored["scales"] + stored["zeros"]
-            cats["masks"] += stored.get("positions", 0) + stored.get("mask", 0)
+        else:  # the lowrank layout's factors have the same roles per side ("a.qweight", "b.scales", ...)
+            for role, nbytes in stored.items():
+                last = role.rsplit(".", 1)[-1]
+                cats["linear deltas" if last == "qweight" else "scales and zeros" if last in ("scales", "zeros")
+                     else "masks"] += nbytes
     cats["other parameters"] += sum(param_bytes)
     return cats
 
@@ -43,6 +44,11 @@ def resident_nbytes(rec, tensor_records: Mapping) -> int:
     """Bytes module ``rec`` (a :class:`~.container.ModuleRecord`) occupies on a GPU once loaded for the
     kernels: its tensors as they are, except bitmask and rows layouts, which are expanded to dense codes."""
     raw = {role: tensor_records[name] for role, name in rec.tensors.items()}
+    if rec.sparsity == "lowrank":  # the served codes of the factors' product, on the record's grid
+        n, k = rec.shape
+        g = num_groups(k, rec.group_size if rec.group_size == -1 or k % rec.group_size == 0 else -1)
+        # float16 scales, as served codes almost always have (float32 only where a scale leaves float16's range)
+        return n * packed_nbytes(k, rec.bits) + n * g * (2 + 1)
     if rec.sparsity not in ("bitmask", "rows"):
         return sum(t.nbytes for t in raw.values())
     n, k = rec.shape
@@ -105,7 +111,9 @@ def delta_bytes_report(folder: Union[str, os.PathLike]) -> dict:
             resident = resident_nbytes(rec, dz.tensors)
             per_module.append(
                 {"module": name, "kind": rec.kind, "shape": list(rec.shape), "bits": rec.bits,
-                 "group_size": rec.group_size, "sparsity": rec.sparsity, "bytes": sum(stored.values()),
+                 "group_size": rec.group_size, "bytes": sum(stored.values()),
+                 "sparsity": rec.sparsity if rec.bands is None else
+                 "lowrank[" + "+".join(f"{r}x{b}b" for r, b in rec.bands) + "]",
                  "bits_per_weight": 8 * sum(stored.values()) / (rec.shape[0] * rec.shape[1]),
                  "resident_bytes": resident}
             )

@@ -30,7 +30,9 @@ __all__ = ["DeltaPlacer", "delta_nbytes"]
 
 def delta_nbytes(modules: dict, params: dict) -> int:
     """Bytes of a delta's packed modules and parameters as they are held (not the file's bytes)."""
-    return sum(p.nbytes for p in modules.values()) + sum(t.numel() * t.element_size() for t in params.values())
+    # a lowrank module is held as the served codes of its factors' product (the factors stay on the host)
+    return sum(p.resident_nbytes if p.factors is not None else p.nbytes for p in modules.values()) + \
+        sum(t.numel() * t.element_size() for t in params.values())
 
 
 class DeltaPlacer:

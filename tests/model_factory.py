@@ -41,6 +41,21 @@ def finetune(arch, seed, added_tokens=0):
     return _finetune_steps(model, seed)
 
 
+def merged_by_hand(base, delta):
+    """A copy of ``base`` plus each of ``delta``'s dequantized modules, its exact parameters as stored: the model a
+    served delta must equal."""
+    import copy
+
+    merged = copy.deepcopy(base)
+    with torch.no_grad():
+        for name, mod in delta.modules.items():
+            w = merged.get_submodule(name).weight
+            w.copy_(w.float() + mod.dequantize())
+        for name, t in delta.params.items():
+            merged.get_parameter(name).copy_(t)
+    return merged
+
+
 def calibration_ids(n=8, length=24, seed=0, vocab=VOCAB):
     return torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(seed))
 

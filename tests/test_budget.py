@@ -16,7 +16,7 @@ from hf_deltazip.errors import DeltaZipConfigError
 from hf_deltazip.format import DZ_FILENAME, DeltaZipFile
 from hf_deltazip.format.folder import delta_bytes_report
 
-from model_factory import VOCAB, _finetune_steps, base_model, calibration_ids, finetune
+from model_factory import VOCAB, _finetune_steps, base_model, calibration_ids, finetune, merged_by_hand
 
 # a small candidate set keeps each budgeted compression to seconds; 2:4 and unstructured are both in it
 BUDGET = dict(budget_bits=[2, 4], budget_sparsity=[None, "2:4", 0.75], budget_group_sizes=[128],
@@ -85,14 +85,7 @@ def test_budgeted_delta_serves_like_the_merged_model(use_kernels, pair, budgeted
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     base, _ = pair
     delta, folder = budgeted[5.5]
-    # the merged model, built by hand: base weights plus each dequantized delta, exact parameters as stored
-    merged = copy.deepcopy(base)
-    with torch.no_grad():
-        for name, mod in delta.modules.items():
-            w = merged.get_submodule(name).weight
-            w.copy_(w.float() + mod.dequantize())
-        for name, t in delta.params.items():
-            merged.get_parameter(name).copy_(t)
+    merged = merged_by_hand(base, delta)
     model = DeltaModel(copy.deepcopy(base), use_kernels=use_kernels)
     model.load_delta(folder, delta_name="budget")
     ids = calibration_ids(n=2, length=10, seed=5)

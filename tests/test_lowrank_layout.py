@@ -14,7 +14,7 @@ from hf_deltazip.format import DZ_FILENAME, DeltaZipFile, ModuleRecord, write_dz
 
 from hf_deltazip.bench.pairs import tiny_model
 
-from model_factory import VOCAB, base_model, calibration_ids
+from model_factory import VOCAB, base_model, calibration_ids, merged_by_hand
 
 
 def _low_rank_finetune(base, rank=2, seed=3, scale=0.05):
@@ -77,13 +77,7 @@ def test_a_lowrank_delta_round_trips_and_serves_like_the_merged_model(use_kernel
     for n in linear:
         d = (ft.get_submodule(n).weight - base.get_submodule(n).weight).detach().float()
         assert float((delta.modules[n].dequantize() - d).norm() / d.norm()) < 0.02, n
-    merged = copy.deepcopy(base)
-    with torch.no_grad():
-        for name, mod in delta.modules.items():
-            w = merged.get_submodule(name).weight
-            w.copy_(w.float() + mod.dequantize())
-        for name, t in delta.params.items():
-            merged.get_parameter(name).copy_(t)
+    merged = merged_by_hand(base, delta)
     model = DeltaModel(copy.deepcopy(base), use_kernels=use_kernels)
     model.load_delta(tmp_path, delta_name="lr")
     ids = calibration_ids(n=2, length=10, seed=5)

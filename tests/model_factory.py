@@ -50,7 +50,8 @@ def merged_by_hand(base, delta):
     with torch.no_grad():
         for name, mod in delta.modules.items():
             w = merged.get_submodule(name).weight
-            w.copy_(w.float() + mod.dequantize())
+            d = mod.dequantize()
+            w.copy_(w.float() + (d.t() if mod.transposed else d))  # transformers' Conv1D stores [K, N]
         for name, t in delta.params.items():
             merged.get_parameter(name).copy_(t)
     return merged

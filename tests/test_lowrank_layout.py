@@ -14,7 +14,7 @@ from hf_deltazip.format import DZ_FILENAME, DeltaZipFile, ModuleRecord, write_dz
 
 from hf_deltazip.bench.pairs import tiny_model
 
-from model_factory import VOCAB, base_model, calibration_ids, merged_by_hand
+from model_factory import VOCAB, base_model, calibration_ids, finetune, merged_by_hand
 
 
 def _low_rank_finetune(base, rank=2, seed=3, scale=0.05):
@@ -158,3 +158,19 @@ def test_the_objective_of_a_lowrank_option_is_that_of_the_served_codes():
     assert opt.error == pytest.approx(objective(d, served.dequantize(), h), rel=1e-6)
     assert opt.candidate.settings()["sparsity"] == "lowrank:1.0"
     assert measure_module(d, candidates=[Candidate(4, "lowrank:1.0", 16)], kind="embedding") == []
+
+
+def test_lowrank_on_transposed_conv1d_layers_serves_like_the_merged_model(tmp_path):
+    base, ft = base_model("gpt2"), finetune("gpt2", 1)
+    delta = compress(base, ft, DeltaZipConfig(sparsity="lowrank:4", bits=8, group_size=-1, n_samples=8, seq_len=24),
+                     calibration=calibration_ids(), progress=False)
+    conv = [n for n, p in delta.modules.items() if p.transposed]
+    assert conv and all(delta.modules[n].factors is not None for n in conv)
+    delta.save_pretrained(tmp_path)
+    model = DeltaModel(copy.deepcopy(base))
+    model.load_delta(tmp_path, delta_name="x")
+    ids = calibration_ids(n=2, length=10, seed=5)
+    with torch.no_grad():
+        got = model(input_ids=ids, delta_names=["x", "x"]).logits
+        want = merged_by_hand(base, delta)(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

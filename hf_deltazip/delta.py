@@ -24,12 +24,14 @@ from .format.folder import BYTE_CATEGORIES, categorize_bytes, delta_bytes_report
 from .packing import (
     choose_scale_dtype,
     compress_2of4,
+    compute_qparams,
     dequantize,
     expand_2of4,
     expand_groups,
     pack_bits,
     packed_nbytes,
     pack_codes,
+    quantize,
     unpack_bits,
     unpack_codes,
 )
@@ -75,15 +77,15 @@ class PackedModule:
         """A lowrank-layout module: ``factors`` as stored (``(bits, A, B)`` per band, CPU :class:`PackedModule`
         s) and the served delta they define: their product, summed over bands in float32 on the CPU, rounded
         to ``bits`` on ``group_size`` groups (so loading a file rebuilds the very codes compression made)."""
-        from .compression.solver import rtn_compress
-
         n, k = shape
         product = torch.zeros(n, k, dtype=torch.float32)
         for _, a, b in factors:
             product += a.dequantize().t() @ b.dequantize()
         gs = group_size if group_size == -1 or k % group_size == 0 else -1
-        res = rtn_compress(product, bits=bits, group_size=gs, symmetric=symmetric)
-        served = cls.from_codes(res.codes, res.scales, res.zeros, None, bits=bits, group_size=gs, symmetric=symmetric,
+        # round to nearest on the module's grid (what the solver's rtn_compress does for a dense delta)
+        scales, zeros = compute_qparams(product, bits, gs, symmetric)
+        codes = quantize(product, scales, zeros, bits, gs)
+        served = cls.from_codes(codes, scales, zeros, None, bits=bits, group_size=gs, symmetric=symmetric,
                                 kind=kind, transposed=transposed)
         return dataclasses.replace(served, factors=tuple(factors))
 

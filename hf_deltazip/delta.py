@@ -25,6 +25,7 @@ from .packing import (
     choose_scale_dtype,
     compress_2of4,
     compute_qparams,
+    lowrank_group_size,
     dequantize,
     expand_2of4,
     expand_groups,
@@ -77,11 +78,8 @@ class PackedModule:
         """A lowrank-layout module: ``factors`` as stored (``(bits, A, B)`` per band, CPU :class:`PackedModule`
         s) and the served delta they define: their product, summed over bands in float32 on the CPU, rounded
         to ``bits`` on ``group_size`` groups (so loading a file rebuilds the very codes compression made)."""
-        n, k = shape
-        product = torch.zeros(n, k, dtype=torch.float32)
-        for _, a, b in factors:
-            product += a.dequantize().t() @ b.dequantize()
-        gs = group_size if group_size == -1 or k % group_size == 0 else -1
+        product = lowrank_product(factors, shape)
+        gs = lowrank_group_size(shape[1], group_size)
         # round to nearest on the module's grid (what the solver's rtn_compress does for a dense delta)
         scales, zeros = compute_qparams(product, bits, gs, symmetric)
         codes = quantize(product, scales, zeros, bits, gs)
@@ -377,6 +375,15 @@ class PackedModule:
             delta_table_html(settings, columns=["setting", "value"]),
             delta_table_html(tensors, columns=["tensor", "dtype", "shape", "bytes"]),
         )
+
+
+def lowrank_product(bands, shape, device=None) -> torch.Tensor:
+    """``sum A^T B`` over ``(bits, A, B)`` bands (anything with ``dequantize()``: packed factors or solver
+    results), in float32 on ``device`` (default the CPU): the delta a lowrank module's factors stand for."""
+    out = torch.zeros(*shape, dtype=torch.float32, device=device)
+    for _, a, b in bands:
+        out += a.dequantize().to(out.device).t() @ b.dequantize().to(out.device)
+    return out
 
 
 @dataclass(repr=False)

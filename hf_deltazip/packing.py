@@ -198,6 +198,11 @@ def num_groups(k: int, group_size: int) -> int:
     return 1 if group_size == -1 else math.ceil(k / group_size)
 
 
+def lowrank_group_size(k: int, group_size: int) -> int:
+    """The grid a lowrank module's product is served on: ``group_size`` when it divides ``K``, else one per row."""
+    return group_size if group_size == -1 or k % group_size == 0 else -1
+
+
 def expand_groups(per_group: torch.Tensor, k: int, group_size: int) -> torch.Tensor:
     """``[N, G]`` -> ``[N, K]``: each column takes its group's value (the last group may be short)."""
     if group_size == -1:

@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import packing
+from ..delta import PackedModule, lowrank_product
 from .baselines import Reconstruction, rank_for_bytes, svd_baseline
 from .solver import rtn_compress, storage_nbytes
 
@@ -140,12 +141,9 @@ def mixed_precision_svd(
     one symmetric grid per vector. ``factors``: ``torch.linalg.svd(delta, full_matrices=False)`` if
     already computed (a benchmark reuses it across budgets).
     """
-    out = torch.zeros_like(delta.detach().float())
-    used = 0
-    for _, a, b in mixed_precision_factors(delta, nbytes, bits=bits, shares=shares, factors=factors):
-        out += a.dequantize().t() @ b.dequantize()
-        used += a.nbytes() + b.nbytes()
-    return Reconstruction(out, used)
+    bands = mixed_precision_factors(delta, nbytes, bits=bits, shares=shares, factors=factors)
+    return Reconstruction(lowrank_product(bands, tuple(delta.shape), delta.device),
+                          sum(a.nbytes() + b.nbytes() for _, a, b in bands))
 
 
 #: band layouts :func:`lowrank_module` tries, as ``(bits, shares)``: Delta-CoMe's falling precision, one
@@ -166,7 +164,6 @@ def lowrank_module(delta: torch.Tensor, bits_per_weight: float, *, bits: int, gr
     Of the band layouts ``patterns``, the one whose product has the least error is kept: the OBS objective
     ``trace(E H E^T)`` with ``hessian`` (the module's calibration inputs), else the squared Frobenius error.
     """
-    from ..delta import PackedModule
     from .solver import objective
 
     n, k = _check(delta, 0)
@@ -176,22 +173,13 @@ def lowrank_module(delta: torch.Tensor, bits_per_weight: float, *, bits: int, gr
     for band_bits, shares in patterns:
         bands = mixed_precision_factors(d, int(bits_per_weight * n * k / 8), bits=band_bits, shares=shares,
                                         factors=factors)
-        approx = torch.zeros_like(d)
-        for _, a, bt in bands:
-            approx += a.dequantize().t() @ bt.dequantize()
+        approx = lowrank_product(bands, (n, k), d.device)
         error = objective(d, approx, hessian) if hessian is not None else float((approx - d).pow(2).sum())
         if best is None or error < best[0]:
             best = (error, bands)
-    bands = [(b, _to_cpu(a), _to_cpu(bt)) for b, a, bt in best[1]]
-    return PackedModule.lowrank(bands, (n, k), bits=bits, group_size=group_size, symmetric=symmetric, kind=kind,
+    # packed where the factors are; the module keeps them on the CPU
+    return PackedModule.lowrank(best[1], (n, k), bits=bits, group_size=group_size, symmetric=symmetric, kind=kind,
                                 transposed=transposed)
-
-
-def _to_cpu(res):
-    import dataclasses
-
-    return dataclasses.replace(res, codes=res.codes.cpu(), scales=res.scales.cpu(), zeros=res.zeros.cpu(),
-                               mask=None if res.mask is None else res.mask.cpu())
 
 
 # --------------------------------------------------------------------------- low rank + residual

@@ -12,7 +12,7 @@ from typing import Mapping, Union
 
 from ..config import CONFIG_NAME, DeltaZipConfig, read_config_json
 from ..errors import DeltaZipError, DeltaZipFormatError
-from ..packing import num_groups, packed_nbytes
+from ..packing import lowrank_group_size, num_groups, packed_nbytes
 from .container import DZ_FILENAME, DeltaZipFile
 from .header import DeltaHeader
 
@@ -46,7 +46,7 @@ def resident_nbytes(rec, tensor_records: Mapping) -> int:
     raw = {role: tensor_records[name] for role, name in rec.tensors.items()}
     if rec.sparsity == "lowrank":  # the served codes of the factors' product, on the record's grid
         n, k = rec.shape
-        g = num_groups(k, rec.group_size if rec.group_size == -1 or k % rec.group_size == 0 else -1)
+        g = num_groups(k, lowrank_group_size(k, rec.group_size))
         # float16 scales, as served codes almost always have (float32 only where a scale leaves float16's range)
         return n * packed_nbytes(k, rec.bits) + n * g * (2 + 1)
     if rec.sparsity not in ("bitmask", "rows"):

@@ -220,6 +220,14 @@ def test_compress_with_the_lowrank_layout_and_info_shows_its_bands(tmp_path, cap
     linear = [m for m in report["modules"] if ".layers." in m["module"]]
     assert linear and all(m["sparsity"].startswith("lowrank[") for m in linear)
     assert all(m["resident_bytes"] > m["bytes"] for m in linear)  # the GPU holds 8-bit codes, the file factors
+    # the report's GPU bytes, worked out from the record alone, are those of the codes loading rebuilds
+    from hf_deltazip.delta import CompressedDelta
+
+    loaded = CompressedDelta.from_pretrained(out)
+    for m in linear:
+        served = loaded.modules[m["module"]]
+        assert m["resident_bytes"] == sum(t.numel() * t.element_size() for t in (served.qweight, served.scales,
+                                                                                 served.zeros)), m["module"]
     assert main(["info", "--verbose", str(out)]) == 0
     printed = capsys.readouterr().out
     for m in linear:

@@ -21,6 +21,7 @@ FORMAT_VERSION = 1
 ALLOWED_BITS = (2, 3, 4, 8)
 STORAGE_CHOICES = ("quantize", "exact")
 EXACT_CHOICES = ("exact", "float16")
+BUDGET_WEIGHTINGS = ("fisher", "output")
 
 # The settings that may differ from one module to another (``overrides``).
 MODULE_SETTINGS = ("bits", "sparsity", "group_size", "symmetric", "block_size", "damp")
@@ -164,6 +165,11 @@ class DeltaZipConfig:
                           'budget_group_sizes).'})
     budget_group_sizes: list = field(
         default_factory=lambda: [64, 128, -1], metadata={"help": "Group sizes the budget may choose from."})
+    budget_weighting: str = field(
+        default="fisher",
+        metadata={"help": '"fisher": the budget weights each output channel\'s error by its Fisher information on the '
+                          'calibration text (an estimate of the KL divergence a module\'s error adds; needs one '
+                          'backward pass of the fine-tune); "output": the plain OBS objective (squared output error).'})
     format_version: int = field(default=FORMAT_VERSION, metadata={"help": "Version of this config's JSON layout."})
 
     def __post_init__(self):
@@ -202,6 +208,9 @@ class DeltaZipConfig:
                     f"or None, got {r!r}"
                 )
             self.target_ratio = float(r)
+        if self.budget_weighting not in BUDGET_WEIGHTINGS:
+            raise DeltaZipConfigError(
+                f"budget_weighting must be one of {list(BUDGET_WEIGHTINGS)}, got {self.budget_weighting!r}")
         for name, check in (("budget_bits", _check_bits), ("budget_sparsity", _check_sparsity),
                             ("budget_group_sizes", _check_group_size)):
             values = getattr(self, name)

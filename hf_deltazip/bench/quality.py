@@ -270,6 +270,7 @@ def run_quality(
     seq_len: int = 256,
     ours: str = "ladder",
     lowrank=LOWRANK_LEVELS,
+    weighting: str = "fisher",
     log=print,
     progress: bool = False,
 ) -> dict:
@@ -278,7 +279,8 @@ def run_quality(
     ``ours``: ``"ladder"`` (the :data:`OUR_LADDER` rung nearest each ratio) or ``"budget"``
     (``DeltaZipConfig(target_ratio=R)`` over :func:`budget_candidates` (``lowrank``: its bits per weight of
     the lowrank layout; empty for quantization and pruning alone), the candidates measured once per
-    pair and shared by every ratio through a :class:`~hf_deltazip.compression.BudgetMeasurements`)."""
+    pair and shared by every ratio through a :class:`~hf_deltazip.compression.BudgetMeasurements`;
+    ``weighting``: its ``budget_weighting``)."""
     if ours not in ("ladder", "budget"):
         raise ValueError(f"ours must be 'ladder' or 'budget', got {ours!r}")
     unknown = set(methods) - set(METHODS)
@@ -318,7 +320,8 @@ def run_quality(
     for ratio in ratios:
         budget = fp16_bytes / ratio
         if ours == "budget":
-            cfg = DeltaZipConfig(target_ratio=ratio, n_samples=n_calibration, seq_len=seq_len, **budget_candidates(lowrank))
+            cfg = DeltaZipConfig(target_ratio=ratio, n_samples=n_calibration, seq_len=seq_len, budget_weighting=weighting,
+                                 **budget_candidates(lowrank))
             rung = f"budget {ratio:g}x"
         else:
             cfg = our_config(ratio, measured=measured, shapes=shapes, n_samples=n_calibration, seq_len=seq_len)
@@ -506,6 +509,8 @@ def main(argv=None) -> int:
                    help="ours at R: the nearest fixed-setting rung (ladder) or DeltaZipConfig(target_ratio=R) (budget)")
     p.add_argument("--lowrank", nargs="*", type=float, default=list(LOWRANK_LEVELS),
                    help="--ours budget: bits per weight of the lowrank candidates (none given: no lowrank candidates)")
+    p.add_argument("--weighting", choices=["fisher", "output"], default="fisher",
+                   help="--ours budget: how the budget weighs module errors (DeltaZipConfig.budget_weighting)")
     p.add_argument("--n-calibration", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--progress", action="store_true", help="show compress()'s progress bars (on stderr)")
@@ -522,7 +527,7 @@ def main(argv=None) -> int:
     for pair in _pairs(args):
         results.append(run_quality(pair, ratios=args.ratios, methods=args.methods, device=args.device,
                                    n_calibration=args.n_calibration, seq_len=args.seq_len, ours=args.ours, lowrank=args.lowrank,
-                                   progress=args.progress))
+                                   weighting=args.weighting, progress=args.progress))
     md = "\n".join(to_markdown(r, command.strip()) for r in results)
     print(md)
     if args.json:

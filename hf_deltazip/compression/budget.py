@@ -11,7 +11,13 @@ spends what is left greedily on the upgrades that buy the most error per byte.
 
 The errors of all modules are in the same unit (a squared output error per calibration token), so
 one multiplier trades them against each other; without calibration data every error is the plain
-squared Frobenius error of the delta.
+squared Frobenius error of the delta. With ``budget_weighting="fisher"`` (the default) each output
+channel's error is also weighted by its Fisher information, the mean squared gradient of the
+fine-tune's log-likelihood with respect to that channel on the calibration text (labels drawn from the
+fine-tune's own predictions): the weighted errors estimate how much each module's error moves the
+model's output distribution (second-order KL), so a squared error in a layer the output barely depends
+on costs less than the same error where it does. A tied LM head's error is then counted with the
+embedding's (the head's output channels are the vocabulary, weighted the same way).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from ..config import Sparsity, lowrank_bits_per_weight
 from ..delta import PackedModule
 from ..errors import DeltaZipConfigError
 from ..format.container import encoded_nbytes
-from .solver import magnitude_mask, obs_compress, obs_compress_many, objective, rtn_compress
+from .solver import magnitude_mask, obs_compress, obs_compress_many, rtn_compress
 
 __all__ = [
     "Candidate",
@@ -36,6 +42,7 @@ __all__ = [
     "skeleton",
     "allocate",
     "token_row_weights",
+    "weighted_error",
     "BudgetUnreachable",
 ]
 
@@ -105,6 +112,32 @@ def token_row_weights(ids: torch.Tensor, vocab: int) -> torch.Tensor:
     return (2.0 * (counts + 1.0) / (counts.sum() + vocab)).float()
 
 
+def weighted_error(
+    delta: torch.Tensor,
+    approx: torch.Tensor,
+    *,
+    hessian: Optional[torch.Tensor] = None,
+    row_weights: Optional[torch.Tensor] = None,
+    col_weights: Optional[torch.Tensor] = None,
+) -> float:
+    """The error of ``approx`` for ``delta [N, K]``: each row's OBS objective ``e_n H e_n^T`` (with ``hessian``)
+    or its squared error weighted by ``col_weights [K]`` (without), summed with ``row_weights [N]`` (1 if None).
+
+    With ``H = 2 X^T X / n`` from a module's calibration inputs and ``row_weights`` the Fisher information
+    of its output channels (:func:`~hf_deltazip.compression.pipeline.output_fisher`), this is the
+    second-order increase of the model's KL divergence caused by the module's output error (up to a
+    factor shared by every module), so errors of modules in different layers compare."""
+    e = delta.float() - approx.to(delta.device).float()
+    if hessian is not None:
+        per_row = ((e @ hessian.to(e.device).float()) * e).sum(dim=1)
+    else:
+        sq = e.pow(2)
+        per_row = (sq @ col_weights.to(sq.device).float()) if col_weights is not None else sq.sum(dim=1)
+    if row_weights is not None:
+        return float((per_row.double() * row_weights.to(per_row.device).double()).sum())
+    return float(per_row.double().sum())
+
+
 def measure_module(
     delta: torch.Tensor,
     *,
@@ -112,6 +145,9 @@ def measure_module(
     kind: str,
     hessian: Optional[torch.Tensor] = None,
     row_weights: Optional[torch.Tensor] = None,
+    col_weights: Optional[torch.Tensor] = None,
+    head_hessian: Optional[torch.Tensor] = None,
+    head_row_weights: Optional[torch.Tensor] = None,
     symmetric: bool = True,
     block_size: int = 128,
     damp: float = 0.01,
@@ -124,14 +160,25 @@ def measure_module(
         candidates: settings to try; those the shape cannot take (2:4 with K not a multiple of 4) are skipped.
         kind: ``"linear"`` or ``"embedding"`` (an embedding that stays dense is stored as its changed rows).
         hessian: ``[K, K]`` from the module's calibration inputs: the OBS solver and its objective.
-            None: round-to-nearest, error weighted by ``row_weights`` (or plain Frobenius).
-        row_weights: ``[N]`` weights of the rows' squared errors (input embeddings).
+            None: round-to-nearest, error weighted by ``row_weights`` and ``col_weights`` (or plain Frobenius).
+        row_weights: ``[N]`` weights of the rows' errors (an input embedding: how often calibration text
+            uses each token; a linear layer: the Fisher information of each output channel).
+        col_weights: ``[K]`` weights of an input embedding's columns (the Fisher information of the
+            embedding's output channels); used without ``hessian`` only.
+        head_hessian, head_row_weights: a tied LM head's inputs and output-channel Fisher information:
+            the head's error (:func:`weighted_error` of the same rows) is added to the embedding's.
     """
+    def error_of(approx: torch.Tensor) -> float:
+        err = weighted_error(delta, approx, hessian=hessian, row_weights=row_weights, col_weights=col_weights)
+        if head_hessian is not None:
+            err += weighted_error(delta, approx, hessian=head_hessian, row_weights=head_row_weights)
+        return err
+
     k = delta.shape[1]
     options = []
     lowrank = [c for c in candidates if lowrank_bits_per_weight(c.sparsity) is not None]
     if lowrank and kind == "linear":
-        options += _measure_lowrank(delta, lowrank, hessian, symmetric, zstd_level)
+        options += _measure_lowrank(delta, lowrank, hessian, symmetric, zstd_level, error_of)
     candidates = [c for c in candidates if c not in lowrank and not (c.sparsity == "2:4" and k % 4)]
     solved, masks = {}, {}
     if hessian is not None:  # one stacked OBS pass per group size (2:4 goes one by one)
@@ -156,19 +203,14 @@ def measure_module(
                                          two_four=cand.sparsity == "2:4", kind=kind,
                                          skip_zero_rows=kind == "embedding")
         nbytes = sum(encoded_nbytes(t, zstd_level) for t in packed.tensors().values())
-        approx = res.dequantize()
-        if hessian is not None:
-            error = objective(delta, approx, hessian)
-        else:
-            sq = (approx - delta.float()).pow(2).sum(dim=1)
-            error = float((sq * row_weights.to(sq.device)).sum()) if row_weights is not None else float(sq.sum())
+        error = error_of(res.dequantize())
         layout = (kind, tuple(packed.shape), packed.sparsity, packed.nnz, packed.symmetric,
                   tuple((role, tuple(t.shape), t.dtype) for role, t in packed.tensors().items()))
         options.append(Option(cand, nbytes, error, layout))
     return options
 
 
-def _measure_lowrank(delta, candidates, hessian, symmetric, zstd_level) -> list:
+def _measure_lowrank(delta, candidates, hessian, symmetric, zstd_level, error_of) -> list:
     """The lowrank candidates of one linear module: one SVD shared by every factor size; the error is that of
     the served codes (the factors' product rounded to the candidate's grid), as kernels and merges see it."""
     from .lowrank import lowrank_module
@@ -179,8 +221,7 @@ def _measure_lowrank(delta, candidates, hessian, symmetric, zstd_level) -> list:
     for cand in candidates:
         packed = lowrank_module(d, lowrank_bits_per_weight(cand.sparsity), bits=cand.bits, group_size=cand.group_size,
                                 symmetric=symmetric, factors=factors, hessian=hessian)
-        approx = packed.dequantize().to(d.device)
-        error = objective(d, approx, hessian) if hessian is not None else float((approx - d).pow(2).sum())
+        error = error_of(packed.dequantize().to(d.device))
         nbytes = sum(encoded_nbytes(t, zstd_level) for t in packed.tensors().values())
         layout = ("linear", tuple(packed.shape), "lowrank", None, packed.symmetric,
                   tuple((role, tuple(t.shape), t.dtype) for role, t in packed.tensors().items()))

@@ -429,7 +429,7 @@ class _Compression:
 
         cfg = self.config
         settings = {f: getattr(cfg, f) for f in ("budget_bits", "budget_sparsity", "budget_group_sizes", "symmetric",
-                                                 "block_size", "damp", "zstd_level", "embeddings")}
+                                                 "block_size", "damp", "zstd_level", "embeddings", "budget_weighting")}
         calib = None if ids is None else hashlib.sha256(ids.to(torch.int64).cpu().numpy().tobytes()).hexdigest()
         return {"settings": json.loads(json.dumps(settings, default=str)), "calibration": calib,
                 "base": base_fingerprint(self.base_m), "finetuned": base_fingerprint(self.ft_m)}
@@ -446,13 +446,20 @@ class _Compression:
         common = dict(symmetric=cfg.symmetric, block_size=cfg.block_size, damp=cfg.damp, zstd_level=cfg.zstd_level)
         measured = {}
         quantized = bool(self.emb_weight_names)
+        fisher = {}
+        if ids is not None and cfg.budget_weighting == "fisher":
+            watched = [f"{self.layers_prefix}.{i}.{rel}" for i, rels in self.targets.items() for rel in rels]
+            out_emb = self.ft_m.get_output_embeddings()
+            head = None if out_emb is None else next(n for n, m in self.ft_m.named_modules() if m is out_emb)
+            fisher = output_fisher(self.ft_m, ids, watched + [n for n in (self.in_name, head) if n is not None],
+                                   device=dev, batch_size=self.batch_size, seed=cfg.seed)
+            self.tied_head_name = head if self.tied else None
+        in_delta = None
         if quantized and self.in_name is not None:
             # on the compute device: a 262k-token vocabulary's magnitude sorts and grids take minutes on a CPU
-            delta = self._vocab_delta(self.in_name).to(dev)
-            if bool(delta.any()):
-                weights = bud.token_row_weights(ids, delta.shape[0]) if ids is not None else None
-                measured[self.in_name] = bud.measure_module(delta, candidates=bud.candidates(cfg, "embedding"), kind="embedding",
-                                                            row_weights=weights, **common)
+            in_delta = self._vocab_delta(self.in_name).to(dev)
+            if not bool(in_delta.any()):
+                in_delta = None
         bar = tqdm(total=len(self.ft_layers), desc="measuring settings", disable=not self.progress, unit="layer")
         for i, ft_layer in enumerate(self.ft_layers):
             work = copy.deepcopy(ft_layer).to(dev)
@@ -462,20 +469,33 @@ class _Compression:
             for rel in self.targets[i]:
                 delta = weight_as_nk(lin[rel]).float() - weight_as_nk(base_layer.get_submodule(rel)).to(dev).float()
                 if bool(delta.any()):
-                    measured[f"{self.layers_prefix}.{i}.{rel}"] = bud.measure_module(
-                        delta, candidates=bud.candidates(cfg, "linear"), kind="linear", hessian=hess.get(rel), **common)
+                    name = f"{self.layers_prefix}.{i}.{rel}"
+                    measured[name] = bud.measure_module(
+                        delta, candidates=bud.candidates(cfg, "linear"), kind="linear", hessian=hess.get(rel),
+                        row_weights=fisher.get(name) if hess.get(rel) is not None else None, **common)
             if captured is not None:
                 for c in captured:
                     c.hidden = c.run(work, c.hidden)
             del work, hess
             bar.update(1)
         bar.close()
+        if in_delta is not None:
+            weights = bud.token_row_weights(ids, in_delta.shape[0]) if ids is not None else None
+            head_terms = {}
+            head = getattr(self, "tied_head_name", None)
+            if head is not None and head in fisher:  # the tied head reads the same rows: its error counts too
+                head_hessian = self._head_hessian(captured)
+                if head_hessian is not None:
+                    head_terms = dict(head_hessian=head_hessian, head_row_weights=fisher[head])
+            measured[self.in_name] = bud.measure_module(
+                in_delta, candidates=bud.candidates(cfg, "embedding"), kind="embedding", row_weights=weights,
+                col_weights=fisher.get(self.in_name), **head_terms, **common)
         if quantized and self.head_name is not None:
             delta = self._vocab_delta(self.head_name)
             if bool(delta.any()):
                 measured[self.head_name] = bud.measure_module(
                     delta.to(dev), candidates=bud.candidates(cfg, "linear"), kind="embedding",
-                    hessian=self._head_hessian(captured), **common)
+                    hessian=self._head_hessian(captured), row_weights=fisher.get(self.head_name), **common)
         del captured
         return measured
 
@@ -797,6 +817,78 @@ def _final_norm(model: nn.Module, layers_prefix: str) -> Optional[nn.Module]:
         if isinstance(mod, nn.Module):
             return mod
     return None
+
+
+def output_fisher(model: nn.Module, ids: torch.Tensor, module_names, *, device, batch_size: int = 1,
+                  seed: int = 0) -> dict:
+    """The Fisher information of each output channel of the named modules on calibration tokens ``ids``.
+
+    One forward and backward pass of ``model`` (on ``device``, moved back afterwards) with next-token
+    labels drawn from the model's own predictions: for a linear module the mean over calibration tokens
+    of the squared gradient of the log-likelihood with respect to each output channel (``[N]``); for an
+    input embedding the same with respect to each column of the rows it looks up (``[D]``: its output
+    scale, as Gemma's, included); for the LM head one value per vocabulary row. Weighting a module's
+    squared output error by these values estimates the KL divergence it adds to the model's predictions
+    (the budget's ``budget_weighting="fisher"``). Modules the pass never reaches get no entry.
+    """
+    mods = {name: model.get_submodule(name) for name in module_names}
+    emb = model.get_input_embeddings()
+    sums: dict = {}
+    handles = []
+
+    def add(name, g, scale=1.0):
+        sq = g.detach().float().pow(2).reshape(-1, g.shape[-1]).sum(dim=0) * scale
+        sums[name] = sq if name not in sums else sums[name] + sq
+
+    def make_hook(name, mod):
+        def hook(_mod, args, out):
+            t = out[0] if isinstance(out, tuple) else out
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                return
+            scale = 1.0
+            if mod is emb:  # the gradient reaching a looked-up row is the output's, times the output scale
+                rows = mod.weight[args[0]].float()
+                scale = float(t.float().norm() / rows.norm().clamp_min(1e-30)) ** 2
+                t.requires_grad_(True)  # parameters are frozen: the backward pass starts here
+            if t.requires_grad:
+                t.register_hook(lambda g: add(name, g, scale))
+
+        return hook
+
+    frozen = {p: p.requires_grad for p in model.parameters()}
+    start = {p: p.device for p in model.parameters()}
+    start.update({b: b.device for b in model.buffers()})
+    single = len({d for d in start.values()}) == 1
+    gen = torch.Generator().manual_seed(seed)
+    n_tokens = 0
+    try:
+        for p in frozen:
+            p.requires_grad_(False)
+        if single:
+            model.to(device)
+        model_device = next(model.parameters()).device
+        for name, mod in mods.items():
+            handles.append(mod.register_forward_hook(make_hook(name, mod)))
+        with torch.enable_grad():
+            for s in range(0, ids.shape[0], batch_size):
+                batch = ids[s : s + batch_size].to(model_device)
+                logits = model(input_ids=batch, use_cache=False).logits.float()
+                with torch.no_grad():
+                    probs = torch.softmax(logits.reshape(-1, logits.shape[-1]), dim=-1).cpu()
+                    labels = torch.multinomial(probs, 1, generator=gen).reshape(-1).to(logits.device)
+                    del probs
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels, reduction="sum")
+                loss.backward()
+                n_tokens += labels.numel()
+                del logits, loss, labels
+    finally:
+        for h in handles:
+            h.remove()
+        for p, flag in frozen.items():
+            p.requires_grad_(flag)
+        if single:
+            model.to(next(iter(start.values())))
+    return {name: (v / max(n_tokens, 1)).cpu() for name, v in sums.items()}
 
 
 def _capture_layer_inputs(model, layers_prefix, first_layer, ids, modules, base_params, dev, batch_size):

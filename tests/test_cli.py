@@ -192,8 +192,11 @@ def test_compress_with_a_target_ratio_and_info_shows_each_choice(tmp_path, capsy
                                                    "budget_group_sizes": [-1, 64]}))
     out = tmp_path / "delta"
     assert main(["compress", "--base", str(tmp_path / "base"), "--finetuned", str(tmp_path / "ft"), "--out", str(out),
-                 "--config", str(tmp_path / "cfg.json"), "--target-ratio", "3.4"]) == 0
+                 "--config", str(tmp_path / "cfg.json"), "--target-ratio", "3.4", "--budget-weighting", "output"]) == 0
     printed = capsys.readouterr().out
+    from hf_deltazip.config import read_config_json
+
+    assert read_config_json(out)["budget_weighting"] == "output"  # the plain OBS objective, as asked
     assert "(target 3.4x)" in printed and "resident on a GPU" in printed
     report = delta_bytes_report(out)
     assert abs(report["ratio"] / 3.4 - 1) <= 0.05

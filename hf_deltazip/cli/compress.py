@@ -46,7 +46,7 @@ def cmd_compress(args) -> int:
     settings = read_config_json(args.config) if args.config else {}
     if not isinstance(settings, dict):
         raise DeltaZipError(f"--config {args.config} must hold a JSON object of settings, such as {{\"bits\": 4}}")
-    for key in ("bits", "group_size", "n_samples", "seq_len", "zstd_level", "target_ratio"):
+    for key in ("bits", "group_size", "n_samples", "seq_len", "zstd_level", "target_ratio", "budget_weighting"):
         value = getattr(args, key)
         if value is not None:
             settings[key] = value
@@ -103,6 +103,9 @@ def add_parser(sub) -> None:
     p.add_argument("--zstd-level", dest="zstd_level", type=int)
     p.add_argument("--target-ratio", dest="target_ratio", type=float,
                    help="whole-file ratio to reach (e.g. 16): bits, sparsity and group size are then chosen per module")
+    p.add_argument("--budget-weighting", dest="budget_weighting", choices=["fisher", "output"],
+                   help="with --target-ratio: weigh module errors by the Fisher information of their outputs "
+                        "(fisher, the default) or use the plain OBS objective (output)")
     p.add_argument("--config", help="a deltazip_config.json to start from")
     p.add_argument("--device", type=device_type, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="dtype to load the models in")

@@ -131,3 +131,27 @@ def test_fisher_budget_lands_on_the_target_and_differs_from_the_plain_objective(
     assert deltas["fisher"].config.overrides != deltas["output"].config.overrides
     with pytest.raises(DeltaZipConfigError, match="budget_weighting must be one of"):
         DeltaZipConfig(budget_weighting="hessian")
+
+
+def test_a_fisher_pass_that_runs_out_of_memory_falls_back_to_the_plain_objective(monkeypatch, caplog):
+    """The budget still lands, says which weighting it used, and the warning names the way out."""
+    import hf_deltazip.compression.pipeline as pipeline
+
+    def no_memory(*_a, **_k):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+
+    base = tiny_model("llama", vocab_size=VOCAB, seed=0, hidden_size=128, num_layers=2)
+    ft = _finetune_steps(tiny_model("llama", vocab_size=VOCAB, seed=0, hidden_size=128, num_layers=2), 1)
+    ids = calibration_ids(n=4, length=16)
+    plain = compress(base, ft, DeltaZipConfig(target_ratio=4, budget_weighting="output", **BUDGET), calibration=ids,
+                     progress=False)
+    assert plain.summary["budget_weighting"] == "output"
+    fisher = compress(base, ft, DeltaZipConfig(target_ratio=4, **BUDGET), calibration=ids, progress=False)
+    assert fisher.summary["budget_weighting"] == "fisher"
+    monkeypatch.setattr(pipeline, "output_fisher", no_memory)
+    with caplog.at_level("WARNING", logger="hf_deltazip"):
+        fell_back = compress(base, ft, DeltaZipConfig(target_ratio=4, **BUDGET), calibration=ids, progress=False)
+    assert "ran out of memory" in caplog.text and "budget_weighting='output'" in caplog.text
+    assert fell_back.summary["budget_weighting"] == "output"
+    assert fell_back.config.overrides == plain.config.overrides  # exactly the plain objective's choice
+    assert abs(fell_back.summary["reached_ratio"] / 4 - 1) <= 0.05

@@ -315,6 +315,7 @@ class BudgetMeasurements:
     def __init__(self):
         self.key: Optional[dict] = None
         self.options: dict = {}
+        self.weighting: str = "output"  # the weighting the errors were measured with (see budget_weighting)
 
     def __len__(self) -> int:
         return len(self.options)

@@ -274,8 +274,10 @@ def compress(
         :class:`~hf_deltazip.delta.CompressedDelta`; ``.summary`` has time, bytes, each step's and each
         layer's seconds and per-module errors. With ``config.target_ratio`` (see
         :mod:`hf_deltazip.compression.budget`) it also has ``target_ratio``, ``reached_ratio`` (fine-tune
-        in 16-bit over the bytes ``save_pretrained`` writes, measured by writing them), ``stored_bytes``
-        and ``budget_attempts``; ``delta.config.overrides`` holds the setting chosen for each module.
+        in 16-bit over the bytes ``save_pretrained`` writes, measured by writing them), ``stored_bytes``,
+        ``budget_attempts`` and ``budget_weighting`` (``"fisher"``; ``"output"`` where the Fisher pass was not
+        asked for or ran out of memory; ``"frobenius"`` without calibration); ``delta.config.overrides``
+        holds the setting chosen for each module.
 
     Raises:
         DeltaZipError: incompatible models or bad calibration data.
@@ -332,6 +334,7 @@ class _Compression:
         self.target_ratio = config.target_ratio
         self.attempts: list = []  # (saved bytes, delta) of each budget attempt
         self.budget_measurements = None  # a BudgetMeasurements shared with other calls, if given
+        self.weighting_used = None  # how the budget weighed errors: "fisher", "output" or "frobenius" (no calibration)
 
     def load(self) -> None:
         self.base_m = _load(self.base, "base", **self.load_kwargs)
@@ -414,11 +417,13 @@ class _Compression:
             key = self._measurement_key(ids)
             shared.check(key)
             if shared.key is not None:  # measured by an earlier call: only the allocation below is new
+                self.weighting_used = shared.weighting
                 self._allocate(shared.options)
                 return
         measured = self._measure_candidates(ids)
         if shared is not None:
             shared.key, shared.options = key, measured
+            shared.weighting = self.weighting_used
         self._allocate(measured)
 
     def _measurement_key(self, ids) -> dict:
@@ -451,9 +456,19 @@ class _Compression:
             watched = [f"{self.layers_prefix}.{i}.{rel}" for i, rels in self.targets.items() for rel in rels]
             out_emb = self.ft_m.get_output_embeddings()
             head = None if out_emb is None else next(n for n, m in self.ft_m.named_modules() if m is out_emb)
-            fisher = output_fisher(self.ft_m, ids, watched + [n for n in (self.in_name, head) if n is not None],
-                                   device=dev, batch_size=self.batch_size, seed=cfg.seed)
+            try:
+                fisher = output_fisher(self.ft_m, ids, watched + [n for n in (self.in_name, head) if n is not None],
+                                       device=dev, batch_size=self.batch_size, seed=cfg.seed)
+            except torch.cuda.OutOfMemoryError as e:
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                logger.warning(
+                    "budget_weighting='fisher': the backward pass of the fine-tune ran out of memory on %s (%s); the "
+                    "budget weighs errors by the plain OBS objective instead. Lower batch_size or n_samples, free "
+                    "device memory, or pass budget_weighting='output' to skip the pass.", dev, str(e).splitlines()[0])
+                fisher = {}
             self.tied_head_name = head if self.tied else None
+        self.weighting_used = "fisher" if fisher else "output" if ids is not None else "frobenius"
         in_delta = None
         if quantized and self.in_name is not None:
             # on the compute device: a 262k-token vocabulary's magnitude sorts and grids take minutes on a CPU
@@ -612,7 +627,8 @@ class _Compression:
             logger.warning("target_ratio %.3g: reached %.3gx after %d attempts (more than 5 %% off)",
                            self.target_ratio, reached, len(self.attempts))
         delta.summary.update(target_ratio=self.target_ratio, reached_ratio=reached, stored_bytes=saved,
-                             ratio=reached, budget_attempts=len(self.attempts))
+                             ratio=reached, budget_attempts=len(self.attempts),
+                             budget_weighting=self.weighting_used)
         self.delta = delta
 
     def embeddings(self) -> None:

@@ -458,7 +458,7 @@ class _Compression:
             head = None if out_emb is None else next(n for n, m in self.ft_m.named_modules() if m is out_emb)
             try:
                 fisher = output_fisher(self.ft_m, ids, watched + [n for n in (self.in_name, head) if n is not None],
-                                       device=dev, batch_size=self.batch_size, seed=cfg.seed)
+                                       device=dev, batch_size=1, seed=cfg.seed)  # one sequence: backward memory
             except torch.cuda.OutOfMemoryError as e:
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
@@ -904,6 +904,8 @@ def output_fisher(model: nn.Module, ids: torch.Tensor, module_names, *, device, 
             p.requires_grad_(flag)
         if single:
             model.to(next(iter(start.values())))
+            if torch.device(device).type == "cuda" and torch.cuda.is_available():
+                torch.cuda.empty_cache()
     return {name: (v / max(n_tokens, 1)).cpu() for name, v in sums.items()}
 
 

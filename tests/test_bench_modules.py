@@ -256,11 +256,18 @@ def test_quality_with_the_byte_budget_for_ours(tiny_pair):
     """``ours="budget"``: ours at R is DeltaZipConfig(target_ratio=R), landing within 5 % of R; RTN keeps the
     chosen per-module settings; a ratio the budget cannot reach is reported with its reason, not raised."""
     # the tiny pair's header is most of its file: the budget reaches about 5.1-6.5x there
+    partials = []
     result = quality.run_quality(tiny_pair, ratios=(6, 1000), methods=("ours", "RTN", "DARE"), device="cpu",
-                                 n_calibration=8, seq_len=32, ours="budget", log=lambda m: None)
+                                 n_calibration=8, seq_len=32, ours="budget", log=lambda m: None, on_row=partials.append)
     rows = result["rows"]
+    # after every row the results so far, so a stopped run keeps what it measured
+    assert partials and all(p["partial"] and p["rows"] == rows[:len(p["rows"])] for p in partials)
+    assert [len(p["rows"]) for p in partials] == sorted({len(p["rows"]) for p in partials})  # one more row each time
+    assert "partial" not in result and len(partials) == sum(not r.get("out_of_reach") for r in rows)
     ours6 = next(r for r in rows if r["target_ratio"] == 6 and r["method"] == "ours")
     assert ours6["setting"] == "budget 6x" and abs(ours6["ratio"] / 6 - 1) <= 0.05
+    assert ours6["budget_weighting"] == "fisher"  # the default; the layouts chosen, counted per module
+    assert sum(ours6["layouts"].values()) > 0 and set(ours6["layouts"]) <= {"dense", "rows", "bitmask", "2:4", "lowrank"}
     rtn6 = next(r for r in rows if r["target_ratio"] == 6 and r["method"] == "RTN")
     assert abs(rtn6["bytes"] / ours6["bytes"] - 1) < 0.1  # the same layout, only the solver differs
     far = next(r for r in rows if r["target_ratio"] == 1000 and r["method"] == "ours")

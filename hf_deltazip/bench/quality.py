@@ -273,6 +273,7 @@ def run_quality(
     weighting: str = "fisher",
     log=print,
     progress: bool = False,
+    on_row=None,
 ) -> dict:
     """Gain kept by every method at every whole-file ratio, on one built pair (see module doc).
 
@@ -280,7 +281,8 @@ def run_quality(
     (``DeltaZipConfig(target_ratio=R)`` over :func:`budget_candidates` (``lowrank``: its bits per weight of
     the lowrank layout; empty for quantization and pruning alone), the candidates measured once per
     pair and shared by every ratio through a :class:`~hf_deltazip.compression.BudgetMeasurements`;
-    ``weighting``: its ``budget_weighting``)."""
+    ``weighting``: its ``budget_weighting``). ``on_row``, if given, is called with the results so far
+    (marked ``"partial": True``) after every row, so a run that is stopped keeps what it measured."""
     if ours not in ("ladder", "budget"):
         raise ValueError(f"ours must be 'ladder' or 'budget', got {ours!r}")
     unknown = set(methods) - set(METHODS)
@@ -309,13 +311,27 @@ def run_quality(
     say("rungs measured: " + ", ".join(f"{k} {v:.1f}x" for k, v in measured.items()))
     rows: list[dict] = []
     done_rungs: dict[str, dict] = {}
+
+    def result(partial: bool = False) -> dict:
+        return {
+            "pair": {"name": pair_name(pair), "params": n_params, "fp16_bytes": fp16_bytes, "base": s_base,
+                     "finetune": s_ft, "n_calibration": n_calibration, "seq_len": seq_len},
+            "rows": list(rows),
+            "seconds": time.perf_counter() - t0,
+            "device": _device_name(device),
+            **({"partial": True} if partial else {}),
+        }
+
     mats, exact_bytes, svds = None, 0, {}
 
     def add(method: str, setting: str, target: float, nbytes: int, model, extra=None) -> None:
         s = _score(model, pair, tok, ft, prompts, device)
         rows.append({"method": method, "setting": setting, "target_ratio": target, "bytes": int(nbytes),
                      "ratio": fp16_bytes / nbytes, **(extra or {}), **s, **gains(s, s_base, s_ft)})
-        say(f"R={target}x {method} ({setting}): {_fmt_row(rows[-1])}")
+        say(f"R={target}x {method} ({setting}): {_fmt_row(rows[-1])}"
+            + (f"; layouts {rows[-1]['layouts']}" if "layouts" in rows[-1] else ""))
+        if on_row is not None:
+            on_row(result(partial=True))
 
     for ratio in ratios:
         budget = fp16_bytes / ratio
@@ -340,7 +356,9 @@ def run_quality(
                 if ours == "budget":  # RTN below keeps the chosen per-module settings, without the budget
                     cfg = dataclasses.replace(delta.config, target_ratio=None)
                 done_rungs[rung] = {"bytes": report["total_bytes"], "compress_s": time.perf_counter() - t1,
-                                    "merged": merged, "report": report, "config": cfg}
+                                    "merged": merged, "report": report, "config": cfg,
+                                    "layouts": layout_counts(report),
+                                    "budget_weighting": delta.summary.get("budget_weighting")}
                 if mats is None:
                     mats = _matrices(base, ft, list(delta.modules))
                     exact_bytes = report["total_bytes"] - sum(m["bytes"] for m in report["modules"])
@@ -349,7 +367,8 @@ def run_quality(
         if reached:
             budget = got["bytes"]
             if "ours" in methods:
-                add("ours", rung, ratio, got["bytes"], got["merged"], {"compress_s": got["compress_s"]})
+                add("ours", rung, ratio, got["bytes"], got["merged"],
+                    {k: got[k] for k in ("compress_s", "layouts", "budget_weighting") if got.get(k) is not None})
             if "RTN" in methods:  # our very layout and settings, no calibration
                 merged, report, _ = _ours(pair, got["config"], None, tok, device, fp16_bytes)
                 add("RTN", rung, ratio, report["total_bytes"], merged)
@@ -382,13 +401,16 @@ def run_quality(
     if "sign+scale" in methods and mats is not None:
         model, nbytes = _baseline_model(ft, mats, "sign+scale", 1.0, device, svds)
         add("sign+scale", "1 bit + 1 scale / matrix", fp16_bytes / (nbytes + exact_bytes), nbytes + exact_bytes, model)
-    return {
-        "pair": {"name": pair_name(pair), "params": n_params, "fp16_bytes": fp16_bytes, "base": s_base, "finetune": s_ft,
-                 "n_calibration": n_calibration, "seq_len": seq_len},
-        "rows": rows,
-        "seconds": time.perf_counter() - t0,
-        "device": _device_name(device),
-    }
+    return result()
+
+
+def layout_counts(report: dict) -> dict:
+    """How many modules of a saved delta use each layout (``dense``, ``bitmask``, ``lowrank``, ...)."""
+    out: dict = {}
+    for m in report["modules"]:
+        layout = str(m["sparsity"]).split("[")[0]
+        out[layout] = out.get(layout, 0) + 1
+    return dict(sorted(out.items()))
 
 
 def pair_name(pair) -> str:
@@ -524,16 +546,21 @@ def main(argv=None) -> int:
                                          args.plot or f"{args.out}.png")
     command = "deltazip bench quality " + " ".join(argv if argv is not None else sys.argv[3:])
     results = []
+
+    def write_json(runs) -> None:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps([{**r, "command": command.strip(), "commit": _commit()} for r in runs],
+                                              indent=2, default=str))
+
     for pair in _pairs(args):
         results.append(run_quality(pair, ratios=args.ratios, methods=args.methods, device=args.device,
                                    n_calibration=args.n_calibration, seq_len=args.seq_len, ours=args.ours, lowrank=args.lowrank,
-                                   weighting=args.weighting, progress=args.progress))
+                                   weighting=args.weighting, progress=args.progress,
+                                   on_row=(lambda partial: write_json(results + [partial])) if args.json else None))
     md = "\n".join(to_markdown(r, command.strip()) for r in results)
     print(md)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps([{**r, "command": command.strip(), "commit": _commit()} for r in results],
-                                              indent=2, default=str))
+        write_json(results)
     if args.md:
         Path(args.md).parent.mkdir(parents=True, exist_ok=True)
         Path(args.md).write_text(md)

@@ -73,8 +73,15 @@ def test_mixed_batch_rows_equal_each_merged_model(arch, tmp_path):
             # Falcon in transformers 5.24, give a row other last bits in a batch of 3 than alone)
             alone = refs[name](input_ids=ids[i : i + 1]).logits[0]
             batched = refs[name](input_ids=ids).logits[i]
-            assert torch.equal(mixed[i], alone) or torch.equal(mixed[i], batched), (
-                arch, name, (mixed[i] - alone).abs().max(), (mixed[i] - batched).abs().max())
+            exact = torch.equal(mixed[i], alone) or torch.equal(mixed[i], batched)
+            if arch in MOE_ARCHS and not exact:
+                # how transformers groups tokens per expert (and so the summation order) depends on the other
+                # rows' routing and on its expert implementation: a fresh install (2026-12-02) gave qwen2_moe
+                # rows 4e-9 away from both references, no delta involved in the difference. A row routed
+                # through the wrong delta is off by 1e-2 and more.
+                torch.testing.assert_close(mixed[i], alone, rtol=1e-5, atol=1e-6)
+            else:
+                assert exact, (arch, name, (mixed[i] - alone).abs().max(), (mixed[i] - batched).abs().max())
             # the delta matters: the same row through the base differs
             assert name is None or not torch.equal(alone, refs[None](input_ids=ids[i : i + 1]).logits[0])
         # the merged models are the fine-tunes up to the compression error

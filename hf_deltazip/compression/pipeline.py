@@ -475,6 +475,8 @@ class _Compression:
             in_delta = self._vocab_delta(self.in_name).to(dev)
             if not bool(in_delta.any()):
                 in_delta = None
+            else:  # measured after the layers (a tied head's inputs are the last layer's outputs), listed first
+                measured[self.in_name] = []
         bar = tqdm(total=len(self.ft_layers), desc="measuring settings", disable=not self.progress, unit="layer")
         for i, ft_layer in enumerate(self.ft_layers):
             work = copy.deepcopy(ft_layer).to(dev)

@@ -39,7 +39,7 @@ from ..compression import BudgetMeasurements, compress
 from ..compression import baselines as bl
 from ..compression import lowrank
 from ..compression.solver import storage_nbytes
-from ..config import DeltaZipConfig
+from ..config import BUDGET_WEIGHTINGS, DeltaZipConfig
 from ..delta import delta_bytes_report
 from ..errors import DeltaZipConfigError
 from ..modeling import DeltaModel
@@ -531,7 +531,7 @@ def main(argv=None) -> int:
                    help="ours at R: the nearest fixed-setting rung (ladder) or DeltaZipConfig(target_ratio=R) (budget)")
     p.add_argument("--lowrank", nargs="*", type=float, default=list(LOWRANK_LEVELS),
                    help="--ours budget: bits per weight of the lowrank candidates (none given: no lowrank candidates)")
-    p.add_argument("--weighting", choices=["fisher", "output"], default="fisher",
+    p.add_argument("--weighting", choices=BUDGET_WEIGHTINGS, default="fisher",
                    help="--ours budget: how the budget weighs module errors (DeltaZipConfig.budget_weighting)")
     p.add_argument("--n-calibration", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=256)

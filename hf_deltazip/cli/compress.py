@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..config import BUDGET_WEIGHTINGS
 from ..errors import DeltaZipError
 
 
@@ -103,7 +104,7 @@ def add_parser(sub) -> None:
     p.add_argument("--zstd-level", dest="zstd_level", type=int)
     p.add_argument("--target-ratio", dest="target_ratio", type=float,
                    help="whole-file ratio to reach (e.g. 16): bits, sparsity and group size are then chosen per module")
-    p.add_argument("--budget-weighting", dest="budget_weighting", choices=["fisher", "output"],
+    p.add_argument("--budget-weighting", dest="budget_weighting", choices=BUDGET_WEIGHTINGS,
                    help="with --target-ratio: weigh module errors by the Fisher information of their outputs "
                         "(fisher, the default) or use the plain OBS objective (output)")
     p.add_argument("--config", help="a deltazip_config.json to start from")

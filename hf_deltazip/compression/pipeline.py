@@ -451,7 +451,7 @@ class _Compression:
         common = dict(symmetric=cfg.symmetric, block_size=cfg.block_size, damp=cfg.damp, zstd_level=cfg.zstd_level)
         measured = {}
         quantized = bool(self.emb_weight_names)
-        fisher = {}
+        fisher, tied_head = {}, None
         if ids is not None and cfg.budget_weighting == "fisher":
             watched = [f"{self.layers_prefix}.{i}.{rel}" for i, rels in self.targets.items() for rel in rels]
             out_emb = self.ft_m.get_output_embeddings()
@@ -464,10 +464,10 @@ class _Compression:
                     torch.cuda.empty_cache()
                 logger.warning(
                     "budget_weighting='fisher': the backward pass of the fine-tune ran out of memory on %s (%s); the "
-                    "budget weighs errors by the plain OBS objective instead. Lower batch_size or n_samples, free "
-                    "device memory, or pass budget_weighting='output' to skip the pass.", dev, str(e).splitlines()[0])
+                    "budget weighs errors by the plain OBS objective instead. Lower seq_len, free device memory, "
+                    "or pass budget_weighting='output' to skip the pass.", dev, str(e).splitlines()[0])
                 fisher = {}
-            self.tied_head_name = head if self.tied else None
+            tied_head = head if self.tied else None
         self.weighting_used = "fisher" if fisher else "output" if ids is not None else "frobenius"
         in_delta = None
         if quantized and self.in_name is not None:
@@ -499,11 +499,10 @@ class _Compression:
         if in_delta is not None:
             weights = bud.token_row_weights(ids, in_delta.shape[0]) if ids is not None else None
             head_terms = {}
-            head = getattr(self, "tied_head_name", None)
-            if head is not None and head in fisher:  # the tied head reads the same rows: its error counts too
+            if tied_head in fisher:  # the tied head reads the same rows: its error counts too
                 head_hessian = self._head_hessian(captured)
                 if head_hessian is not None:
-                    head_terms = dict(head_hessian=head_hessian, head_row_weights=fisher[head])
+                    head_terms = dict(head_hessian=head_hessian, head_row_weights=fisher[tied_head])
             measured[self.in_name] = bud.measure_module(
                 in_delta, candidates=bud.candidates(cfg, "embedding"), kind="embedding", row_weights=weights,
                 col_weights=fisher.get(self.in_name), **head_terms, **common)

@@ -430,3 +430,18 @@ def test_gate_backs_off_faster_when_no_guess_is_ever_accepted():
     # some guesses accepted, though too few to pay: the wait doubles, and the second call probes
     slower = JacobiGate(min_accept=1.5)
     assert _under_gate(slower, 11, 1.5, 1.2) == [0, 1, 6] and _under_gate(slower, 11, 1.5, 1.2) == [4]
+
+
+def test_short_answers_of_a_converging_model_keep_the_gate_wide():
+    # a model that accepts whole blocks, asked for two tokens a call: each call's one Jacobi step keeps a
+    # single token (the answer ends there) but matched its whole block; a gate carried across the calls
+    # must read that as convergence, not as a step that gained one token, and never fall back
+    model = repeat_model()
+    ids = repeat_ids(1, 5, seed=6)
+    gate = JacobiGate()
+    want = greedy(model, ids, None, max_new_tokens=2)
+    for _ in range(8):
+        out = jacobi_generate(model, ids, block_size=8, max_new_tokens=2, gate=gate, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, want)
+        assert out.stats.jacobi_forwards == out.stats.forwards == 1
+    assert gate.backoff == JacobiGate.FIRST_BACKOFF and gate.wait == 0

@@ -20,7 +20,8 @@ greedy decoding sees. A batch therefore advances at about the pace of its slowes
 about what a one-token step costs while the model is memory-bound, but not on a CPU, at large batch, or
 where one-token steps replay a CUDA graph and wide ones do not. :class:`JacobiGate` decides: it times
 each kind of step and, after every two Jacobi steps, compares their mean tokens
-per forward (over unfinished rows) with ``max(min_accept, wide step time / one-token step time)``.
+per forward (over the rows unfinished before the step; a row that ends inside the block counts the
+tokens it matched, not the fewer it kept, so short answers do not read as poor convergence) with ``max(min_accept, wide step time / one-token step time)``.
 Below it, the decoder runs plain greedy steps (one token per row, or the re-fed tokens) for ``backoff``
 steps, then probes with one Jacobi step, judged with the one before it; each failed probe doubles
 ``backoff`` (from 4; quadruples it when the two steps accepted no guess at all), and ``backoff`` is at least what keeps the probes' extra time within 2 % of the
@@ -354,7 +355,7 @@ def jacobi_generate(
         stats.forwards += 1
         stats.jacobi_forwards += int(jacobi)
 
-        valid, gained = {}, []
+        valid, matched = {}, []
         for r in active:
             block, head = blocks[r], len(rows.pending[r])
             if record_trajectories and jacobi:
@@ -363,9 +364,10 @@ def jacobi_generate(
             while head + m < width and block[head + m] == pred[r][head - 1 + m]:
                 m += 1
             new = pred[r][head - 1 + m]
-            before = len(rows.generated[r])
             rows.append(r, block[head:head + m] + [new])
-            gained.append(len(rows.generated[r]) - before)
+            # what the step gave this row before end-of-sequence or max_new_tokens cut it: a row that
+            # finishes two tokens into a block converged no worse than one that goes on
+            matched.append(m + 1)
             stats.row_forwards[r] += 1
             valid[r] = head + m
             rows.guesses[r] = pred[r][head + m:]
@@ -378,7 +380,7 @@ def jacobi_generate(
         mask = mask[:, : mask.shape[1] - width + keep]
         real = real + keep
 
-        gate.record(jacobi, seconds, sum(gained) / len(gained) if jacobi else None)
+        gate.record(jacobi, seconds, sum(matched) / len(matched) if jacobi else None)
 
     stats.new_tokens = [len(g) for g in rows.generated]
     width = max(stats.new_tokens)

@@ -110,6 +110,11 @@ def test_falls_back_to_greedy_steps_when_guesses_keep_failing():
     assert eager.stats.tokens_per_forward < 1.5
     # probes of 2 wide steps, then 4, 8, 16, ... greedy steps
     assert backed_off.stats.jacobi_forwards <= 10 < backed_off.stats.forwards
+    # the stats say what the gate saw: one entry per step, None for the one-token steps
+    accepts = backed_off.stats.step_accepts
+    assert len(accepts) == backed_off.stats.forwards
+    assert sum(a is not None for a in accepts) == backed_off.stats.jacobi_forwards
+    assert accepts[:2] == eager.stats.step_accepts[:2] and all(a >= 1.0 for a in accepts if a is not None)
 
 
 def test_a_gate_carried_across_calls_starts_the_next_call_where_the_last_one_left_off():
@@ -444,4 +449,5 @@ def test_short_answers_of_a_converging_model_keep_the_gate_wide():
         out = jacobi_generate(model, ids, block_size=8, max_new_tokens=2, gate=gate, return_dict_in_generate=True)
         assert torch.equal(out.sequences, want)
         assert out.stats.jacobi_forwards == out.stats.forwards == 1
+        assert out.stats.step_accepts == [8.0]  # the whole block matched, though one token was kept
     assert gate.backoff == JacobiGate.FIRST_BACKOFF and gate.wait == 0

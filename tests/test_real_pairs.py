@@ -196,6 +196,9 @@ def test_jacobi_bench_scores_the_pair_task_for_every_model_and_delta(tmp_path, b
     # fp32 on the CPU: every Jacobi output is the greedy output, and the rows say how long those were
     assert result["outputs_differ"] == 0 and result["differences"] == []
     assert all(0 < r["greedy_new_tokens"] <= 6 for r in result["rows"])
+    for r in result["rows"]:  # the gate's view of every step: "." one-token, else the tokens a Jacobi step matched
+        seen = r["gate_trace"].replace("|", " ").split()
+        assert len(seen) == r["steps"] and sum(s != "." for s in seen) == r["wide_steps"]
     task = result["task"]
     assert task["task"] == "dates" and task["examples"] == 4
     assert set(task["scores"]) == {"base", "finetune", "cllm (16-bit)", "finetune-4bit", "cllm-4bit"}

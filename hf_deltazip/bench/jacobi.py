@@ -254,6 +254,7 @@ def run(args) -> dict:
                 [held[i:i + batch] for i in range(0, len(held), batch)]
             g_time = j_time = 0.0
             accepted = forwards = new_tokens = steps = wide_steps = 0
+            trace = []  # per call: the gate's view of each step of the last timed run
             for gi, group in enumerate(groups):
                 ids, mask = _left_pad(group, pad, device)
                 names_b = [name] * len(group)
@@ -267,20 +268,29 @@ def run(args) -> dict:
                 accepted += sum(jac.stats.new_tokens)
                 forwards += sum(f + 1 for f in jac.stats.row_forwards)
                 steps, wide_steps = steps + jac.stats.forwards, wide_steps + jac.stats.jacobi_forwards
+                trace.append(gate_trace(jac.stats.step_accepts))
                 checked += len(group)
                 d, ti = _ties(dm, name, ids, mask, greedy, jac.sequences, args.new_tokens, gen_kw, details)
                 new_tokens += int((greedy[:, ids.shape[1]:] != pad).sum())
                 differ, ties = differ + d, ties + ti
             # decode steps after the prompt's forward, and how many of them were wide (the fallback gate decides)
             rows.append(dict(delta=name, batch=batch, greedy_new_tokens=new_tokens, tokens_per_forward=accepted / max(forwards, 1),
-                             greedy_s=g_time, jacobi_s=j_time, speedup=g_time / j_time, steps=steps, wide_steps=wide_steps))
+                             greedy_s=g_time, jacobi_s=j_time, speedup=g_time / j_time, steps=steps, wide_steps=wide_steps,
+                             gate_trace=" | ".join(trace)))
             print(f"  {name}, batch {batch}: {rows[-1]['tokens_per_forward']:.2f} tokens/forward, "
                   f"{wide_steps} of {steps} steps wide, greedy {g_time:.3f} s, "
-                  f"Jacobi {j_time:.3f} s ({rows[-1]['speedup']:.2f}x); {differ} of {checked} outputs differ so far", flush=True)
+                  f"Jacobi {j_time:.3f} s ({rows[-1]['speedup']:.2f}x); {differ} of {checked} outputs differ so far; "
+                  f"steps: {rows[-1]['gate_trace']}", flush=True)
     result["rows"] = rows
     result["outputs_checked"], result["outputs_differ"], result["differ_within_rounding"] = checked, differ, ties
     result["differences"] = details
     return result
+
+
+def gate_trace(step_accepts) -> str:
+    """One call's steps as the Jacobi gate saw them: a Jacobi step as the mean tokens its rows matched
+    (``4.5``), a one-token step as ``.``; e.g. ``1.0 4.5 . . . . 5.0``."""
+    return " ".join("." if a is None else f"{a:.1f}" for a in step_accepts)
 
 
 def task_scores(pair_dir, base_dir, tokenizer, dm, models: dict, delta_names: list) -> dict:

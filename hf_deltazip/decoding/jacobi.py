@@ -138,6 +138,8 @@ class JacobiStats:
         row_forwards: forward passes each row was unfinished for.
         trajectories: with ``record_trajectories=True``, one ``(row, start, block)`` per row and Jacobi
             step: the block fed, whose first token is the row's generated token number ``start``.
+        step_accepts: one entry per forward after the prompt's: ``None`` for a one-token step, else the
+            mean tokens per row the Jacobi step matched (what :class:`JacobiGate` judged it by).
     """
 
     forwards: int = 0
@@ -145,6 +147,7 @@ class JacobiStats:
     new_tokens: list = field(default_factory=list)
     row_forwards: list = field(default_factory=list)
     trajectories: list = field(default_factory=list)
+    step_accepts: list = field(default_factory=list)
 
     @property
     def tokens_per_forward(self) -> float:
@@ -380,7 +383,9 @@ def jacobi_generate(
         mask = mask[:, : mask.shape[1] - width + keep]
         real = real + keep
 
-        gate.record(jacobi, seconds, sum(matched) / len(matched) if jacobi else None)
+        accepts = sum(matched) / len(matched) if jacobi else None
+        stats.step_accepts.append(accepts)
+        gate.record(jacobi, seconds, accepts)
 
     stats.new_tokens = [len(g) for g in rows.generated]
     width = max(stats.new_tokens)

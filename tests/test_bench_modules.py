@@ -143,7 +143,10 @@ def test_quality_end_to_end_on_a_tiny_pair(tiny_pair, tmp_path):
             assert r["gain_kept_nll"] == pytest.approx((b - r["task_nll"]) / (b - f))
             assert 0.0 <= r["agreement"] <= 1.0 and r["kl"] >= 0.0
     md = quality.to_markdown(result, "deltazip bench quality --pairs tiny")
-    assert "| target | method |" in md and "commit" in md and md.count("\n| ") == len(rows) + 1
+    table, _, judged = md.partition("Ours against the best baseline")
+    assert "| target | method |" in table and "commit" in table and table.count("\n| ") == len(rows) + 1
+    # the verdict table below it: a header and one line per target where ours and a baseline both ran
+    assert judged.count("\n| ") == len(quality.verdicts(result)) + 1 >= 2
     if quality.plot([result], tmp_path / "q.png"):
         assert (tmp_path / "q.png").stat().st_size > 1000
 
@@ -273,3 +276,25 @@ def test_quality_with_the_byte_budget_for_ours(tiny_pair):
     far = next(r for r in rows if r["target_ratio"] == 1000 and r["method"] == "ours")
     assert far["out_of_reach"] and "out of reach" in far["reason"]
     assert "out of reach (target_ratio=1000" in quality.to_markdown(result, "cmd")
+
+
+def test_quality_verdicts_against_the_best_baseline_on_known_rows():
+    def row(target, method, em, kl, **kw):
+        return {"target_ratio": target, "method": method, "gain_kept_em": em, "gain_kept_nll": 1.0, "kl": kl, **kw}
+
+    rows = [row(16, "ours", 1.0, 0.01), row(16, "RTN", 1.0, 0.02), row(16, "Delta-CoMe", 1.0, 0.005),
+            row(16, "DARE", 0.9, 0.001),  # lowest KL, but keeps less: not the best baseline
+            row(32, "ours", 0.95, 0.3), row(32, "Delta-CoMe", 0.9, 0.2),
+            row(48, "ours", 0.5, 1.0), row(48, "SVD", 0.6, 2.0),
+            row(64, "ours", None, None, out_of_reach=True), row(64, "DARE", 0.1, 3.0),
+            row(3, "sign+scale", 0.2, 4.0),
+            {"target_ratio": 8, "method": "ours", "gain_kept_em": None, "gain_kept_nll": 0.99, "kl": 0.1},
+            {"target_ratio": 8, "method": "RTN", "gain_kept_em": None, "gain_kept_nll": 0.98, "kl": 0.05}]
+    got = {c["target_ratio"]: c for c in quality.verdicts({"rows": rows})}
+    assert set(got) == {16, 32, 48, 8}  # no ours row at 64x, no baseline beside sign+scale
+    # at 16x two baselines tie ours at 100 %: the best is the one with the lower KL, which beats ours'
+    assert (got[16]["best"], got[16]["verdict"], got[16]["lowest_kl_method"]) == ("Delta-CoMe", "tie, higher KL", "DARE")
+    assert (got[32]["verdict"], got[48]["verdict"]) == ("more", "less")
+    assert (got[8]["ours"], got[8]["best_gain"], got[8]["verdict"]) == (0.99, 0.98, "more")  # NLL where EM has no gain
+    rows[2]["kl"] = 0.05
+    assert quality.verdicts({"rows": rows})[0]["verdict"] == "tie, lower KL"

@@ -467,7 +467,45 @@ def to_markdown(result: dict, command: str) -> str:
             f"{'' if gk is None else f'{100 * gk:.1f}%'} | {r['task_nll']:.3f} | {100 * r['gain_kept_nll']:.1f}% | "
             f"{r.get('agreement', float('nan')):.3f} | {r.get('kl', float('nan')):.4f} |"
         )
+    cells = verdicts(result)
+    if cells:
+        lines += ["", "Ours against the best baseline at each target (gain kept: exact match, NLL where EM has no gain):", "",
+                  "| target | ours: gain kept / KL | best baseline: gain kept / KL | lowest baseline KL | verdict |",
+                  "|---:|---|---|---|---|"]
+        for c in cells:
+            lines.append(f"| {c['target_ratio']:.0f}× | {100 * c['ours']:.1f}% / {c['ours_kl']:.4f} | "
+                         f"{c['best']} {100 * c['best_gain']:.1f}% / {c['best_kl']:.4f} | "
+                         f"{c['lowest_kl_method']} {c['lowest_kl']:.4f} | {c['verdict']} |")
     return "\n".join(lines) + "\n"
+
+
+def verdicts(result: dict) -> list[dict]:
+    """Per target ratio where ours and at least one baseline ran: ours' gain kept (exact match, or NLL
+    where the pair has no EM gain) and KL against the baseline that keeps the most (ties: the lower KL),
+    and a verdict: ``more`` (ours keeps more), ``tie, lower KL``, ``tie, higher KL`` or ``less``."""
+    def gain(r):
+        return r["gain_kept_em"] if r.get("gain_kept_em") is not None else r["gain_kept_nll"]
+
+    out = []
+    scored = [r for r in result["rows"] if not r.get("out_of_reach") and r["method"] != "sign+scale"]
+    for target in dict.fromkeys(r["target_ratio"] for r in scored):
+        here = [r for r in scored if r["target_ratio"] == target]
+        ours = [r for r in here if r["method"] == "ours"]
+        others = [r for r in here if r["method"] != "ours"]
+        if not ours or not others:
+            continue
+        o = ours[0]
+        best = max(others, key=lambda r: (gain(r), -r.get("kl", math.inf)))
+        low = min(others, key=lambda r: r.get("kl", math.inf))
+        g, bg = gain(o), gain(best)
+        if abs(g - bg) <= 1e-9:
+            verdict = "tie, lower KL" if o.get("kl", math.inf) < best.get("kl", math.inf) else "tie, higher KL"
+        else:
+            verdict = "more" if g > bg else "less"
+        out.append({"target_ratio": target, "ours": g, "ours_kl": o.get("kl", math.nan), "best": best["method"],
+                    "best_gain": bg, "best_kl": best.get("kl", math.nan), "lowest_kl_method": low["method"],
+                    "lowest_kl": low.get("kl", math.nan), "verdict": verdict})
+    return out
 
 
 _MARKERS = {"ours": "o", "RTN": "s", "DARE": "^", "SVD": "v", "sign+scale": "x", "Delta-CoMe": "D", "LR+residual": "P"}

@@ -31,6 +31,9 @@ SHAPES = {
                num_attention_heads=32, num_key_value_heads=8),
     "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                num_attention_heads=32, num_key_value_heads=8),
+    # Gemma 3 270M's shapes (the real pairs' base) on a Llama block: where eager per-layer launch work shows
+    "270m": dict(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                 num_attention_heads=4, num_key_value_heads=1, head_dim=256),
     "tiny": dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2),  # for a smoke test on the CPU
 }

@@ -70,6 +70,21 @@ def test_compress_out_pointing_at_a_file_is_a_one_line_error(tmp_path, capsys):
     assert out.read_text() == "mine"
 
 
+def test_compress_missing_folders_and_calibration_files_are_named_before_any_model_loads(tmp_path, capsys):
+    real = tmp_path / "real"
+    real.mkdir()  # a folder, not a model: a load would fail later; these checks come first
+    base = ["compress", "--out", str(tmp_path / "out")]
+    assert main(base + ["--base", str(tmp_path / "nope"), "--finetuned", str(real)]) == 2
+    assert f"--base {tmp_path / 'nope'}: no such folder" in one_line_error(capsys.readouterr().err)
+    assert main(base + ["--base", str(real), "--finetuned", "./nope"]) == 2
+    assert "--finetuned ./nope: no such folder" in one_line_error(capsys.readouterr().err)
+    assert main(base + ["--base", str(real), "--finetuned", str(real), "--calibration", str(tmp_path / "c.jsonl")]) == 2
+    assert "c.jsonl: no such file" in one_line_error(capsys.readouterr().err)
+    (tmp_path / "c.csv").write_text("a,b")
+    assert main(base + ["--base", str(real), "--finetuned", str(real), "--calibration", str(tmp_path / "c.csv")]) == 2
+    assert "must be .jsonl" in one_line_error(capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
+
 def test_compress_bad_config_file_is_a_one_line_error(tmp_path, capsys):
     args = ["compress", "--base", "b", "--finetuned", "f", "--out", str(tmp_path / "out")]
     assert main(args + ["--config", str(tmp_path / "missing.json")]) == 2

@@ -264,3 +264,19 @@ def test_compress_runs_named_steps_and_reports_every_layer():
             assert delta.summary["relative_error"][name] == err
     assert list(delta.summary["steps"]) == list(COMPRESSION_STEPS)
     assert [row["index"] for row in delta.summary["layers"]] == [0, 1]
+
+
+@pytest.mark.parametrize("calibration, message", [
+    ([], "calibration data is empty"),
+    (torch.empty(0, 16, dtype=torch.long), r"no tokens \(token ids of shape \(0, 16\)\)"),
+    (torch.empty(4, 0, dtype=torch.long), r"no tokens \(token ids of shape \(4, 0\)\)"),
+    (torch.tensor([], dtype=torch.long), "no tokens"),
+    (torch.rand(4, 16) * 90, "must be an integer tensor, got torch.float32"),
+])
+def test_unusable_calibration_data_is_refused_with_the_reason(calibration, message):
+    cfg = DeltaZipConfig(bits=4, group_size=-1, n_samples=4, seq_len=16)
+    with pytest.raises(DeltaZipError, match=message):
+        compress(base_model("llama"), finetune("llama", 1), cfg, calibration=calibration, progress=False)
+    with pytest.raises(DeltaZipError, match="batch_size must be a positive int"):
+        compress(base_model("llama"), finetune("llama", 1), cfg, calibration=calibration_ids(), batch_size=0,
+                 progress=False)

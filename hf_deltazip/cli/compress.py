@@ -61,8 +61,18 @@ def cmd_compress(args) -> int:
         import torch
 
         load_kwargs["dtype"] = getattr(torch, args.dtype)
+    for flag, given in (("--base", args.base), ("--finetuned", args.finetuned)):  # before any model is loaded
+        if str(given).startswith((".", "/", "~")) and not Path(given).expanduser().exists():
+            raise DeltaZipError(f"{flag} {given}: no such folder (give a local model folder or a Hub id such as org/name)")
     if args.calibration is None:
         print("deltazip: no --calibration file: using round-to-nearest instead of the OBS solver (lower quality)")
+    else:
+        calibration = Path(args.calibration)
+        if not calibration.is_file():
+            raise DeltaZipError(f"--calibration {calibration}: no such file")
+        if calibration.suffix not in (".jsonl", ".txt", ".md", ".text"):
+            raise DeltaZipError(f"--calibration {calibration}: calibration files must be .jsonl (one record per line) "
+                                "or .txt")
     if getattr(args, "base_quantization", None):  # nf4 / fp4 / int8: the delta is made for the quantized base
         from transformers import BitsAndBytesConfig
 

@@ -95,8 +95,13 @@ def prepare_calibration(
     if calibration is None:
         raise DeltaZipError("no calibration data: pass texts, token ids or a .jsonl/.txt file")
     if isinstance(calibration, torch.Tensor):
+        if calibration.dtype.is_floating_point or calibration.dtype.is_complex or calibration.dtype == torch.bool:
+            raise DeltaZipError(f"calibration token ids must be an integer tensor, got {calibration.dtype} "
+                                "(a float tensor would be truncated to ids): pass input_ids")
         ids = calibration.long()
         if ids.dim() == 2:
+            if ids.numel() == 0:
+                raise DeltaZipError(f"calibration data has no tokens (token ids of shape {tuple(ids.shape)})")
             return ids[:n_samples, :seq_len].contiguous()
         if ids.dim() != 1:
             raise DeltaZipError(f"calibration token ids must be 1-D or [batch, seq], got shape {tuple(ids.shape)}")

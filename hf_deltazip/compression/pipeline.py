@@ -283,6 +283,8 @@ def compress(
         DeltaZipError: incompatible models or bad calibration data.
         UnsupportedModelError: no decoder layers or unsupported layer types.
     """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise DeltaZipError(f"batch_size must be a positive int (calibration sequences per forward pass), got {batch_size!r}")
     if base_quantization is not None:  # against the quantized base: hf_deltazip/compression/quantized_base.py
         from .quantized_base import compress_for_quantized_base
 

@@ -18,6 +18,7 @@ from . import __version__
 from .config import CONFIG_NAME, DeltaZipConfig
 from .display import delta_table_html, format_bytes, format_ratio, html_section
 from .errors import BaseMismatchError, DeltaZipFormatError
+from .fileio import staged_writes
 from .format import DZ_FILENAME, DeltaHeader, DeltaZipFile, ModuleRecord, write_dz
 # re-exported: what a delta folder on disk holds (read by CLI, hub and loaders through this module too)
 from .format.folder import BYTE_CATEGORIES, categorize_bytes, delta_bytes_report, load_folder_config  # noqa: F401
@@ -409,7 +410,8 @@ class CompressedDelta:
     def save_pretrained(self, save_directory: Union[str, os.PathLike], num_threads: Optional[int] = None) -> Path:
         """Write ``deltazip_config.json``, ``delta.dz`` and, when known, the tokenizer and generation config.
 
-        Every file is written atomically: an interrupted save keeps an earlier good delta intact.
+        The ``.dz`` file and the config are both written in full under temporary names before they replace
+        an earlier delta's files, so an error while writing either keeps that earlier delta intact.
         """
         directory = Path(save_directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -425,10 +427,13 @@ class CompressedDelta:
             params[name] = f"param::{name}"
         header = dataclasses.replace(self.header, library_version=self.header.library_version or __version__,
                                      config=self.config.to_dict(), extra={**self.header.extra, **self._summary_to_save()})
-        dz_bytes = write_dz(directory / DZ_FILENAME, tensors, records, params, header, self.config.zstd_level,
-                            num_threads)
-        config_path = self.config.save_pretrained(directory)
-        self._note_stored_bytes(dz_bytes + config_path.stat().st_size)
+        config_path = directory / CONFIG_NAME
+        config_bytes = self.config.to_json_string().encode()
+        with staged_writes() as stage:  # both written in full before either replaces an earlier delta's file
+            dz_bytes = write_dz(stage.path_for(directory / DZ_FILENAME), tensors, records, params, header,
+                                self.config.zstd_level, num_threads)
+            stage.write(config_path, config_bytes)
+        self._note_stored_bytes(dz_bytes + len(config_bytes))
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(directory)
         if self.generation_config is not None:

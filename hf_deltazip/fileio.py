@@ -6,9 +6,10 @@ import os
 import secrets
 import stat
 from pathlib import Path
+from contextlib import contextmanager
 from typing import Iterable, Union
 
-__all__ = ["atomic_write_bytes", "atomic_copy"]
+__all__ = ["atomic_write_bytes", "atomic_copy", "staged_writes"]
 
 
 def atomic_write_bytes(path: Union[str, os.PathLike], chunks: Union[bytes, Iterable[bytes]]) -> None:
@@ -34,8 +35,12 @@ def atomic_write_bytes(path: Union[str, os.PathLike], chunks: Union[bytes, Itera
         except FileNotFoundError:
             pass
         raise
-    try:  # make the rename itself durable
-        dfd = os.open(path.parent, os.O_RDONLY)
+    _sync_folder(path.parent)  # make the rename itself durable
+
+
+def _sync_folder(folder: Path) -> None:
+    try:
+        dfd = os.open(folder, os.O_RDONLY)
         try:
             os.fsync(dfd)
         finally:
@@ -85,3 +90,53 @@ def atomic_copy(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], chun
                 yield block
 
     atomic_write_bytes(dst, chunks())
+
+
+class _Stage:
+    """Files written under temporary names beside their destinations, renamed together by :func:`staged_writes`."""
+
+    def __init__(self):
+        self.pending: list = []  # (temporary, destination) in the order they will be renamed
+
+    def path_for(self, path: Union[str, os.PathLike]) -> Path:
+        """A temporary path beside ``path`` to write the new file to (with any writer, atomic or not);
+        it becomes ``path`` when the stage commits."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = _create_temporary(path)
+        os.close(fd)
+        self.pending.append((Path(tmp), path))
+        return Path(tmp)
+
+    def write(self, path: Union[str, os.PathLike], chunks: Union[bytes, Iterable[bytes]]) -> None:
+        atomic_write_bytes(self.path_for(path), chunks)
+
+    def copy(self, src: Union[str, os.PathLike], dst: Union[str, os.PathLike]) -> None:
+        atomic_copy(src, self.path_for(dst))
+
+
+@contextmanager
+def staged_writes():
+    """Write several files that belong together (a delta's ``.dz`` and its config): every new file is
+    written in full under a temporary name first, and only then are they renamed over the old ones, so an
+    error while writing any of them (a full disk, an interrupted copy) leaves every earlier file as it was.
+
+    Example:
+        >>> with staged_writes() as stage:
+        ...     stage.write(folder / "a.json", b"{}")
+        ...     write_something(stage.path_for(folder / "b.bin"))
+    """
+    stage = _Stage()
+    try:
+        yield stage
+    except BaseException:
+        for tmp, _ in stage.pending:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        raise
+    for tmp, path in stage.pending:
+        os.replace(tmp, path)
+    for folder in dict.fromkeys(path.parent for _, path in stage.pending):
+        _sync_folder(folder)

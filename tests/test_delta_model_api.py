@@ -190,3 +190,86 @@ def test_the_recorded_local_base_is_found_or_reported_missing_at_once(tmp_path):
     with pytest.raises(BaseMismatchError, match="not there .*pass base="):
         DeltaModel.from_pretrained(tmp_path / "delta")
     assert time.perf_counter() - start < 5, "a missing local base must be reported at once, not retried on the Hub"
+
+
+def test_from_pretrained_without_a_name_activates_the_delta_under_its_folder_name(deltas):
+    folder, _ = deltas["a"]
+    model = DeltaModel.from_pretrained(folder, base=fresh_base(), delta_name=None)
+    assert model.deltas == ["a"] and model.active_delta == "a"
+    assert torch.equal(greedy(model), greedy(model, delta_names=["a", "a"]))  # not the plain base
+    assert not torch.equal(model(IDS).logits, fresh_base()(IDS).logits)
+    with pytest.raises(DeltaZipError, match="non-empty str"):
+        DeltaModel.from_pretrained(folder, base=fresh_base(), delta_name="")
+
+
+def test_delta_names_must_be_strings_and_saving_needs_one_folder_name_each(deltas, tmp_path):
+    _, delta = deltas["a"]
+    model = DeltaModel(fresh_base())
+    for bad in (None, 5, ""):
+        with pytest.raises(DeltaZipError, match="non-empty str"):
+            model.add_delta(delta, bad)
+    assert model.deltas == []
+    model.add_delta(delta, "../escaped")  # a served name may be anything; saving it under its name may not
+    model.add_delta(delta, "org/chat")
+    for name in ("../escaped", "org/chat"):
+        with pytest.raises(DeltaZipError, match="one folder name"):
+            model.save_pretrained(tmp_path / "root", selected_deltas=[name])
+    assert not (tmp_path / "escaped").exists() and not (tmp_path / "root").exists()
+    model.add_delta(delta, "ok")
+    assert model.save_pretrained(tmp_path / "root", selected_deltas="ok") == tmp_path / "root"  # a str is one name
+    assert sorted(p.name for p in (tmp_path / "root").iterdir()) == ["ok"]
+    with pytest.raises(DeltaZipError, match="selected_deltas is empty"):
+        model.save_pretrained(tmp_path / "root", selected_deltas=[])
+
+
+def test_rows_and_names_must_match_in_every_call_form(deltas):
+    folder, _ = deltas["a"]
+    model = DeltaModel(fresh_base())
+    model.load_delta(folder, delta_name="a")
+    kw = dict(attention_mask=torch.ones_like(IDS), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    for call in (lambda: model.generate(IDS, delta_names=[None], **kw),
+                 lambda: model.generate(inputs=IDS, delta_names=[None], **kw),
+                 lambda: model.generate(input_ids=IDS, delta_names=[None], **kw),
+                 lambda: model(IDS, delta_names=["a", None, "a"])):
+        with pytest.raises(DeltaZipError, match="delta names for a batch of 2 rows"):
+            call()
+    four = torch.cat([IDS, IDS])
+    with model.route(["a", None]), pytest.raises(DeltaZipError, match="2 delta names for a batch of 4 rows"):
+        model.base_model(four)
+    with model.route(["a"]):  # one name: every row
+        assert torch.equal(model.base_model(four).logits, model(four, delta_names=["a"] * 4).logits)
+    # generate's own expansion (two sequences per prompt) repeats each row's delta
+    beams = model.generate(IDS, delta_names=["a", None], num_beams=2, num_return_sequences=2, **kw)
+    one = model.generate(IDS[:1], delta_names=["a"], num_beams=2, num_return_sequences=2,
+                         **{**kw, "attention_mask": torch.ones_like(IDS[:1])})
+    assert beams.shape[0] == 4 and torch.equal(beams[:2], one)
+
+
+def test_merge_and_unload_takes_one_name(deltas):
+    folder, _ = deltas["a"]
+    model = DeltaModel(fresh_base())
+    model.load_delta(folder, delta_name="a")
+    with pytest.raises(DeltaZipError, match="merges one delta"):
+        model.merge_and_unload(["a"])
+    with pytest.raises(DeltaNotFoundError):
+        model.merge_and_unload("")  # not the active delta in disguise
+
+
+def test_a_delta_whose_file_was_replaced_after_loading_is_refused(deltas, tmp_path):
+    import shutil
+
+    (fa, _), (fb, delta_b) = deltas["a"], deltas["b"]
+    work = tmp_path / "a"
+    shutil.copytree(fa, work)
+    model = DeltaModel(fresh_base())
+    model.load_delta(work, delta_name="a", resident=False)  # registered, read when first used
+    model.load_delta(fb, delta_name="default")
+    with pytest.raises(DeltaZipError, match="is the folder delta 'a' is read from"):
+        model.save_pretrained(work, selected_deltas=["default"])  # "default" goes into the folder itself
+    model.load_delta(fb, delta_name="b")
+    delta_b.save_pretrained(work)  # another delta written over the folder behind the model's back
+    with pytest.raises(DeltaZipError, match="was replaced after it was loaded"):
+        model(IDS, delta_names=["a", "a"])
+    model.delete_delta("a")
+    model.load_delta(work, delta_name="a")  # loaded again: what the folder holds now
+    assert torch.equal(model(IDS, delta_names=["a", "a"]).logits, model(IDS, delta_names=["b", "b"]).logits)

@@ -166,6 +166,35 @@ def test_interrupted_save_keeps_earlier_delta(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["deltazip_config.json", DZ_FILENAME])
 
 
+
+def test_a_save_that_fails_on_its_second_file_leaves_the_earlier_delta_whole(tmp_path, monkeypatch):
+    # the .dz file is written first; the config after it runs out of disk: neither may replace the old pair
+    # (a new .dz beside the old config does not load, or loads the wrong settings)
+    import dataclasses
+
+    import hf_deltazip.fileio as fileio
+
+    old = small_delta()
+    old.save_pretrained(tmp_path)
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    new = small_delta(seed=1)
+    new.config = dataclasses.replace(new.config, zstd_level=3)
+    real = fileio.atomic_write_bytes
+
+    def full_disk(path, chunks):
+        if "deltazip_config" in str(path):
+            raise OSError(28, "No space left on device")
+        return real(path, chunks)
+
+    monkeypatch.setattr(fileio, "atomic_write_bytes", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        new.save_pretrained(tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == files  # no temporary files left either
+    monkeypatch.undo()
+    back = CompressedDelta.from_pretrained(tmp_path)
+    assert back.config == old.config and back.modules.keys() == old.modules.keys()
+    assert all(torch.equal(back.params[k], t) for k, t in old.params.items())
+
 @pytest.mark.parametrize(
     "content, fragment",
     [

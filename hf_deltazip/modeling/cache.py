@@ -93,6 +93,7 @@ class CacheEntry:
     host_is_only_copy: bool = False  # an in-memory delta's host copy: never trimmed
     prefetched: bool = False  # host copy made by a prefetch and not used yet: outside the host budget
     ready: Any = field(default=None, repr=False)  # CUDA event: side-stream copies done
+    file_stamp: Optional[tuple] = None  # the .dz file as registered (size, inode, mtime): a changed file is refused
 
     @property
     def state(self) -> Residency:
@@ -390,6 +391,7 @@ class DeltaCache:
         if e.path is None:
             raise DeltaZipError(f"delta {e.name!r} has no file and no host copy: load it again")
         folder = Path(e.path)
+        _check_unchanged(e)
         with DeltaZipFile(folder / DZ_FILENAME) as dz:
             pin = self.placer.device.type == "cuda"  # page-locked: uploads go asynchronously
             # a tqdm bar on a terminal; otherwise one read of the whole file in file order
@@ -410,6 +412,7 @@ class DeltaCache:
         the base before it is placed; a failure takes the partly placed delta out again.
         """
         folder = Path(e.path)
+        _check_unchanged(e)
         pin = self.placer.device.type == "cuda"
         with DeltaZipFile(folder / DZ_FILENAME) as dz:
             pieces, piece, size = [], [], 0
@@ -495,6 +498,24 @@ class DeltaCache:
                 break
             total -= delta_nbytes(*self._entries[n].host)
             self._entries[n].host = None
+
+
+def _check_unchanged(e: CacheEntry) -> None:
+    """Refuse to read a delta whose file was replaced since it was registered (another delta saved over its
+    folder, say): it would serve whatever is there now under this delta's name."""
+    if e.file_stamp is None:
+        return
+    path = Path(e.path) / DZ_FILENAME
+    try:
+        st = path.stat()
+        now = (st.st_size, st.st_ino, st.st_mtime_ns)
+    except FileNotFoundError:
+        now = None
+    if now != e.file_stamp:
+        raise DeltaZipError(
+            f"the file of delta {e.name!r} ({path}) was {'removed' if now is None else 'replaced'} after it was loaded; "
+            f"delete_delta({e.name!r}) and load_delta it again to use what the folder holds now"
+        )
 
 
 def _on_device(modules: dict, params: dict) -> bool:

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..delta import CompressedDelta, PackedModule, load_folder_config, resolve_delta_folder, resolve_recorded_base
 from ..errors import DeltaZipError
-from ..fileio import atomic_copy
+from ..fileio import staged_writes
 from ..format import DZ_FILENAME, DeltaHeader, DeltaZipFile
 from .cache import CacheEntry, DeltaCache, Residency, to_host
 from .placement import DeltaPlacer
@@ -83,7 +83,7 @@ class DeltaModel(nn.Module):
         Args:
             delta_id_or_path: a local delta folder or a Hub repo id.
             base: the base model, its id or path; ``None`` loads the base recorded in the delta.
-            delta_name: the name this delta is known by.
+            delta_name: the name this delta is known by (``None``: the folder or repo name).
             revision, token, cache_dir, local_files_only: for downloading the delta from the Hub.
             use_kernels: ``"auto"`` (Triton kernels on CUDA), ``"always"`` or ``"never"``.
             activation_sparsity: off (``None``, the default); a target such as ``0.4`` (thresholds read
@@ -121,8 +121,7 @@ class DeltaModel(nn.Module):
                 kwargs.setdefault("token", token)
             base = AutoModelForCausalLM.from_pretrained(base_id, **distributed_kwargs(kwargs))
         model = cls(base, use_kernels=use_kernels)
-        model.load_delta(folder, delta_name=delta_name)
-        model.set_delta(delta_name)
+        model.set_delta(model.load_delta(folder, delta_name=delta_name))
         if activation_sparsity is not None:
             from .activation_sparsity import resolve_activation_sparsity
 
@@ -152,8 +151,8 @@ class DeltaModel(nn.Module):
                 and base are checked) and it is loaded on demand when a batch names it.
             hub_kwargs: revision, token, cache_dir, local_files_only.
         """
+        name = check_delta_name(Path(str(delta_id_or_path)).name if delta_name is None else delta_name)
         folder = resolve_delta_folder(delta_id_or_path, **{k: v for k, v in hub_kwargs.items() if v is not None})
-        name = delta_name or Path(str(delta_id_or_path)).name
         with self._cache.lock:
             if name in self._cache:
                 raise DeltaZipError(f"a delta named {name!r} is already loaded: delete_delta({name!r}) first or pick another name")
@@ -161,8 +160,8 @@ class DeltaModel(nn.Module):
                 header = dz.header
             config = load_folder_config(folder, header)  # the header is the truth: a contradicting JSON is refused
             self._placer.check_base(header, folder)
-            self._cache.add(CacheEntry(name=name, path=folder, config=config, header=header, num_threads=num_threads),
-                            resident=resident)
+            self._cache.add(CacheEntry(name=name, path=folder, config=config, header=header, num_threads=num_threads,
+                                       file_stamp=file_stamp(folder)), resident=resident)
         return name
 
     def add_delta(self, delta, delta_name: str, *, resident: bool = True) -> str:
@@ -172,6 +171,7 @@ class DeltaModel(nn.Module):
         The delta's tensors may be on the CPU or on the model's device. If the cache evicts it later
         it is kept in host memory, since there is no file to read it back from.
         """
+        check_delta_name(delta_name)
         if isinstance(delta, CompressedDelta):
             modules, params, config = dict(delta.modules), dict(delta.params), delta.config
             header = DeltaHeader.from_dict(delta.header)
@@ -301,8 +301,25 @@ class DeltaModel(nn.Module):
 
     @contextmanager
     def route(self, delta_names: Optional[Sequence]):
-        """Within this block every call through ``base_model`` uses ``delta_names`` (one per row, or the
-        active delta for ``None``). Holds the cache's lock, so the deltas stay where they are."""
+        """Within this block every call through ``base_model`` uses ``delta_names`` (one per row, a single
+        name for every row, or the active delta for ``None``). Holds the cache's lock, so the deltas stay
+        where they are. A call whose batch has another number of rows than several names name raises
+        :class:`DeltaZipError`."""
+        check = None
+        if delta_names is not None and not isinstance(delta_names, str) and len(delta_names) > 1:
+            names = list(delta_names)
+            check = self.base_model.register_forward_pre_hook(
+                lambda module, args, kwargs: _check_rows(names, args, kwargs), with_kwargs=True)
+        try:
+            with self._route(delta_names):
+                yield
+        finally:
+            if check is not None:
+                check.remove()
+
+    @contextmanager
+    def _route(self, delta_names: Optional[Sequence]):
+        """``route`` without the row check: ``generate`` repeats rows (beams, several sequences a prompt)."""
         with self._cache.lock:
             with self.router.use(self._routing_for(delta_names)):
                 yield
@@ -338,7 +355,7 @@ class DeltaModel(nn.Module):
     # ------------------------------------------------------------------ running
     def forward(self, *args, delta_names: Optional[Sequence] = None, **kwargs):
         _check_rows(delta_names, args, kwargs)
-        with self.route(delta_names):
+        with self._route(delta_names):  # the rows were checked above
             return self.base_model(*args, **kwargs)
 
     def generate(self, *args, delta_names: Optional[Sequence] = None, decoding: Optional[str] = None, **kwargs):
@@ -353,7 +370,7 @@ class DeltaModel(nn.Module):
         _check_rows(delta_names, args, kwargs)
         if decoding not in (None, "jacobi"):
             raise DeltaZipError(f'decoding must be None (transformers generate) or "jacobi", got {decoding!r}')
-        with self.route(delta_names):
+        with self._route(delta_names):  # generate repeats rows for beams and samples: no row check inside
             if decoding == "jacobi":
                 from ..decoding import jacobi_generate
 
@@ -402,14 +419,27 @@ class DeltaModel(nn.Module):
 
         Each file is written atomically: an interrupted save leaves earlier files whole.
         """
+        if isinstance(selected_deltas, str):
+            selected_deltas = [selected_deltas]
         names = list(self.deltas if selected_deltas is None else selected_deltas)
         if not names:
-            raise DeltaZipError("no delta is loaded: there is nothing to save (the base is never saved by DeltaModel)")
+            raise DeltaZipError("no delta is loaded: there is nothing to save (the base is never saved by DeltaModel)"
+                                if selected_deltas is None else
+                                f"selected_deltas is empty: name one or more of the loaded deltas {self.deltas}")
         for n in names:
             self._cache.entry(n)
         root = Path(save_directory)
         if root.exists() and not root.is_dir():
             raise DeltaZipError(f"{root} is a file: pass a folder to save deltas into")
+        for n in names:  # checked before anything is written
+            target = (root if n == "default" else root / _folder_name(n)).resolve()
+            for other in self.deltas:
+                src = self._cache.entry(other).path
+                if other != n and src is not None and Path(src).resolve() == target:
+                    raise DeltaZipError(
+                        f"{target} is the folder delta {other!r} is read from: saving {n!r} there would replace its "
+                        "files under it; save into another folder (or delete_delta the other first)"
+                    )
         for n in names:
             self._save_one(n, root if n == "default" else root / n, **kwargs)
         return root
@@ -421,9 +451,10 @@ class DeltaModel(nn.Module):
                 folder.mkdir(parents=True, exist_ok=True)
                 src = Path(e.path)
                 if src.resolve() != folder.resolve():
-                    for f in sorted(src.iterdir()):
-                        if f.is_file():
-                            atomic_copy(f, folder / f.name)
+                    with staged_writes() as stage:  # every file copied in full before any replaces an old one
+                        for f in sorted(src.iterdir()):
+                            if f.is_file():
+                                stage.copy(f, folder / f.name)
                 return
             if e.config is None:
                 raise DeltaZipError(
@@ -454,7 +485,13 @@ class DeltaModel(nn.Module):
         weight, the shards are gathered, and every rank gets the same plain, unsharded model (whole, in host
         memory or wherever the base's weights are). ``inplace=True`` is refused there.
         """
-        name = name or self.active_delta
+        if name is None:
+            name = self.active_delta
+        elif not isinstance(name, str):
+            raise DeltaZipError(
+                f"merge_and_unload merges one delta: pass its name as a str, got {type(name).__name__} {name!r} "
+                "(to get several merged models, call it once per name)"
+            )
         if name is None:
             raise DeltaZipError("merge_and_unload needs the name of a loaded delta (or an active one)")
         with self._cache.lock:
@@ -536,11 +573,40 @@ class DeltaModel(nn.Module):
                 f"<tbody>{body}</tbody></table>")
 
 
+def check_delta_name(name) -> str:
+    """A delta's name: a non-empty str (``None`` in ``delta_names`` means the plain base)."""
+    if not isinstance(name, str) or not name:
+        raise DeltaZipError(f"a delta name must be a non-empty str, got {name!r} (None in delta_names means the "
+                            "plain base, so it cannot name a delta)")
+    return name
+
+
+def _folder_name(name: str) -> str:
+    """``name`` as the sub-folder ``DeltaModel.save_pretrained`` writes it to: one path component."""
+    if name in (".", "..") or "/" in name or "\\" in name:
+        raise DeltaZipError(
+            f"delta {name!r} cannot be saved under its name: a delta is saved into save_directory/<name>, and "
+            "that must be one folder name (no '/', '\\', '.' or '..'); save it with "
+            "model.merge_and_unload(name) or load it again under another name"
+        )
+    return name
+
+
+def file_stamp(folder) -> tuple:
+    """What identifies the ``.dz`` file of a delta folder as registered: size, inode and modification time
+    (a save replaces the file by a rename, which changes the inode)."""
+    st = os.stat(Path(folder) / DZ_FILENAME)
+    return (st.st_size, st.st_ino, st.st_mtime_ns)
+
+
 def _check_rows(delta_names, args, kwargs):
-    if delta_names is None:
+    if delta_names is None or isinstance(delta_names, str):
         return
     ids = kwargs.get("input_ids", args[0] if args and torch.is_tensor(args[0]) else None)
-    if ids is None:
-        ids = kwargs.get("inputs_embeds")
+    for key in ("inputs", "inputs_embeds"):  # generate's first parameter by keyword; embeddings
+        if ids is None:
+            ids = kwargs.get(key)
+    if not torch.is_tensor(ids):
+        return
     if ids is not None and ids.dim() >= 2 and ids.shape[0] != len(delta_names):
         raise DeltaZipError(f"{len(delta_names)} delta names for a batch of {ids.shape[0]} rows: pass one name per row")

@@ -254,3 +254,25 @@ def test_compress_with_the_lowrank_layout_and_info_shows_its_bands(tmp_path, cap
     assert main(["compress", "--base", str(tmp_path / "base"), "--finetuned", str(tmp_path / "ft"),
                  "--out", str(tmp_path / "bad"), "--sparsity", "lowrank:0"]) != 0
     assert "lowrank:x" in capsys.readouterr().err
+
+
+def test_compress_calibration_text_needs_a_tokenizer_and_takes_one_from_the_flag(tmp_path, capsys):
+    from hf_deltazip.bench.http import id_tokenizer
+
+    from model_factory import VOCAB, base_model, finetune
+
+    base_model("llama").save_pretrained(tmp_path / "base")
+    finetune("llama", 1).save_pretrained(tmp_path / "ft")  # a model folder with no tokenizer in it
+    (tmp_path / "calib.txt").write_text(" ".join(f"t{i % VOCAB}" for i in range(400)))
+    args = ["compress", "--base", str(tmp_path / "base"), "--finetuned", str(tmp_path / "ft"), "--bits", "4",
+            "--group-size", "-1", "--n-samples", "4", "--seq-len", "16", "--calibration", str(tmp_path / "calib.txt")]
+    assert main(args + ["--out", str(tmp_path / "d1")]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]  # after the models' progress bars
+    assert "calibration texts need a tokenizer" in line and "--tokenizer" in line
+    assert not (tmp_path / "d1").exists()
+    assert main(args + ["--out", str(tmp_path / "d2"), "--tokenizer", str(tmp_path / "nothing")]) == 2
+    assert "--tokenizer" in capsys.readouterr().err.strip().splitlines()[-1]
+    id_tokenizer(VOCAB).save_pretrained(tmp_path / "tok")
+    assert main(args + ["--out", str(tmp_path / "d3"), "--tokenizer", str(tmp_path / "tok")]) == 0
+    capsys.readouterr()
+    assert (tmp_path / "d3" / "tokenizer.json").is_file()  # the delta carries the tokenizer it was calibrated with

@@ -79,8 +79,16 @@ def cmd_compress(args) -> int:
         q = args.base_quantization
         load_kwargs["base_quantization"] = (BitsAndBytesConfig(load_in_8bit=True) if q == "int8" else BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type=q, bnb_4bit_use_double_quant=True))
-    delta = compress(args.base, args.finetuned, config, calibration=args.calibration, device=args.device,
-                     batch_size=args.batch_size, **load_kwargs)
+    tokenizer = None
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        except (OSError, ValueError) as e:
+            raise DeltaZipError(f"--tokenizer {args.tokenizer}: could not load a tokenizer ({str(e).splitlines()[0][:200]})") from None
+    delta = compress(args.base, args.finetuned, config, calibration=args.calibration, tokenizer=tokenizer,
+                     device=args.device, batch_size=args.batch_size, **load_kwargs)
     delta.save_pretrained(out)
     report = delta_bytes_report(out)
     s = delta.summary
@@ -109,6 +117,7 @@ def add_parser(sub) -> None:
     p.add_argument("--group-size", dest="group_size", type=int, help="-1 (per row) or a power of two 32..1024")
     p.add_argument("--asymmetric", action="store_true", help="asymmetric grid")
     p.add_argument("--calibration", help="a local .jsonl or .txt file")
+    p.add_argument("--tokenizer", help="tokenizer (folder or Hub id) for --calibration text (default: the fine-tune's)")
     p.add_argument("--n-samples", dest="n_samples", type=int)
     p.add_argument("--seq-len", dest="seq_len", type=int)
     p.add_argument("--zstd-level", dest="zstd_level", type=int)

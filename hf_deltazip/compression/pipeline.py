@@ -63,6 +63,18 @@ def _load(model: ModelLike, what: str, **kwargs) -> nn.Module:
         raise DeltaZipError(f"could not load the {what} model {str(model)!r}: {e}") from e
 
 
+def _needs_tokenizer(calibration) -> bool:
+    """Whether calibration data holds text (a file, strings, chat records) rather than token ids."""
+    if isinstance(calibration, (str, os.PathLike)):
+        return True
+    try:
+        records = list(calibration)
+    except TypeError:
+        return True
+    return not all(isinstance(r, torch.Tensor) or (isinstance(r, (list, tuple)) and r and isinstance(r[0], int))
+                   for r in records)
+
+
 def _base_commit(given, model: nn.Module, revision: Optional[str], load_kwargs: dict) -> Optional[str]:
     """The Hub commit of the base: as given, as transformers 4 records it, or from the Hub cache for a Hub id."""
     recorded = revision or getattr(getattr(model, "config", None), "_commit_hash", None)
@@ -693,7 +705,16 @@ class _Compression:
         if tokenizer is None and isinstance(self.finetuned, (str, os.PathLike)) and not isinstance(self.calibration, torch.Tensor):
             from transformers import AutoTokenizer
 
-            tokenizer = self.tokenizer = AutoTokenizer.from_pretrained(str(self.finetuned))
+            try:
+                tokenizer = self.tokenizer = AutoTokenizer.from_pretrained(str(self.finetuned))
+            except (OSError, ValueError, TypeError, ImportError) as e:
+                if not _needs_tokenizer(self.calibration):
+                    tokenizer = None  # token ids: none needed
+                else:
+                    raise DeltaZipError(
+                        f"the calibration texts need a tokenizer, and none could be loaded from the fine-tune "
+                        f"{str(self.finetuned)!r} ({str(e).splitlines()[0][:200]}): pass tokenizer= "
+                        "(deltazip compress --tokenizer), or give token ids") from None
         seq_len = calibration_length(self.ft_m, self.config.seq_len)
         ids = prepare_calibration(self.calibration, tokenizer, n_samples=self.config.n_samples, seq_len=seq_len,
                                   seed=self.config.seed)

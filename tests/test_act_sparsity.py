@@ -447,3 +447,28 @@ def test_quality_bench_scores_decode_only_sparsity_after_a_dense_prefix(tmp_path
         bench.main(["quality", "--tiny", "--dense-prefix", "1.5"])
     with pytest.raises(SystemExit, match="real-pair"):  # no prompts to take the lengths of
         bench.main(["quality", "--tiny", "--sparsity", "0.5", "--dense-prefix", "prompt"])
+
+
+def test_thresholds_beside_a_delta_go_stale_when_another_delta_is_saved_there(delta_folder, tmp_path):
+    import shutil
+
+    from hf_deltazip.delta import CompressedDelta
+
+    folder = tmp_path / "d"
+    shutil.copytree(delta_folder, folder)
+    model = copy.deepcopy(base_model("llama"))
+    ths = S.calibrate_activation_thresholds(model, calibration_ids(), [0.25, 0.4])
+    ths[0.25].save(folder)
+    ths[0.4].save(folder)
+    assert S.ActivationThresholds.load(folder, 0.4) == ths[0.4]
+    CompressedDelta.from_pretrained(folder).save_pretrained(folder)  # the same delta saved again: still its thresholds
+    assert S.sparsity_targets(folder) == [0.25, 0.4]
+    other = compress(base_model("llama"), finetune("llama", 2), DeltaZipConfig(bits=4, group_size=32), progress=False)
+    other.save_pretrained(folder)  # another delta in the folder: the thresholds there are not its own
+    with pytest.raises(DeltaZipError, match="calibrated with another delta"):
+        S.ActivationThresholds.load(folder, 0.4)
+    with pytest.raises(DeltaZipError, match="calibrated with another delta"):
+        DeltaModel.from_pretrained(folder, base=copy.deepcopy(base_model("llama")), activation_sparsity=0.4)
+    ths[0.4].save(folder)  # saved again: a fresh file for this delta, without the stale 0.25 target
+    assert S.sparsity_targets(folder) == [0.4]
+    assert S.ActivationThresholds.load(folder, 0.4) == ths[0.4]

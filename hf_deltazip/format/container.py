@@ -300,6 +300,8 @@ class DeltaZipFile:
             self._fail("metadata lacks dz_header")
         if meta.get("dz_header_crc32") != str(zlib.crc32(dz_json.encode("utf-8", "surrogatepass"))):
             self._fail("dz_header checksum mismatch: the header is corrupt")
+        #: the header's checksum, which covers every tensor's: tells this delta from another saved in its place
+        self.content_id = meta["dz_header_crc32"]
         try:
             dz = json.loads(dz_json)
         except json.JSONDecodeError as e:

@@ -98,11 +98,20 @@ class ActivationThresholds:
 
     def save(self, folder: Union[str, os.PathLike]) -> Path:
         """Write these thresholds into ``folder/activation_thresholds.json`` (atomically), keeping
-        the other targets already in the file. Returns the file's path."""
+        the other targets already in the file. Returns the file's path.
+
+        Next to a delta (a ``delta.dz`` in the folder) the file records which delta it was calibrated with;
+        once another delta is saved into the folder, loading the thresholds is refused, and the next
+        ``save`` starts a fresh file for the new delta."""
         path = Path(folder)
         if path.suffix != ".json":
             path = path / THRESHOLDS_FILENAME
-        doc = _read(path) if path.exists() else {"format": _FORMAT, "version": _VERSION, "targets": {}}
+        delta = _delta_beside(path)
+        doc = _read(path, check_delta=False) if path.exists() else None
+        if doc is None or doc.get("delta") != delta:  # none yet, or the targets of a delta saved there before
+            doc = {"format": _FORMAT, "version": _VERSION, "targets": {}}
+        if delta is not None:
+            doc["delta"] = delta
         doc["targets"][_target_key(self.sparsity)] = {"num_tokens": self.num_tokens, "thresholds": self.thresholds}
         atomic_write_bytes(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
         return path
@@ -135,7 +144,19 @@ def _file(path) -> Path:
     return path / THRESHOLDS_FILENAME if path.is_dir() else path
 
 
-def _read(path: Path) -> dict:
+def _delta_beside(path: Path) -> Optional[str]:
+    """The content id of the delta in the thresholds file's folder, if one is there (thresholds saved next to a
+    delta are calibrated with it; a delta saved there later makes them stale)."""
+    from ..format import DZ_FILENAME, DeltaZipFile
+
+    dz = Path(path).parent / DZ_FILENAME
+    if not dz.is_file():
+        return None
+    with DeltaZipFile(dz) as f:
+        return f.content_id
+
+
+def _read(path: Path, check_delta: bool = True) -> dict:
     try:
         doc = json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
@@ -144,6 +165,11 @@ def _read(path: Path) -> dict:
         raise DeltaZipError(f"{path} is not an activation thresholds file (no format {_FORMAT!r})")
     if doc.get("version", 0) > _VERSION:
         raise DeltaZipError(f"{path} was written by a newer hf-deltazip (version {doc['version']}): upgrade to read it")
+    if check_delta and doc.get("delta") is not None and doc["delta"] != _delta_beside(path):
+        raise DeltaZipError(
+            f"{path} holds thresholds calibrated with another delta than the one in its folder now (a delta was "
+            "saved there after them): calibrate them again with calibrate_activation_thresholds(...) and .save() them"
+        )
     return doc
 
 

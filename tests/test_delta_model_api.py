@@ -267,8 +267,12 @@ def test_a_delta_whose_file_was_replaced_after_loading_is_refused(deltas, tmp_pa
     with pytest.raises(DeltaZipError, match="is the folder delta 'a' is read from"):
         model.save_pretrained(work, selected_deltas=["default"])  # "default" goes into the folder itself
     model.load_delta(fb, delta_name="b")
+    CompressedDelta.from_pretrained(work).save_pretrained(work)  # the same delta saved again: still 'a'
+    assert torch.equal(model(IDS, delta_names=["a", "a"]).logits, model.merge_and_unload("a")(IDS).logits)
+    model.cache.configure(max_resident=1)  # 'a' goes back to disk, to be read again
+    model(IDS, delta_names=["b", "b"])
     delta_b.save_pretrained(work)  # another delta written over the folder behind the model's back
-    with pytest.raises(DeltaZipError, match="was replaced after it was loaded"):
+    with pytest.raises(DeltaZipError, match="was replaced by another delta after it was loaded"):
         model(IDS, delta_names=["a", "a"])
     model.delete_delta("a")
     model.load_delta(work, delta_name="a")  # loaded again: what the folder holds now

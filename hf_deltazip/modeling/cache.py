@@ -39,7 +39,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..delta import PackedModule, read_packed
-from ..errors import DeltaNotFoundError, DeltaZipError
+from ..errors import DeltaNotFoundError, DeltaZipError, DeltaZipFormatError
 from ..format import DZ_FILENAME, DeltaHeader, DeltaZipFile
 from ..format.container import reader_threads
 from .layers import map_packed
@@ -508,14 +508,25 @@ def _check_unchanged(e: CacheEntry) -> None:
     path = Path(e.path) / DZ_FILENAME
     try:
         st = path.stat()
-        now = (st.st_size, st.st_ino, st.st_mtime_ns)
     except FileNotFoundError:
-        now = None
-    if now != e.file_stamp:
-        raise DeltaZipError(
-            f"the file of delta {e.name!r} ({path}) was {'removed' if now is None else 'replaced'} after it was loaded; "
-            f"delete_delta({e.name!r}) and load_delta it again to use what the folder holds now"
-        )
+        what = "removed"
+    else:
+        now = (st.st_size, st.st_ino, st.st_mtime_ns)
+        if now == e.file_stamp[:3]:
+            return
+        try:
+            with DeltaZipFile(path) as dz:  # rewritten: the same delta saved again is still this delta
+                content = dz.content_id
+        except DeltaZipFormatError:
+            content = None
+        if content == e.file_stamp[3]:
+            e.file_stamp = (*now, content)
+            return
+        what = "replaced by another delta" if content is not None else "replaced by an unreadable file"
+    raise DeltaZipError(
+        f"the file of delta {e.name!r} ({path}) was {what} after it was loaded; "
+        f"delete_delta({e.name!r}) and load_delta it again to use what the folder holds now"
+    )
 
 
 def _on_device(modules: dict, params: dict) -> bool:

@@ -303,7 +303,7 @@ class DeltaModel(nn.Module):
     def route(self, delta_names: Optional[Sequence]):
         """Within this block every call through ``base_model`` uses ``delta_names`` (one per row, a single
         name for every row, or the active delta for ``None``). Holds the cache's lock, so the deltas stay
-        where they are. A call whose batch has another number of rows than several names name raises
+        where they are. With several names, a call whose batch has another number of rows raises
         :class:`DeltaZipError`."""
         check = None
         if delta_names is not None and not isinstance(delta_names, str) and len(delta_names) > 1:
@@ -594,9 +594,12 @@ def _folder_name(name: str) -> str:
 
 def file_stamp(folder) -> tuple:
     """What identifies the ``.dz`` file of a delta folder as registered: size, inode and modification time
-    (a save replaces the file by a rename, which changes the inode)."""
-    st = os.stat(Path(folder) / DZ_FILENAME)
-    return (st.st_size, st.st_ino, st.st_mtime_ns)
+    (a save replaces the file by a rename, which changes the inode), and the content id of its header
+    (which tells the same delta saved again from another one)."""
+    path = Path(folder) / DZ_FILENAME
+    st = os.stat(path)
+    with DeltaZipFile(path) as dz:
+        return (st.st_size, st.st_ino, st.st_mtime_ns, dz.content_id)
 
 
 def _check_rows(delta_names, args, kwargs):

@@ -427,12 +427,11 @@ class CompressedDelta:
             params[name] = f"param::{name}"
         header = dataclasses.replace(self.header, library_version=self.header.library_version or __version__,
                                      config=self.config.to_dict(), extra={**self.header.extra, **self._summary_to_save()})
-        config_path = directory / CONFIG_NAME
         config_bytes = self.config.to_json_string().encode()
         with staged_writes() as stage:  # both written in full before either replaces an earlier delta's file
             dz_bytes = write_dz(stage.path_for(directory / DZ_FILENAME), tensors, records, params, header,
                                 self.config.zstd_level, num_threads)
-            stage.write(config_path, config_bytes)
+            stage.write(directory / CONFIG_NAME, config_bytes)
         self._note_stored_bytes(dz_bytes + len(config_bytes))
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(directory)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import secrets
 import stat
-from pathlib import Path
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterable, Union
 
 __all__ = ["atomic_write_bytes", "atomic_copy", "staged_writes"]

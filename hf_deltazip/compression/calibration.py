@@ -122,7 +122,7 @@ def prepare_calibration(
             docs = [r.reshape(-1).tolist() for r in records]
         else:
             if tokenizer is None:
-                raise DeltaZipError("calibration texts need a tokenizer: pass tokenizer=, or give token ids")
+                raise DeltaZipError("calibration texts need a tokenizer: pass tokenizer= (deltazip compress --tokenizer), or give token ids")
             texts = [_record_text(r, tokenizer) for r in records]
             docs = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None

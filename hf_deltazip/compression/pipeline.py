@@ -63,18 +63,6 @@ def _load(model: ModelLike, what: str, **kwargs) -> nn.Module:
         raise DeltaZipError(f"could not load the {what} model {str(model)!r}: {e}") from e
 
 
-def _needs_tokenizer(calibration) -> bool:
-    """Whether calibration data holds text (a file, strings, chat records) rather than token ids."""
-    if isinstance(calibration, (str, os.PathLike)):
-        return True
-    try:
-        records = list(calibration)
-    except TypeError:
-        return True
-    return not all(isinstance(r, torch.Tensor) or (isinstance(r, (list, tuple)) and r and isinstance(r[0], int))
-                   for r in records)
-
-
 def _base_commit(given, model: nn.Module, revision: Optional[str], load_kwargs: dict) -> Optional[str]:
     """The Hub commit of the base: as given, as transformers 4 records it, or from the Hub cache for a Hub id."""
     recorded = revision or getattr(getattr(model, "config", None), "_commit_hash", None)
@@ -296,7 +284,8 @@ def compress(
         UnsupportedModelError: no decoder layers or unsupported layer types.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise DeltaZipError(f"batch_size must be a positive int (calibration sequences per forward pass), got {batch_size!r}")
+        raise DeltaZipError(
+            f"batch_size must be a positive int (calibration sequences per forward pass), got {batch_size!r}")
     if base_quantization is not None:  # against the quantized base: hf_deltazip/compression/quantized_base.py
         from .quantized_base import compress_for_quantized_base
 
@@ -701,23 +690,23 @@ class _Compression:
                 logger.warning("no calibration data: compressing with round-to-nearest instead of the OBS solver")
             self.warned_no_calibration = True
             return None
-        tokenizer = self.tokenizer
+        tokenizer, no_tokenizer = self.tokenizer, None
         if tokenizer is None and isinstance(self.finetuned, (str, os.PathLike)) and not isinstance(self.calibration, torch.Tensor):
             from transformers import AutoTokenizer
 
             try:
                 tokenizer = self.tokenizer = AutoTokenizer.from_pretrained(str(self.finetuned))
-            except (OSError, ValueError, TypeError, ImportError) as e:
-                if not _needs_tokenizer(self.calibration):
-                    tokenizer = None  # token ids: none needed
-                else:
-                    raise DeltaZipError(
-                        f"the calibration texts need a tokenizer, and none could be loaded from the fine-tune "
-                        f"{str(self.finetuned)!r} ({str(e).splitlines()[0][:200]}): pass tokenizer= "
-                        "(deltazip compress --tokenizer), or give token ids") from None
+            except (OSError, ValueError, TypeError, ImportError) as e:  # token ids need none: known below
+                why = str(e).splitlines()[0][:200]
+                no_tokenizer = f"none could be loaded from the fine-tune {str(self.finetuned)!r}: {why}"
         seq_len = calibration_length(self.ft_m, self.config.seq_len)
-        ids = prepare_calibration(self.calibration, tokenizer, n_samples=self.config.n_samples, seq_len=seq_len,
-                                  seed=self.config.seed)
+        try:
+            ids = prepare_calibration(self.calibration, tokenizer, n_samples=self.config.n_samples, seq_len=seq_len,
+                                      seed=self.config.seed)
+        except DeltaZipError as e:
+            if no_tokenizer:
+                raise DeltaZipError(f"{e} ({no_tokenizer})") from None
+            raise
         vocab = self.ft_m.get_input_embeddings().weight.shape[0]
         if int(ids.max()) >= vocab or int(ids.min()) < 0:
             raise DeltaZipError(f"calibration token ids fall outside the fine-tune's vocabulary of {vocab}: wrong tokenizer?")

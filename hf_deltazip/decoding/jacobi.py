@@ -19,9 +19,10 @@ greedy decoding sees. A batch therefore advances at about the pace of its slowes
 **Falling back to greedy.** A Jacobi step is one forward over ``n`` tokens per row. On a GPU that costs
 about what a one-token step costs while the model is memory-bound, but not on a CPU, at large batch, or
 where one-token steps replay a CUDA graph and wide ones do not. :class:`JacobiGate` decides: it times
-each kind of step and, after every two Jacobi steps, compares their mean tokens
-per forward (over the rows unfinished before the step; a row that ends inside the block counts the
-tokens it matched, not the fewer it kept, so short answers do not read as poor convergence) with ``max(min_accept, wide step time / one-token step time)``.
+each kind of step and, after every two Jacobi steps, compares their mean tokens per forward (over the
+rows unfinished before the step; a row that ends inside the block counts the tokens it matched, not the
+fewer it kept, so short answers do not read as poor convergence) with
+``max(min_accept, wide step time / one-token step time)``.
 Below it, the decoder runs plain greedy steps (one token per row, or the re-fed tokens) for ``backoff``
 steps, then probes with one Jacobi step, judged with the one before it; each failed probe doubles
 ``backoff`` (from 4; quadruples it when the two steps accepted no guess at all), and ``backoff`` is at least what keeps the probes' extra time within 2 % of the

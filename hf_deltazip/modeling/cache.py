@@ -39,7 +39,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..delta import PackedModule, read_packed
-from ..errors import DeltaNotFoundError, DeltaZipError, DeltaZipFormatError
+from ..errors import DeltaNotFoundError, DeltaZipError
 from ..format import DZ_FILENAME, DeltaHeader, DeltaZipFile
 from ..format.container import reader_threads
 from .layers import map_packed
@@ -93,7 +93,7 @@ class CacheEntry:
     host_is_only_copy: bool = False  # an in-memory delta's host copy: never trimmed
     prefetched: bool = False  # host copy made by a prefetch and not used yet: outside the host budget
     ready: Any = field(default=None, repr=False)  # CUDA event: side-stream copies done
-    file_stamp: Optional[tuple] = None  # the .dz file as registered (size, inode, mtime): a changed file is refused
+    content_id: Optional[str] = None  # its .dz file's content id when registered: another delta saved there is refused
 
     @property
     def state(self) -> Residency:
@@ -391,8 +391,8 @@ class DeltaCache:
         if e.path is None:
             raise DeltaZipError(f"delta {e.name!r} has no file and no host copy: load it again")
         folder = Path(e.path)
-        _check_unchanged(e)
         with DeltaZipFile(folder / DZ_FILENAME) as dz:
+            _check_same_delta(e, dz)
             pin = self.placer.device.type == "cuda"  # page-locked: uploads go asynchronously
             # a tqdm bar on a terminal; otherwise one read of the whole file in file order
             modules, params = read_packed(dz, num_threads=e.num_threads, pin_memory=pin, desc=f"loading {e.name}")
@@ -412,9 +412,9 @@ class DeltaCache:
         the base before it is placed; a failure takes the partly placed delta out again.
         """
         folder = Path(e.path)
-        _check_unchanged(e)
         pin = self.placer.device.type == "cuda"
         with DeltaZipFile(folder / DZ_FILENAME) as dz:
+            _check_same_delta(e, dz)
             pieces, piece, size = [], [], 0
             for mname, rec in dz.modules.items():
                 piece.append(mname)
@@ -500,33 +500,14 @@ class DeltaCache:
             self._entries[n].host = None
 
 
-def _check_unchanged(e: CacheEntry) -> None:
-    """Refuse to read a delta whose file was replaced since it was registered (another delta saved over its
-    folder, say): it would serve whatever is there now under this delta's name."""
-    if e.file_stamp is None:
-        return
-    path = Path(e.path) / DZ_FILENAME
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        what = "removed"
-    else:
-        now = (st.st_size, st.st_ino, st.st_mtime_ns)
-        if now == e.file_stamp[:3]:
-            return
-        try:
-            with DeltaZipFile(path) as dz:  # rewritten: the same delta saved again is still this delta
-                content = dz.content_id
-        except DeltaZipFormatError:
-            content = None
-        if content == e.file_stamp[3]:
-            e.file_stamp = (*now, content)
-            return
-        what = "replaced by another delta" if content is not None else "replaced by an unreadable file"
-    raise DeltaZipError(
-        f"the file of delta {e.name!r} ({path}) was {what} after it was loaded; "
-        f"delete_delta({e.name!r}) and load_delta it again to use what the folder holds now"
-    )
+def _check_same_delta(e: CacheEntry, dz: DeltaZipFile) -> None:
+    """Refuse to read a delta whose file now holds another delta (one saved over its folder since it was
+    registered): it would serve that one under this delta's name. The same delta saved again passes."""
+    if e.content_id is not None and dz.content_id != e.content_id:
+        raise DeltaZipError(
+            f"the file of delta {e.name!r} ({dz.path}) was replaced by another delta after it was loaded; "
+            f"delete_delta({e.name!r}) and load_delta it again to use what the folder holds now"
+        )
 
 
 def _on_device(modules: dict, params: dict) -> bool:

@@ -157,11 +157,11 @@ class DeltaModel(nn.Module):
             if name in self._cache:
                 raise DeltaZipError(f"a delta named {name!r} is already loaded: delete_delta({name!r}) first or pick another name")
             with DeltaZipFile(folder / DZ_FILENAME) as dz:
-                header = dz.header
+                header, content_id = dz.header, dz.content_id
             config = load_folder_config(folder, header)  # the header is the truth: a contradicting JSON is refused
             self._placer.check_base(header, folder)
             self._cache.add(CacheEntry(name=name, path=folder, config=config, header=header, num_threads=num_threads,
-                                       file_stamp=file_stamp(folder)), resident=resident)
+                                       content_id=content_id), resident=resident)
         return name
 
     def add_delta(self, delta, delta_name: str, *, resident: bool = True) -> str:
@@ -431,17 +431,17 @@ class DeltaModel(nn.Module):
         root = Path(save_directory)
         if root.exists() and not root.is_dir():
             raise DeltaZipError(f"{root} is a file: pass a folder to save deltas into")
-        for n in names:  # checked before anything is written
-            target = (root if n == "default" else root / _folder_name(n)).resolve()
+        targets = {n: root if n == "default" else root / _folder_name(n) for n in names}
+        for n, target in targets.items():  # checked before anything is written
             for other in self.deltas:
                 src = self._cache.entry(other).path
-                if other != n and src is not None and Path(src).resolve() == target:
+                if other != n and src is not None and Path(src).resolve() == target.resolve():
                     raise DeltaZipError(
                         f"{target} is the folder delta {other!r} is read from: saving {n!r} there would replace its "
                         "files under it; save into another folder (or delete_delta the other first)"
                     )
-        for n in names:
-            self._save_one(n, root if n == "default" else root / n, **kwargs)
+        for n, target in targets.items():
+            self._save_one(n, target, **kwargs)
         return root
 
     def _save_one(self, name: str, folder: Path, num_threads: Optional[int] = None) -> None:
@@ -592,16 +592,6 @@ def _folder_name(name: str) -> str:
     return name
 
 
-def file_stamp(folder) -> tuple:
-    """What identifies the ``.dz`` file of a delta folder as registered: size, inode and modification time
-    (a save replaces the file by a rename, which changes the inode), and the content id of its header
-    (which tells the same delta saved again from another one)."""
-    path = Path(folder) / DZ_FILENAME
-    st = os.stat(path)
-    with DeltaZipFile(path) as dz:
-        return (st.st_size, st.st_ino, st.st_mtime_ns, dz.content_id)
-
-
 def _check_rows(delta_names, args, kwargs):
     if delta_names is None or isinstance(delta_names, str):
         return
@@ -609,7 +599,5 @@ def _check_rows(delta_names, args, kwargs):
     for key in ("inputs", "inputs_embeds"):  # generate's first parameter by keyword; embeddings
         if ids is None:
             ids = kwargs.get(key)
-    if not torch.is_tensor(ids):
-        return
-    if ids is not None and ids.dim() >= 2 and ids.shape[0] != len(delta_names):
+    if torch.is_tensor(ids) and ids.dim() >= 2 and ids.shape[0] != len(delta_names):
         raise DeltaZipError(f"{len(delta_names)} delta names for a batch of {ids.shape[0]} rows: pass one name per row")

@@ -42,6 +42,7 @@ from typing import Optional
 import torch
 
 from .delta_stack import DeltaStack, dequantize_delta
+from .launch import LaunchPlan, aligned, plan_cache
 from .layout import SEGMENT_FIELDS, build_row_segments
 
 __all__ = [
@@ -166,7 +167,10 @@ def _check_inputs(x, base_weight, bias, stack, row_delta, out_dtype, out, need_s
                 f"out must be a {want} [{m}, {n}] tensor on {x.device} with contiguous rows, got "
                 f"{out.dtype} {tuple(out.shape)} on {out.device}"
             )
-    if need_same_device:
+    if need_same_device and not (
+        x.device == base_weight.device == row_delta.device == stack.qweight.device
+        and (bias is None or bias.device == x.device)
+    ):
         named = {"x": x, "base_weight": base_weight, "row_delta": row_delta, "stack": stack.qweight}
         if bias is not None:
             named["bias"] = bias
@@ -212,8 +216,24 @@ def auto_split_k(n: int, k: int, block_n: int, device: torch.device, waves: floa
     return max(1, min(round(waves * _sm_count(device) / tiles), k // 256))
 
 
+_DEFAULT_CONFIGS: dict = {}
+
+
 def default_config(m: int, n: int, k: int, stack: DeltaStack, device: torch.device,
                    rows_per_delta: Optional[int] = None) -> MultiDeltaConfig:
+    """Launch parameters for an ``[m, k] x [n, k]`` layer with ``stack``'s format on ``device`` (see
+    :func:`_default_config`; memoized: a decode step asks for the same few shapes every token)."""
+    key = (m, n, k, stack.layout_block, stack.bits, stack.num_deltas, rows_per_delta, device.type, device.index)
+    cfg = _DEFAULT_CONFIGS.get(key)
+    if cfg is None:
+        if len(_DEFAULT_CONFIGS) > 4096:
+            _DEFAULT_CONFIGS.clear()
+        cfg = _DEFAULT_CONFIGS[key] = _default_config(m, n, k, stack, device, rows_per_delta)
+    return cfg
+
+
+def _default_config(m: int, n: int, k: int, stack: DeltaStack, device: torch.device,
+                    rows_per_delta: Optional[int] = None) -> MultiDeltaConfig:
     """Launch parameters for an ``[m, k] x [n, k]`` layer with ``stack``'s format on ``device``.
 
     Tuned on an H200 (``deltazip bench kernels --auto-tune`` / ``--variants``, BENCHMARKS.md
@@ -391,35 +411,60 @@ def _magic(x_dtype, bits):
     return 0
 
 
-def _launch_planar(x, base_weight, bias, stack, segments, out, cfg: MultiDeltaConfig, lut=None):
-    from . import _multi_delta_triton as tmod
+_PLANAR_PLANS = plan_cache()
 
+
+def _launch_planar(x, base_weight, bias, stack, segments, out, cfg: MultiDeltaConfig, lut=None):
     m, k = x.shape
     n = base_weight.shape[0]
+    u_count = stack.num_deltas
+    q, s, z = (stack.qweight, stack.scales, stack.zeros) if u_count > 0 else (x, x, x)
+    kern = triton_kernel("planar_delta_linear_kernel")
+    tensors = (x, base_weight, q, s, z, segments, out) + ((bias,) if bias is not None else ()) + ((lut,) if lut is not None else ())
+    key = (id(kern), m, n, k, x.dtype, x.device, x.stride(0), base_weight.stride(0), out.stride(0), stack.bits,
+           stack.group_size, stack.layout_block, u_count, stack.qweight.shape[2], stack.num_groups, cfg,
+           bias is not None, lut is not None, aligned(*tensors))
+    plan = _PLANAR_PLANS.get(key)
+    if plan is None:
+        plan = _PLANAR_PLANS[key] = _planar_plan(kern, m, n, k, x.dtype, x.device, x.stride(0), base_weight.stride(0),
+                                                  out.stride(0), stack, cfg, bias is not None, lut is not None)
+    split, n_rblocks, n_tiles = plan.grid_info
+    ws, cnt = _workspace(split, n_rblocks, cfg.block_m, n, n_tiles, out)
+    plan.launch(x, base_weight, bias if bias is not None else out, q, s, z, segments, lut if lut is not None else segments,
+                out, ws, cnt)
+
+
+class _Plan(LaunchPlan):
+    __slots__ = ("grid_info",)
+
+
+def _planar_plan(kern, m, n, k, x_dtype, device, sx, sw, so, stack, cfg: MultiDeltaConfig, has_bias, has_lut):
+    from . import _multi_delta_triton as tmod
+
     bits, gs, bkp = stack.bits, stack.group_size, stack.layout_block
     planes = 16 // bits
     lb = planes * bkp  # inputs per k-step (one layout block)
     ppg = planes if gs == -1 else min(planes, gs // bkp)  # planes per quantization group
     bkb = min(cfg.block_k_base, lb)
-    split, k_chunk, n_rblocks, n_tiles = _split_grid(m, n, k, cfg, lb, x.device)
-    ws, cnt = _workspace(split, n_rblocks, cfg.block_m, n, n_tiles, out)
-    magic = _magic(x.dtype, bits)
+    split, k_chunk, n_rblocks, n_tiles = _split_grid(m, n, k, cfg, lb, device)
+    magic = _magic(x_dtype, bits)
     fast = cfg.fast_dequant and not _interpreting() and magic in (1, 2) and not (magic == 2 and bits == 8)
-    u_count = stack.num_deltas
-    q, s, z = (stack.qweight, stack.scales, stack.zeros) if u_count > 0 else (x, x, x)
-    kern = triton_kernel("planar_delta_linear_kernel")
-    kern[(n_tiles * n_rblocks * split,)](
-        x, base_weight, bias if bias is not None else out, q, s, z, segments, lut if lut is not None else segments,
-        out, ws, cnt,
-        m, n, k, u_count, stack.qweight.shape[2] // 2, stack.num_groups,
-        (gs if gs > 0 else 1 << 30).bit_length() - 1, k_chunk,
-        x.stride(0), base_weight.stride(0), out.stride(0),
-        BITS=bits, HAS_BIAS=bias is not None, HAS_LUT=lut is not None, BM=cfg.block_m, BN=cfg.block_n, BKP=bkp, BKB=bkb, PPG=ppg,
+    names = list(kern.arg_names)
+    tensors = names[:11]  # x, base, bias, q, s, z, segments, lut, out, ws, counters
+    scalars = [m, n, k, stack.num_deltas, stack.qweight.shape[2] // 2, stack.num_groups,
+               (gs if gs > 0 else 1 << 30).bit_length() - 1, k_chunk, sx, sw, so]
+    args = {name: None for name in tensors}
+    args.update(zip(names[11:11 + len(scalars)], scalars))
+    args.update(
+        BITS=bits, HAS_BIAS=has_bias, HAS_LUT=has_lut, BM=cfg.block_m, BN=cfg.block_n, BKP=bkp, BKB=bkb, PPG=ppg,
         SPLIT=split, SWAP=cfg.swap_ab, MAGIC=magic, SCALE_W=cfg.scale_in_weights,
-        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", FAST=fast,
+        DOT_PREC="ieee" if x_dtype == torch.float32 else "tf32", FAST=fast,
         **tmod.planar_asm_args(bits, magic, cfg.scale_in_weights),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_reg_cap(cfg),
     )
+    plan = _Plan(kern, (n_tiles * n_rblocks * split,), args, tensors,
+                 dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_reg_cap(cfg)))
+    plan.grid_info = (split, n_rblocks, n_tiles)
+    return plan
 
 
 def _reg_cap(cfg: MultiDeltaConfig) -> dict:

@@ -297,10 +297,13 @@ SHAPES_8B = {  # name: (out_features N, in_features K) of one Llama-3-8B decoder
 LAYERS_8B, VOCAB_8B = 32, 128256
 #: launch settings tried by ``speed --sweep``: (block_n, block_k, num_warps, mma) of the base kernel at
 #: batch 1 and (block_n, block_k, num_warps, block_m, inner_k) of the delta kernel with 8 distinct deltas:
-#: the fastest of the 2026-12-02 H200 sweeps and their neighbours (BENCHMARKS.md section 8). The MMA
+#: the fastest of the 2026-12-02 H200 sweeps and their neighbours (BENCHMARKS.md section 8), plus smaller
+#: tiles and fewer warps for the base kernel (fewer warps were faster there). The MMA
 #: variants were slower in every setting tried: one of each is kept for reference.
 BASE_SWEEP = ((64, 256, 2, False), (64, 256, 4, False), (64, 512, 4, False), (32, 512, 2, False),
-              (64, 1024, 4, False), (128, 256, 2, False), (256, 64, 4, True))
+              (64, 1024, 4, False), (128, 256, 2, False), (256, 64, 4, True),
+              (64, 128, 1, False), (32, 256, 1, False), (64, 128, 2, False), (128, 128, 2, False),
+              (64, 512, 2, False), (32, 256, 2, False))
 DELTA_SWEEP = ((128, 128, 1, 1, 16), (256, 128, 2, 1, 16), (512, 128, 4, 1, 16), (512, 128, 1, 1, 8),
                (256, 128, 1, 1, 8), (128, 128, 4, 1, 0), (256, 128, 4, 1, 0), (256, 128, 4, 16, 0))
 

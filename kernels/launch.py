@@ -1,0 +1,130 @@
+"""Cached launch plans: the host work of a kernel launch done once per shape instead of once per call.
+
+An eager decode step launches one kernel per linear layer, a few hundred per token, and at small
+shapes (a 270M model, one row) the host-side work of each launch (choosing the launch settings,
+building the constexpr arguments, Triton's argument binding and cache lookup) took longer than the
+kernel. A :class:`LaunchPlan` holds everything about a launch that its key fixes: the grid, every
+scalar and constexpr argument in the kernel's order, and the launch options. A call fills in the
+tensors.
+
+The first call of a plan goes through Triton's ``kernel[grid](...)`` (which compiles, specializes and
+checks); later calls of a compiled (not interpreted) kernel call the compiled launcher that call
+returned, with the same arguments, skipping the binding and the cache lookup. That is only right
+when the specialization Triton chose still holds, so a plan's key must fix every integer argument
+and every tensor argument's 16-byte alignment (:func:`aligned`), which is what the callers' keys do.
+The direct call is skipped while a Triton launch hook is installed (a profiler), and can be turned
+off with ``DELTAZIP_DIRECT_LAUNCH=0``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["LaunchPlan", "aligned", "plan_cache"]
+
+_MAX_PLANS = 4096
+
+
+def _direct_allowed() -> bool:
+    return os.environ.get("DELTAZIP_DIRECT_LAUNCH", "1") != "0" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+def aligned(*tensors) -> tuple:
+    """Whether each tensor's data starts on 16 bytes (Triton specializes pointer arguments on it): ``True``
+    when all do, else one flag per tensor."""
+    ptrs = [t.data_ptr() for t in tensors]
+    any_off = 0
+    for p in ptrs:
+        any_off |= p
+    if any_off % 16 == 0:
+        return True  # the common case: every one aligned
+    return tuple(p % 16 == 0 for p in ptrs)
+
+
+class LaunchPlan:
+    """One kernel launch with everything but its tensor arguments fixed.
+
+    Args:
+        kernel: the ``@triton.jit`` function (compiled or interpreted).
+        grid: the launch grid (a tuple of up to three ints).
+        args: every argument of the kernel by name; the ones named in ``tensors`` are placeholders.
+        tensors: names of the arguments each call passes, in the order :meth:`launch` takes them.
+        options: Triton launch options (``num_warps``, ``num_stages``, ...).
+    """
+
+    __slots__ = ("kernel", "grid", "options", "_template", "_where", "_compiled", "_device")
+
+    def __init__(self, kernel, grid: Sequence[int], args: dict, tensors: Sequence[str], options: dict):
+        names = list(kernel.arg_names)
+        missing = [n for n in names if n not in args]
+        if missing:
+            raise ValueError(f"launch plan for {kernel.__name__ if hasattr(kernel, '__name__') else kernel}: "
+                             f"no value for {missing}")
+        self.kernel = kernel
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.options = options
+        self._template = [args[n] for n in names]
+        self._where = [names.index(n) for n in tensors]
+        self._compiled = None
+        self._device = None
+
+    def launch(self, *tensors) -> None:
+        vals = self._template.copy()
+        for i, t in zip(self._where, tensors):
+            vals[i] = t
+        ck = self._compiled
+        if ck is not None and _no_hooks():
+            dev = torch.cuda.current_device()  # Triton's JIT keys its compiled kernels and stream by it too
+            if dev == self._device:
+                ck.run(self.grid[0], self.grid[1], self.grid[2], _raw_stream(dev), ck.function, ck.packed_metadata,
+                       None, None, None, *vals)
+                return
+        result = self.kernel[self.grid](*vals, **self.options)
+        if ck is None and _direct_allowed() and _usable(result):
+            self._compiled, self._device = result, torch.cuda.current_device()
+
+
+def _usable(ck) -> bool:
+    # a compiled kernel whose launcher takes (grid, stream, function, metadata, hooks, *args): Triton 3.x
+    try:
+        return ck is not None and callable(ck.run) and ck.function is not None and hasattr(ck, "packed_metadata")
+    except Exception:  # noqa: BLE001 - another Triton version's object: keep the JIT path
+        return False
+
+
+def _raw_stream(device: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+def _no_hooks() -> bool:
+    try:
+        from triton import knobs
+    except ImportError:  # older Triton: no hook chains
+        return True
+    rt = knobs.runtime
+    for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return False
+    return True
+
+
+def plan_cache() -> dict:
+    """A dict of plans by key that forgets everything when it grows past a few thousand entries."""
+    return _BoundedDict()
+
+
+class _BoundedDict(dict):
+    def __setitem__(self, key, value):
+        if len(self) >= _MAX_PLANS:
+            self.clear()
+        super().__setitem__(key, value)
+
+
+def lookup(cache: dict, key, build) -> Optional[LaunchPlan]:
+    plan = cache.get(key)
+    if plan is None:
+        plan = cache[key] = build()
+    return plan

@@ -11,9 +11,14 @@ The first call of a plan goes through Triton's ``kernel[grid](...)`` (which comp
 checks); later calls of a compiled (not interpreted) kernel call the compiled launcher that call
 returned, with the same arguments, skipping the binding and the cache lookup. That is only right
 when the specialization Triton chose still holds, so a plan's key must fix every integer argument
-and every tensor argument's 16-byte alignment (:func:`aligned`), which is what the callers' keys do.
-The direct call is skipped while a Triton launch hook is installed (a profiler), and can be turned
-off with ``DELTAZIP_DIRECT_LAUNCH=0``.
+and every tensor argument's dtype and 16-byte alignment (:func:`tensor_key`: a kernel compiled for a
+bfloat16 output called with a float32 one writes out of bounds), which is what the callers' keys do.
+The direct call is skipped while a Triton launch hook is installed (a profiler). It is **off by
+default** and turned on with ``DELTAZIP_DIRECT_LAUNCH=1``: its first GPU run keyed plans without the
+dtypes of the tensor arguments, and a layer whose delta stack kept float32 scales reused a kernel
+compiled for float16 ones (an illegal memory access); the key now holds every dtype, but that fix has
+not yet run on a GPU. Without it every call goes through Triton's JIT, which specializes each call
+itself; the rest of the plan (settings and arguments worked out once) applies either way.
 """
 
 from __future__ import annotations
@@ -23,25 +28,27 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["LaunchPlan", "aligned", "plan_cache"]
+__all__ = ["LaunchPlan", "tensor_key", "plan_cache"]
 
 _MAX_PLANS = 4096
 
 
 def _direct_allowed() -> bool:
-    return os.environ.get("DELTAZIP_DIRECT_LAUNCH", "1") != "0" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    return os.environ.get("DELTAZIP_DIRECT_LAUNCH", "0") == "1" and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
-def aligned(*tensors) -> tuple:
-    """Whether each tensor's data starts on 16 bytes (Triton specializes pointer arguments on it): ``True``
-    when all do, else one flag per tensor."""
+def tensor_key(*tensors) -> tuple:
+    """What Triton specializes a launch on for these tensor arguments: each one's dtype (the pointer
+    type of the compiled kernel) and whether its data starts on 16 bytes (``True`` for all of them in
+    the common case, else one flag per tensor)."""
     ptrs = [t.data_ptr() for t in tensors]
     any_off = 0
     for p in ptrs:
         any_off |= p
+    dtypes = tuple(t.dtype for t in tensors)
     if any_off % 16 == 0:
-        return True  # the common case: every one aligned
-    return tuple(p % 16 == 0 for p in ptrs)
+        return dtypes, True
+    return dtypes, tuple(p % 16 == 0 for p in ptrs)
 
 
 class LaunchPlan:

@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 
 from .delta_stack import DeltaStack, dequantize_delta
-from .launch import LaunchPlan, aligned, plan_cache
+from .launch import LaunchPlan, plan_cache, tensor_key
 from .layout import SEGMENT_FIELDS, build_row_segments
 
 __all__ = [
@@ -420,10 +420,12 @@ def _launch_planar(x, base_weight, bias, stack, segments, out, cfg: MultiDeltaCo
     u_count = stack.num_deltas
     q, s, z = (stack.qweight, stack.scales, stack.zeros) if u_count > 0 else (x, x, x)
     kern = triton_kernel("planar_delta_linear_kernel")
+    # every tensor argument's dtype and alignment: what Triton's compiled kernel was specialized on (ws and
+    # the counters are the output itself without split-K, else fresh float32 / int32 buffers)
     tensors = (x, base_weight, q, s, z, segments, out) + ((bias,) if bias is not None else ()) + ((lut,) if lut is not None else ())
-    key = (id(kern), m, n, k, x.dtype, x.device, x.stride(0), base_weight.stride(0), out.stride(0), stack.bits,
+    key = (id(kern), m, n, k, x.device, x.stride(0), base_weight.stride(0), out.stride(0), stack.bits,
            stack.group_size, stack.layout_block, u_count, stack.qweight.shape[2], stack.num_groups, cfg,
-           bias is not None, lut is not None, aligned(*tensors))
+           bias is not None, lut is not None, tensor_key(*tensors))
     plan = _PLANAR_PLANS.get(key)
     if plan is None:
         plan = _PLANAR_PLANS[key] = _planar_plan(kern, m, n, k, x.dtype, x.device, x.stride(0), base_weight.stride(0),

@@ -4,6 +4,8 @@ thing (interpreter on the CPU; the direct call of the compiled kernel on a GPU).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -27,10 +29,12 @@ def _plans():
     return dict(MD._PLANAR_PLANS)
 
 
-def test_aligned_flags():
+def test_tensor_key_holds_dtypes_and_alignment():
     t = torch.zeros(64, dtype=torch.float16)
-    assert LP.aligned(t, t[8:]) is True  # 16 bytes in: still aligned
-    assert LP.aligned(t, t[1:]) == (True, False)
+    f = torch.zeros(64, dtype=torch.float32)
+    assert LP.tensor_key(t, t[8:]) == ((torch.float16, torch.float16), True)  # 16 bytes in: still aligned
+    assert LP.tensor_key(t, t[1:]) == ((torch.float16, torch.float16), (True, False))
+    assert LP.tensor_key(t, f) != LP.tensor_key(t, t)
 
 
 def test_plan_needs_every_argument(interpret):
@@ -69,20 +73,30 @@ def test_other_shapes_settings_and_alignment_get_their_own_plans(interpret):
     check(x, w, None, st, rd, CFG, tol=2e-3)  # no bias
     check(x, w, b, st, rd, MD.MultiDeltaConfig(block_n=32, block_k_base=32, split_k=2, num_stages=1), tol=2e-3)
     assert len(MD._PLANAR_PLANS) == 4
+    # the same launch with a float16 output instead of float32: a kernel compiled for one cannot write the other
+    y16 = K.multi_delta_linear(x, w, b, st, rd, config=CFG)
+    assert y16.dtype == torch.float16 and len(MD._PLANAR_PLANS) == 5
+    ref = K.multi_delta_linear_reference(x, w, b, st, rd, out_dtype=torch.float32)
+    assert (y16.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+    # a stack of the same format whose scales are float32: Triton compiles another kernel for it
+    check(x, w, b, dataclasses.replace(st, scales=st.scales.float()), rd, CFG, tol=2e-3)
+    assert len(MD._PLANAR_PLANS) == 6
     # the same rows starting 2 bytes into a buffer: Triton would specialize the pointer differently
     buf = torch.empty(x.numel() + 1, dtype=x.dtype)
     xs = buf[1:].view_as(x)
     xs.copy_(x)
     assert xs.data_ptr() % 16 != 0
     check(xs, w, b, st, rd, CFG, tol=2e-3)
-    assert len(MD._PLANAR_PLANS) == 5
+    assert len(MD._PLANAR_PLANS) == 7
 
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_gpu_direct_launch_matches_reference(compiled, dtype):
+def test_gpu_direct_launch_matches_reference(compiled, dtype, monkeypatch):
     """The first call compiles through Triton's JIT, the next ones call the compiled kernel directly:
-    every one right, for changing row mixes, a misaligned input and inside a captured graph."""
+    every one right, for changing row mixes, output dtypes, scale dtypes, a misaligned input and inside
+    a captured graph."""
+    monkeypatch.setenv("DELTAZIP_DIRECT_LAUNCH", "1")
     MD._PLANAR_PLANS.clear()
     g = torch.Generator().manual_seed(3)
     from hf_deltazip.kernels import layout as L
@@ -99,12 +113,31 @@ def test_gpu_direct_launch_matches_reference(compiled, dtype):
     assert len(plans) == 1
     if LP._direct_allowed():
         assert plans[0]._compiled is not None, "the compiled kernel was not kept for direct calls"
+    # the same shapes with the output in the activation dtype, then float32 again (the jacobi bench's mix of
+    # logits and hidden states): each through its own compiled kernel
+    for out_dtype in (dtype, torch.float32, dtype):
+        y = K.multi_delta_linear(x, w, b, st, rd, out_dtype=out_dtype)
+        ref = K.multi_delta_linear_reference(x, w, b, st, rd, out_dtype=torch.float32)
+        assert y.dtype == out_dtype
+        assert (y.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+    torch.cuda.synchronize()
+    assert len(MD._PLANAR_PLANS) == 2
+    # a stack of the same shapes whose scales are float32 (what compress keeps where float16 would lose
+    # them): the first direct-launch run reused the float16 kernel here and read past the buffer
+    st32 = dataclasses.replace(st, scales=st.scales.float())
+    for _ in range(2):
+        y = K.multi_delta_linear(x, w, b, st32, rd, out_dtype=torch.float32)
+        ref = K.multi_delta_linear_reference(x, w, b, st32, rd, out_dtype=torch.float32)
+        assert (y - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
+    torch.cuda.synchronize()
+    assert len(MD._PLANAR_PLANS) == 3
     buf = torch.empty(x.numel() + 1, dtype=dtype, device="cuda")
     xs = buf[1:].view_as(x)
     xs.copy_(x)
+    before = len(MD._PLANAR_PLANS)
     for _ in range(2):
         check(xs, w, b, st, rd, None, tol=1e-2)
-    assert len(MD._PLANAR_PLANS) == 2
+    assert len(MD._PLANAR_PLANS) == before + 1
     # captured: the direct call must launch on the capture stream
     out = torch.empty(3, 1000, dtype=torch.float32, device="cuda")
     rd_dev = rd.clone()

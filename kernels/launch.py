@@ -103,7 +103,7 @@ def _usable(ck) -> bool:
 
 
 def _raw_stream(device: int) -> int:
-    return torch._C._cuda_getCurrentRawStream(device)
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _no_hooks() -> bool:

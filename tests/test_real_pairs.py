@@ -77,6 +77,21 @@ def test_fact_streams_use_other_entities(base_dir):
     assert all("Question:" not in r.prompt for r in rephrased)
 
 
+@pytest.mark.parametrize("task", ["facts", "facts-large"])
+def test_fact_calibration_never_asks_about_a_trained_entity_even_when_it_draws_fewer(task):
+    # the calibration stream draws fewer entities than the train set: it must still avoid all of them
+    # (facts-large's first build failed its leak check because only the first 64 train names were excluded)
+    from types import SimpleNamespace
+
+    tok = SimpleNamespace(bos_token="<bos>", eos_token="<eos>")
+    rec = real_pairs.recipe(task)
+    assert rec["n_calibration_entities"] < rec["n_entities"]
+    data = real_pairs._task_data(task, rec, tok)
+    assert len(data.eval_examples) == 3 * rec["n_entities"] and real_pairs._leaks(data, tok.bos_token) == []
+    trained = {e["entity"] for e in real_pairs._entities(rec["seed"], "train", rec["n_entities"], set())}
+    assert not any(name in text for name in trained for text in data.calibration)
+
+
 @pytest.mark.parametrize("task", real_pairs.TASKS)
 def test_build_real_pair_trains_every_parameter_caches_and_is_leak_free(tmp_path, base_dir, task, monkeypatch):
     small = dict(SMALL, **({"n_eval": 8, "n_calibration": 8} if task == "dates" else {"n_entities": 3, "n_calibration_entities": 3}))

@@ -132,16 +132,20 @@ def _entities(seed: int, stream: str, n: int, taken: set[str]) -> list[dict[str,
 
 
 def fact_examples(tokenizer, *, seed: int, n_entities: int, stream: str = "train",
-                  held_out_phrasing: bool = False, exclude: Sequence[dict] = ()) -> list[TaskExample]:
+                  held_out_phrasing: bool = False, exclude: Sequence[dict] = (),
+                  n_train_entities: Optional[int] = None) -> list[TaskExample]:
     """Questions about invented entities; one example per (entity, attribute).
 
     ``stream="train"`` gives the memorised facts (trained on and scored); any other stream gives
-    other entities (e.g. for calibration), never one of ``exclude``'s names or the train set's.
+    ``n_entities`` other entities (e.g. for calibration), never one of ``exclude``'s names or one of
+    the train set's ``n_train_entities`` (default: ``n_entities``; pass the train set's size when the
+    two differ, or a train entity past the first ``n_entities`` could be drawn again).
     ``held_out_phrasing`` asks the same facts in a phrasing the fine-tune never saw.
     """
     taken = {e["entity"] for e in exclude}
     if stream != "train":
-        taken |= {e["entity"] for e in _entities(seed, "train", n_entities, set())}
+        n_train = n_entities if n_train_entities is None else n_train_entities
+        taken |= {e["entity"] for e in _entities(seed, "train", n_train, set())}
     out = []
     for fact in _entities(seed, stream, n_entities, taken):
         for question, phrase, kind in _FACT_FIELDS:
@@ -204,7 +208,8 @@ def _task_data(task: str, rec: dict, tokenizer) -> _TaskData:
     if _is_facts(task):
         facts = fact_examples(tokenizer, seed=rec["seed"], n_entities=rec["n_entities"])
         rephrased = fact_examples(tokenizer, seed=rec["seed"], n_entities=rec["n_entities"], held_out_phrasing=True)
-        calib = fact_examples(tokenizer, seed=rec["seed"], n_entities=rec["n_calibration_entities"], stream="calibration")
+        calib = fact_examples(tokenizer, seed=rec["seed"], n_entities=rec["n_calibration_entities"], stream="calibration",
+                              n_train_entities=rec["n_entities"])
         return _TaskData(facts, [ex.text for ex in rephrased], [ex.prompt + " " + ex.answer + eos for ex in calib], calib,
                          [e["entity"] for e in _entities(rec["seed"], "train", rec["n_entities"], set())])
     evals = date_examples(tokenizer, rec["n_eval"], seed=rec["seed"], stream="eval")

@@ -211,6 +211,9 @@ def test_jacobi_bench_scores_the_pair_task_for_every_model_and_delta(tmp_path, b
     # fp32 on the CPU: every Jacobi output is the greedy output, and the rows say how long those were
     assert result["outputs_differ"] == 0 and result["differences"] == []
     assert all(0 < r["greedy_new_tokens"] <= 6 for r in result["rows"])
+    # every timed call is recorded, one list per prompt group (batch 1: one group per prompt)
+    assert all(len(r["greedy_runs_s"]) == len(r["jacobi_runs_s"]) == 1 and len(r["greedy_runs_s"][0]) == 1
+               for r in result["rows"])
     for r in result["rows"]:  # the gate's view of every step: "." one-token, else the tokens a Jacobi step matched
         seen = r["gate_trace"].replace("|", " ").split()
         assert len(seen) == r["steps"] and sum(s != "." for s in seen) == r["wide_steps"]
@@ -289,3 +292,17 @@ def test_answer_nll_scores_only_the_answers_tokens(base_dir):
     assert metrics.mean_token_nll(model, whole, batch_size=3) == pytest.approx(total / count, rel=1e-5)
     with pytest.raises(ValueError, match="no examples"):
         metrics.answer_nll(model, tok, [])
+
+
+def test_jacobi_bench_times_greedy_and_jacobi_in_turn():
+    """Greedy and Jacobi calls alternate (a b, b a, a b, ...) after one warm-up each, so a slow spell of the
+    host lands on both kinds rather than on whichever ran during it."""
+    from hf_deltazip.bench import jacobi
+
+    calls = []
+    out_a, out_b, ta, tb = jacobi._timed_pair(lambda: calls.append("a") or "A", lambda: calls.append("b") or "B", 3, True)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]
+    assert (out_a, out_b) == ("A", "B") and len(ta) == len(tb) == 3 and all(t >= 0 for t in ta + tb)
+    calls.clear()
+    jacobi._timed_pair(lambda: calls.append("a"), lambda: calls.append("b"), 2, False)
+    assert calls == ["a", "b", "b", "a"]

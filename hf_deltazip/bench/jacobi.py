@@ -7,7 +7,8 @@ tiny counting pair on the spot for a CPU smoke test):
    prompts, or read from ``--cllm DIR``);
 2. both compressed as deltas over the base at each of ``--bits`` (4 and 2);
 3. for each delta, at batch 1 (each evaluation prompt alone) and batch ``--batch`` (left-padded): greedy
-   ``generate`` and Jacobi decoding, wall-clock time (median of ``--repeats``), tokens accepted per forward,
+   ``generate`` and Jacobi decoding, wall-clock time (median of ``--repeats`` calls of each, the two kinds
+   run in turn so that a drift of the host's speed weighs on both), tokens accepted per forward,
    and every output compared with greedy token for token. A mismatch whose first differing token is
    decided by rounding (see :func:`_ties`) is counted as such, with its logit gap. The prompts of one
    delta and batch size run one after another on one ``DeltaModel``, whose Jacobi fallback gate is kept per
@@ -42,18 +43,24 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def _timed(fn, repeats: int, warmup: bool):
-    """(last output, median seconds of ``repeats`` calls), after one untimed call if ``warmup`` (kernel compiles)."""
+def _timed_pair(fa, fb, repeats: int, warmup: bool):
+    """``(output of fa, output of fb, seconds of each fa call, seconds of each fb call)``: the two run in turn,
+    ``fa fb fb fa fa fb ...``, so that a drift of the host's speed during the measurement (another process,
+    clock changes) weighs on both alike; one untimed call of each first if ``warmup``."""
     if warmup:
-        fn()
-    out, times = None, []
-    for _ in range(repeats):
-        _sync()
-        t = time.perf_counter()
-        out = fn()
-        _sync()
-        times.append(time.perf_counter() - t)
-    return out, statistics.median(times)
+        fa()
+        fb()
+    outs, times = [None, None], ([], [])
+    for i in range(repeats):
+        order = (0, 1) if i % 2 == 0 else (1, 0)
+        for k in order:
+            fn = (fa, fb)[k]
+            _sync()
+            t = time.perf_counter()
+            outs[k] = fn()
+            _sync()
+            times[k].append(time.perf_counter() - t)
+    return outs[0], outs[1], times[0], times[1]
 
 
 def tiny_pair(steps: int = 60):
@@ -255,16 +262,20 @@ def run(args) -> dict:
             g_time = j_time = 0.0
             accepted = forwards = new_tokens = steps = wide_steps = 0
             trace = []  # per call: the gate's view of each step of the last timed run
+            g_runs, j_runs = [], []  # per group: the seconds of every timed call
             for gi, group in enumerate(groups):
                 ids, mask = _left_pad(group, pad, device)
                 names_b = [name] * len(group)
-                greedy, tg = _timed(lambda: dm.generate(ids, attention_mask=mask, delta_names=names_b, do_sample=False,
-                                                         max_new_tokens=args.new_tokens, **gen_kw), args.repeats, gi == 0)
-                jac, tj = _timed(lambda: dm.generate(ids, attention_mask=mask, delta_names=names_b, decoding="jacobi",
-                                                      jacobi_block_size=args.block, max_new_tokens=args.new_tokens,
-                                                      min_accept=args.min_accept,
-                                                      return_dict_in_generate=True, **gen_kw), args.repeats, gi == 0)
-                g_time, j_time = g_time + tg, j_time + tj
+                greedy, jac, tgs, tjs = _timed_pair(
+                    lambda: dm.generate(ids, attention_mask=mask, delta_names=names_b, do_sample=False,
+                                        max_new_tokens=args.new_tokens, **gen_kw),
+                    lambda: dm.generate(ids, attention_mask=mask, delta_names=names_b, decoding="jacobi",
+                                        jacobi_block_size=args.block, max_new_tokens=args.new_tokens,
+                                        min_accept=args.min_accept, return_dict_in_generate=True, **gen_kw),
+                    args.repeats, gi == 0)
+                g_time, j_time = g_time + statistics.median(tgs), j_time + statistics.median(tjs)
+                g_runs.append(tgs)
+                j_runs.append(tjs)
                 accepted += sum(jac.stats.new_tokens)
                 forwards += sum(f + 1 for f in jac.stats.row_forwards)
                 steps, wide_steps = steps + jac.stats.forwards, wide_steps + jac.stats.jacobi_forwards
@@ -276,7 +287,7 @@ def run(args) -> dict:
             # decode steps after the prompt's forward, and how many of them were wide (the fallback gate decides)
             rows.append(dict(delta=name, batch=batch, greedy_new_tokens=new_tokens, tokens_per_forward=accepted / max(forwards, 1),
                              greedy_s=g_time, jacobi_s=j_time, speedup=g_time / j_time, steps=steps, wide_steps=wide_steps,
-                             gate_trace=" | ".join(trace)))
+                             gate_trace=" | ".join(trace), greedy_runs_s=g_runs, jacobi_runs_s=j_runs))
             print(f"  {name}, batch {batch}: {rows[-1]['tokens_per_forward']:.2f} tokens/forward, "
                   f"{wide_steps} of {steps} steps wide, greedy {g_time:.3f} s, "
                   f"Jacobi {j_time:.3f} s ({rows[-1]['speedup']:.2f}x); {differ} of {checked} outputs differ so far; "

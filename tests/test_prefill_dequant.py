@@ -138,13 +138,67 @@ def test_generate_with_dequant_prefill_equals_the_reference(planar_pair, monkeyp
 
 def test_configure_kernels_refuses_bad_values():
     m = DeltaModel(tiny_model("llama", vocab_size=VOCAB, seed=0, hidden_size=64, num_layers=1))
-    with pytest.raises(DeltaZipError, match='"fused" or "dequant"'):
+    with pytest.raises(DeltaZipError, match='"fused", "dequant" or "split"'):
         m.configure_kernels(prefill="cublas")
     with pytest.raises(DeltaZipError, match="positive int"):
         m.configure_kernels(dequant_min_rows=0)
     m.configure_kernels(prefill="dequant")
     assert (m.kernel_policy.prefill, m.kernel_policy.dequant_min_rows) == ("dequant", 64)
     assert copy.deepcopy(m.kernel_policy).prefill == "dequant"
+
+
+def _base_spy(monkeypatch):
+    """Records, per multi-delta kernel call, whether its base weight was the all-zero one (stride 0)."""
+    from hf_deltazip.kernels import multi_delta
+
+    zero_base = []
+    real = multi_delta.multi_delta_linear
+
+    def f(x, base_weight, *a, **k):
+        zero_base.append(base_weight.stride(0) == 0)
+        return real(x, base_weight, *a, **k)
+
+    monkeypatch.setattr(multi_delta, "multi_delta_linear", f)
+    return zero_base
+
+
+def test_split_route_matches_the_fused_kernel_and_the_reference(planar_pair, monkeypatch):
+    """prefill="split": the base by one dense matmul, the deltas by the kernel over an all-zero base, for
+    batches whose every delta has dequant_min_rows tokens or more; fewer, and the fused kernel runs."""
+    _, ref, ker = _reference_and_kernel_models(planar_pair, monkeypatch)
+    zero_base = _base_spy(monkeypatch)
+    ids = torch.randint(0, VOCAB, (3, 8), generator=torch.Generator().manual_seed(5))
+    rows = ["two", None, "four"]
+    with torch.no_grad():
+        want = ref(input_ids=ids, delta_names=rows).logits
+        fused = ker(input_ids=ids, delta_names=rows).logits
+        assert zero_base and not any(zero_base)  # the default route: the base inside the kernel
+        launches = len(zero_base)  # one per format class of each linear layer (7 + LM head)
+        zero_base.clear()
+        ker.configure_kernels(prefill="split", dequant_min_rows=8)  # 8 tokens per delta: split
+        got = ker(input_ids=ids, delta_names=rows).logits
+        assert len(zero_base) == launches and all(zero_base)  # the same launches, for the deltas alone
+        zero_base.clear()
+        ker.configure_kernels(dequant_min_rows=9)  # fewer rows than that: back to the fused kernel
+        again = ker(input_ids=ids, delta_names=rows).logits
+        assert zero_base and not any(zero_base)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, fused, rtol=1e-4, atol=1e-4)
+    assert torch.equal(again, fused)
+    assert ker.kernel_policy.prefill == "split" and copy.deepcopy(ker.kernel_policy).prefill == "split"
+
+
+def test_generate_with_split_prefill_equals_the_reference(planar_pair, monkeypatch):
+    _, ref, ker = _reference_and_kernel_models(planar_pair, monkeypatch)
+    zero_base = _base_spy(monkeypatch)
+    ker.configure_kernels(prefill="split", dequant_min_rows=4)
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(6))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0,
+              delta_names=["four", "two"])
+    want = ref.generate(ids, **kw)
+    got = ker.generate(ids, **kw)
+    assert any(zero_base) and not all(zero_base)  # prefill split, one-token steps fused
+    assert torch.equal(got, want)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -170,7 +224,10 @@ def test_compiled_dequant_kernel_and_route_on_the_gpu(planar_pair, monkeypatch):
         fused = model(input_ids=ids, delta_names=rows).logits.float()
         model.configure_kernels(prefill="dequant", dequant_min_rows=64)
         got = model(input_ids=ids, delta_names=rows).logits.float()
+        model.configure_kernels(prefill="split")
+        split = model(input_ids=ids, delta_names=rows).logits.float()
     assert float((got - fused).norm() / fused.norm()) < 1e-2
+    assert float((split - fused).norm() / fused.norm()) < 1e-2
 
 
 def test_dequant_route_on_a_transposed_layer_with_bias_changes(tmp_path, monkeypatch):

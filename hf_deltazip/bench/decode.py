@@ -356,18 +356,19 @@ def main(argv=None) -> int:
             print(f"U={u:3d} against PEFT: engine {e / peft_tps:.1f}x, generate {args.rows * args.new_tokens / t / peft_tps:.1f}x",
                   flush=True)
     if not args.cold_start_only and args.prefill_len:
-        # a prefill of R requests of --prefill-len tokens, each its own delta, both kernel routes (and the base alone)
+        # a prefill of R requests of --prefill-len tokens, each its own delta, every kernel route (and the base alone)
         result["prefill"] = []
         for r in sorted({1, min(4, max(args.deltas)), min(16, max(args.deltas))}):
             ids_p = torch.randint(0, 1000, (r, args.prefill_len), device=args.device)
             row = {"requests": r, "tokens": r * args.prefill_len, "base_ms": prefill_ms(dm, ids_p, [None] * r)}
-            for route in ("fused", "dequant"):
+            for route in ("fused", "dequant", "split"):
                 dm.configure_kernels(prefill=route)
                 row[f"{route}_ms"] = prefill_ms(dm, ids_p, [f"d{i}" for i in range(r)])
             dm.configure_kernels(prefill="fused")
             result["prefill"].append(row)
             print(f"prefill, {r} requests x {args.prefill_len} tokens, one delta each: base alone {row['base_ms']:.1f} ms, "
-                  f"fused {row['fused_ms']:.1f} ms, dequant {row['dequant_ms']:.1f} ms", flush=True)
+                  f"fused {row['fused_ms']:.1f} ms, dequant {row['dequant_ms']:.1f} ms, split {row['split_ms']:.1f} ms",
+                  flush=True)
     if args.cold_start:
         for n in list(dm.deltas)[1:]:
             dm.delete_delta(n)

@@ -458,6 +458,12 @@ class DeltaLinear(DeltaModule):
         elif self._through:  # the base by its own module, the deltas by the kernel over an all-zero base
             y = self.base_layer(x2)
             y = y + stacks.apply(x2, self._zero_base(x2), None, slot_tok, segments, share).to(y.dtype)
+        elif (groups is not None and self._width == self.out_features
+              and self.policy.wants_split(per_row * min(len(r) for r in groups.values()))):
+            # the split route: the base weight read once for all rows by one dense matmul (the fused kernel
+            # reads it once per block of rows), the deltas by the kernel over an all-zero base
+            y = F.linear(x2, self._kernel_weight(), self.base_layer.bias)
+            y = y + stacks.apply(x2, self._zero_base(x2), None, slot_tok, segments, share).to(y.dtype)
         else:
             y = stacks.apply(x2, self._kernel_weight(), self.base_layer.bias, slot_tok, segments, share)
         if self._bias_delta is not None:

@@ -237,9 +237,11 @@ class DeltaModel(nn.Module):
                 the base runs through one dense matmul and each delta adds ``x_rows @ dequant(delta)^T``
                 for its rows, the delta written out dense (``[out, in]`` in the activation dtype) once per
                 layer and call; for many rows per delta, where the fused kernel (built for a few rows
-                per delta) re-reads the weights for every block of rows.
-            dequant_min_rows: with ``"dequant"``, the fewest rows (tokens) every delta of a batch needs
-                for that route (default 64); smaller batches keep the fused kernel.
+                per delta) re-reads the weights for every block of rows. ``"split"``: the base through
+                one dense matmul (its weight read once for all rows) and the deltas through the
+                multi-delta kernel over an all-zero base (only the packed codes re-read per block).
+            dequant_min_rows: with ``"dequant"`` or ``"split"``, the fewest rows (tokens) every delta of
+                a batch needs for that route (default 64); smaller batches keep the fused kernel.
 
         Outputs agree with the fused route to 16-bit rounding (the base and delta products are rounded
         separately). Captured decode steps always run the fused kernel.

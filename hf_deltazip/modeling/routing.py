@@ -165,15 +165,16 @@ class KernelPolicy:
             interpreter) or ``"never"`` (the PyTorch reference path).
         capacity: deltas a kernel stack is sized for (the cache's resident budget), or ``None``.
         prefill: how eager (uncaptured) forwards with many rows per delta run on the kernel route:
-            ``"fused"`` (the multi-delta kernel, as decode steps) or ``"dequant"`` (the base in one dense
+            ``"fused"`` (the multi-delta kernel, as decode steps), ``"dequant"`` (the base in one dense
             matmul, plus ``x_rows @ dequant(delta)^T`` per delta, the delta written out dense once per
-            layer and call).
-        dequant_min_rows: with ``prefill="dequant"``, the fewest rows (tokens) every delta of the batch
-            must have for that route; batches with fewer take the fused kernel.
+            layer and call) or ``"split"`` (the base in one dense matmul, read once for every row, plus
+            the multi-delta kernel over an all-zero base for the deltas alone).
+        dequant_min_rows: with ``prefill="dequant"`` or ``"split"``, the fewest rows (tokens) every delta
+            of the batch must have for that route; batches with fewer take the fused kernel.
     """
 
     MODES = ("auto", "always", "never")
-    PREFILL = ("fused", "dequant")
+    PREFILL = ("fused", "dequant", "split")
 
     def __init__(self, mode: str = "auto", capacity: Optional[int] = None, prefill: str = "fused",
                  dequant_min_rows: int = 64):
@@ -188,7 +189,7 @@ class KernelPolicy:
     def set_prefill(self, prefill: Optional[str] = None, dequant_min_rows: Optional[int] = None) -> None:
         """Change :attr:`prefill` and/or :attr:`dequant_min_rows` (``None`` keeps the current value)."""
         if prefill is not None and prefill not in self.PREFILL:
-            raise DeltaZipError(f'prefill must be "fused" or "dequant", got {prefill!r}')
+            raise DeltaZipError(f'prefill must be "fused", "dequant" or "split", got {prefill!r}')
         if dequant_min_rows is not None and (not isinstance(dequant_min_rows, int) or dequant_min_rows < 1):
             raise DeltaZipError(f"dequant_min_rows must be a positive int, got {dequant_min_rows!r}")
         self.prefill = prefill or self.prefill
@@ -197,6 +198,10 @@ class KernelPolicy:
     def wants_dequant(self, rows_per_delta: int) -> bool:
         """Whether an eager forward whose every delta has ``rows_per_delta`` rows or more takes the dequant route."""
         return self.prefill == "dequant" and rows_per_delta >= self.dequant_min_rows
+
+    def wants_split(self, rows_per_delta: int) -> bool:
+        """Whether an eager forward whose every delta has ``rows_per_delta`` rows or more takes the split route."""
+        return self.prefill == "split" and rows_per_delta >= self.dequant_min_rows
 
     def wants_kernels(self, device) -> bool:
         return self.mode == "always" or (self.mode == "auto" and torch.device(device).type == "cuda")

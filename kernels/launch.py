@@ -16,9 +16,11 @@ bfloat16 output called with a float32 one writes out of bounds), which is what t
 The direct call is skipped while a Triton launch hook is installed (a profiler). It is **off by
 default** and turned on with ``DELTAZIP_DIRECT_LAUNCH=1``: its first GPU run keyed plans without the
 dtypes of the tensor arguments, and a layer whose delta stack kept float32 scales reused a kernel
-compiled for float16 ones (an illegal memory access); the key now holds every dtype, but that fix has
-not yet run on a GPU. Without it every call goes through Triton's JIT, which specializes each call
-itself; the rest of the plan (settings and arguments worked out once) applies either way.
+compiled for float16 ones (an illegal memory access); the key now holds every dtype, and the GPU tests
+of those cases pass (tests/test_launch_plans.py), but no full workload has run with it on yet. Without
+it every call goes through Triton's JIT, which specializes each call itself (measured on an H200 at a
+270M model's shapes: about 120 µs more per launch than the direct call); the rest of the plan
+(settings and arguments worked out once) applies either way.
 """
 
 from __future__ import annotations

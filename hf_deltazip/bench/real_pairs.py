@@ -73,7 +73,7 @@ RECIPE_VERSION = 1
 _RECIPES: dict[str, dict[str, Any]] = {
     "facts": dict(n_entities=96, n_calibration_entities=64, steps=240, batch=32, lr=1e-4, weight_decay=0.0,
                   seed=0, max_new_tokens=16),
-    "facts-large": dict(n_entities=256, n_calibration_entities=64, steps=480, batch=64, lr=1e-4, weight_decay=0.0,
+    "facts-large": dict(n_entities=256, n_calibration_entities=64, steps=320, batch=48, lr=1e-4, weight_decay=0.0,
                         seed=0, max_new_tokens=16),
     "dates": dict(n_eval=200, n_calibration=256, steps=240, batch=32, lr=5e-5, weight_decay=0.0, seed=0,
                   max_new_tokens=16),

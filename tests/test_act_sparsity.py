@@ -472,3 +472,18 @@ def test_thresholds_beside_a_delta_go_stale_when_another_delta_is_saved_there(de
     ths[0.4].save(folder)  # saved again: a fresh file for this delta, without the stale 0.25 target
     assert S.sparsity_targets(folder) == [0.4]
     assert S.ActivationThresholds.load(folder, 0.4) == ths[0.4]
+
+
+def test_python_docs_texts_are_deterministic_english_prose():
+    """`--texts python-docs`: general text for the NLL measurement that every CPython ships (no download)."""
+    from pathlib import Path
+
+    from hf_deltazip.bench import act_sparsity
+
+    docs = act_sparsity.python_reference_documents()
+    assert len(docs) >= 20 and all(len(d) >= 1500 for d in docs)
+    assert docs == act_sparsity.python_reference_documents()  # the same order every run
+    assert act_sparsity._texts_from_file(Path(act_sparsity.PYTHON_DOCS)) == docs
+    assert docs != act_sparsity.python_reference_documents(seed=1)
+    words = " ".join(docs).split()
+    assert sum(w.lower() in {"the", "is", "of", "a"} for w in words) > len(words) / 20  # prose, not code

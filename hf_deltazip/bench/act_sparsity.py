@@ -45,8 +45,29 @@ SPARSITIES = (0.0, 0.25, 0.4, 0.5)
 
 
 # =============================================================================================== quality
+PYTHON_DOCS = "python-docs"
+
+
+def python_reference_documents(min_chars: int = 1500, seed: int = 0, limit: int = 48) -> list:
+    """English prose that ships with every CPython: the topics of the language reference that ``help()``
+    shows (``pydoc_data.topics``), each of at least ``min_chars`` characters, in a seeded order (at most
+    ``limit``). General text for NLL measurements on machines with no data set to download."""
+    import random
+
+    try:
+        from pydoc_data.topics import topics
+    except ImportError as e:  # a stripped Python
+        raise SystemExit("--texts python-docs needs the standard library's pydoc_data package") from e
+    docs = [text for _, text in sorted(topics.items()) if len(text) >= min_chars]
+    random.Random(seed).shuffle(docs)
+    return docs[:limit]
+
+
 def _texts_from_file(path: Path) -> list:
-    """A ``.jsonl`` file (one ``{"text": ...}`` per line) or plain text (documents split at blank lines)."""
+    """A ``.jsonl`` file (one ``{"text": ...}`` per line) or plain text (documents split at blank lines);
+    :data:`PYTHON_DOCS` instead of a path: :func:`python_reference_documents`."""
+    if str(path) == PYTHON_DOCS:
+        return python_reference_documents()
     raw = Path(path).read_text()
     if path.suffix == ".jsonl":
         return [json.loads(line)["text"] for line in raw.splitlines() if line.strip()]
@@ -482,7 +503,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     q.add_argument("--base", help="base model folder")
     q.add_argument("--finetune", help="fine-tuned model folder (its tokenizer is used)")
     q.add_argument("--delta", help="also measure this compressed delta folder through DeltaModel")
-    q.add_argument("--texts", help="a .jsonl ({'text': ...} per line) or .txt file: first half calibrates, second half scores")
+    q.add_argument("--texts", help="a .jsonl ({'text': ...} per line) or .txt file: first half calibrates, second half "
+                                   f"scores; '{PYTHON_DOCS}': the Python language reference's topics (English prose "
+                                   "that ships with CPython)")
     q.add_argument("--calibration-texts", type=int, default=64, help="calibration documents (default 64)")
     q.add_argument("--max-length", type=int, default=512)
     q.add_argument("--batch-size", type=int, default=8)

@@ -458,7 +458,7 @@ class DeltaLinear(DeltaModule):
         elif self._through:  # the base by its own module, the deltas by the kernel over an all-zero base
             y = self.base_layer(x2)
             y = y + stacks.apply(x2, self._zero_base(x2), None, slot_tok, segments, share).to(y.dtype)
-        elif (groups is not None and self._width == self.out_features
+        elif (groups is not None and self.policy.prefill == "split" and self._width == self.out_features
               and self.policy.wants_split(per_row * min(len(r) for r in groups.values()))):
             # the split route: the base weight read once for all rows by one dense matmul (the fused kernel
             # reads it once per block of rows), the deltas by the kernel over an all-zero base
@@ -472,8 +472,11 @@ class DeltaLinear(DeltaModule):
 
     def _kernel_weight(self) -> torch.Tensor:
         """The base weight as ``[N, K]`` rows the kernels and the dense route read."""
-        w = self.base_weight_nk()
-        return self._contiguous_weight(w) if self.transposed else w
+        if self.transposed:
+            return self._contiguous_weight(self.base_weight_nk())
+        # a layer that is not run through its own module is no bitsandbytes layer (base_runs_itself):
+        # its weight is what the kernel reads, without base_weight_nk's check (once per layer and call)
+        return self.base_layer.weight if not self._through else self.base_weight_nk()
 
     def _forward_dequant(self, x2, per_row: int, held: dict, stacks, routing) -> torch.Tensor:
         """The dequant route (``DeltaModel.configure_kernels(prefill="dequant")``): the base for all rows in

@@ -298,3 +298,22 @@ def test_quality_verdicts_against_the_best_baseline_on_known_rows():
     assert (got[8]["ours"], got[8]["best_gain"], got[8]["verdict"]) == (0.99, 0.98, "more")  # NLL where EM has no gain
     rows[2]["kl"] = 0.05
     assert quality.verdicts({"rows": rows})[0]["verdict"] == "tie, lower KL"
+
+
+def test_host_overhead_bench_times_every_layer_and_puts_the_kernel_back(monkeypatch):
+    """bench.host_overhead swaps the Triton kernel for a launch that does nothing while it times the host
+    work of each delta layer kind, then restores the kernel and the interpreter setting."""
+    import os
+
+    from hf_deltazip.bench import host_overhead
+    from hf_deltazip.kernels import multi_delta
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    real = multi_delta.triton_kernel
+    rows = host_overhead.measure(hidden=256, calls=5)
+    assert [r["layer"] for r in rows] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert all(r["delta_linear_us"] > 0 and r["nn_linear_us"] > 0 for r in rows)
+    assert rows[1]["shape"] == [64, 256] and rows[6]["shape"] == [256, 512]
+    assert multi_delta.triton_kernel is real and "TRITON_INTERPRET" not in os.environ
+    with pytest.raises(ValueError, match="multiple of 256"):
+        host_overhead.measure(hidden=100)

@@ -1,0 +1,137 @@
+"""``python -m hf_deltazip.bench.host_overhead``: the host (Python) time of one eager delta layer call.
+
+An eager decode step (``DeltaModel.generate`` at batch 1, a prefill, a Jacobi step) calls every delta
+layer once, a few hundred calls per token, and at small shapes the host work per call can cost more
+than the kernel. This bench times that host work alone, on any machine: a model with one decoder
+layer, one random 4-bit delta on every linear layer, the kernel route forced on (under
+``TRITON_INTERPRET=1`` on a CPU) and the Triton kernel replaced by a launch that does nothing, so what
+is timed is everything ``DeltaLinear.forward`` does around the launch (routing, launch settings,
+argument checks, the launch plan lookup). ``nn.Linear`` of the same size is timed beside it for scale
+(its time includes its matmul). The kernel's own launch cost (Triton's JIT or the direct call, see
+``kernels/launch.py``) is *not* included: measure that on a GPU with ``bench.decode``.
+
+Prints one line per layer kind and, with ``--json``, writes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["measure", "main"]
+
+
+class _NoLaunch:
+    """Stands in for a Triton kernel: the same argument names; ``kernel[grid](...)`` does nothing."""
+
+    def __init__(self, kernel):
+        self.arg_names = list(kernel.arg_names)
+        self.__name__ = getattr(kernel, "__name__", "kernel")
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@contextlib.contextmanager
+def _kernels_launch_nothing():
+    from ..kernels import multi_delta
+
+    real = multi_delta.triton_kernel
+    stand_ins: dict = {}
+
+    def fake(name: str = "multi_delta_linear_kernel"):
+        if name not in stand_ins:
+            stand_ins[name] = _NoLaunch(real(name))
+        return stand_ins[name]
+
+    old_env = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"  # the kernel route on a CPU; no GPU is touched
+    multi_delta.triton_kernel = fake
+    try:
+        yield
+    finally:
+        multi_delta.triton_kernel = real
+        if old_env is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old_env
+
+
+def _time_us(fn, calls: int) -> float:
+    for _ in range(min(200, calls)):
+        fn()
+    best = float("inf")
+    for _ in range(3):  # best of three rounds: the host's quietest
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t) / calls * 1e6)
+    return best
+
+
+def measure(hidden: int = 256, calls: int = 2000) -> list:
+    """``[{"layer", "shape", "nn_linear_us", "delta_linear_us"}]`` for each linear layer kind of a one-layer
+    Llama of width ``hidden`` (a multiple of 256, so the deltas take the planar kernel layout)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ..modeling import DeltaModel
+    from ..modeling.layers import DeltaLinear
+    from .decode import random_delta
+
+    if hidden % 256:
+        raise ValueError(f"hidden must be a multiple of 256, got {hidden}")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=1, head_dim=hidden // 4, vocab_size=128)
+    rows = []
+    with _kernels_launch_nothing(), torch.no_grad():
+        base = LlamaForCausalLM(cfg).eval()
+        model = DeltaModel(base, use_kernels="always")
+        model.add_delta(random_delta(base, 4, 128, seed=0), "d0")
+        ids = torch.tensor([[1]])
+        seen = {}
+
+        def spy(module, args):
+            seen.setdefault(module, (module.router.current, args[0]))
+
+        layers = {n: m for n, m in model.base_model.named_modules() if isinstance(m, DeltaLinear)}
+        hooks = [m.register_forward_pre_hook(spy) for m in layers.values()]
+        model(ids, delta_names=["d0"])  # builds the stacks and launch plans; records each layer's routing and input
+        for h in hooks:
+            h.remove()
+        for name, layer in layers.items():
+            routing, x = seen[layer]
+            plain = torch.nn.Linear(layer.in_features, layer.out_features)
+            with layer.router.use(routing):
+                rows.append({"layer": name.split(".")[-1], "shape": [layer.out_features, layer.in_features],
+                             "nn_linear_us": _time_us(lambda: plain(x), calls),
+                             "delta_linear_us": _time_us(lambda: layer(x), calls)})
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hf_deltazip.bench.host_overhead", description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=256, help="model width (a multiple of 256)")
+    p.add_argument("--calls", type=int, default=2000, help="timed calls per round (best of 3 rounds)")
+    p.add_argument("--json", help="write the rows here")
+    args = p.parse_args(argv)
+    rows = measure(args.hidden, args.calls)
+    print(f"host time per call, one token, kernel launch excluded (torch {torch.__version__}, {os.cpu_count()} CPUs)")
+    print(f"{'layer':<10} {'shape':>12} {'nn.Linear us':>13} {'DeltaLinear us':>15}")
+    for r in rows:
+        print(f"{r['layer']:<10} {'x'.join(map(str, r['shape'])):>12} {r['nn_linear_us']:>13.1f} {r['delta_linear_us']:>15.1f}")
+    mean = sum(r["delta_linear_us"] for r in rows) / len(rows)
+    print(f"mean DeltaLinear host time: {mean:.1f} us per call")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "mean_delta_linear_us": mean}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

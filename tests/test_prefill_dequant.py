@@ -124,18 +124,6 @@ def test_dequant_route_matches_the_fused_kernel_and_the_reference(planar_pair, m
     assert torch.equal(again, fused)
 
 
-def test_generate_with_dequant_prefill_equals_the_reference(planar_pair, monkeypatch):
-    calls, ref, ker = _reference_and_kernel_models(planar_pair, monkeypatch)
-    ker.configure_kernels(prefill="dequant", dequant_min_rows=4)
-    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(6))
-    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0,
-              delta_names=["four", "two"])
-    want = ref.generate(ids, **kw)
-    got = ker.generate(ids, **kw)
-    assert calls["dequant"] and calls["fused"]  # prefill dequantized, one-token steps fused
-    assert torch.equal(got, want)
-
-
 def test_configure_kernels_refuses_bad_values():
     m = DeltaModel(tiny_model("llama", vocab_size=VOCAB, seed=0, hidden_size=64, num_layers=1))
     with pytest.raises(DeltaZipError, match='"fused", "dequant" or "split"'):
@@ -188,16 +176,20 @@ def test_split_route_matches_the_fused_kernel_and_the_reference(planar_pair, mon
     assert ker.kernel_policy.prefill == "split" and copy.deepcopy(ker.kernel_policy).prefill == "split"
 
 
-def test_generate_with_split_prefill_equals_the_reference(planar_pair, monkeypatch):
-    _, ref, ker = _reference_and_kernel_models(planar_pair, monkeypatch)
+@pytest.mark.parametrize("route", ["dequant", "split"])
+def test_generate_with_a_prefill_route_equals_the_reference(route, planar_pair, monkeypatch):
+    calls, ref, ker = _reference_and_kernel_models(planar_pair, monkeypatch)
     zero_base = _base_spy(monkeypatch)
-    ker.configure_kernels(prefill="split", dequant_min_rows=4)
+    ker.configure_kernels(prefill=route, dequant_min_rows=4)
     ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(6))
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0,
               delta_names=["four", "two"])
     want = ref.generate(ids, **kw)
     got = ker.generate(ids, **kw)
-    assert any(zero_base) and not all(zero_base)  # prefill split, one-token steps fused
+    if route == "dequant":
+        assert calls["dequant"] and calls["fused"]  # prefill dequantized, one-token steps fused
+    else:
+        assert any(zero_base) and not all(zero_base)  # prefill split, one-token steps fused
     assert torch.equal(got, want)
 
 

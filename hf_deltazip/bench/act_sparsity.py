@@ -38,6 +38,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..errors import DeltaZipError
 from ..modeling import activation_sparsity as acts
 from . import metrics
 
@@ -57,7 +58,8 @@ def python_reference_documents(min_chars: int = 1500, seed: int = 0, limit: int 
     try:
         from pydoc_data.topics import topics
     except ImportError as e:  # a stripped Python
-        raise SystemExit("--texts python-docs needs the standard library's pydoc_data package") from e
+        raise DeltaZipError("the python-docs texts need the standard library's pydoc_data package: install the "
+                            "full Python, or pass --texts a .jsonl or .txt file") from e
     docs = [text for _, text in sorted(topics.items()) if len(text) >= min_chars]
     random.Random(seed).shuffle(docs)
     return docs[:limit]

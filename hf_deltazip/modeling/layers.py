@@ -455,14 +455,13 @@ class DeltaLinear(DeltaModule):
             held = {s: rows for s, rows in groups.items() if s in in_stacks}  # batch rows of each delta here
         if held and self.policy.wants_dequant(per_row * min(len(r) for r in held.values())):
             y = self._forward_dequant(x2, per_row, held, stacks, routing)
-        elif self._through:  # the base by its own module, the deltas by the kernel over an all-zero base
-            y = self.base_layer(x2)
-            y = y + stacks.apply(x2, self._zero_base(x2), None, slot_tok, segments, share).to(y.dtype)
-        elif (groups is not None and self.policy.prefill == "split" and self._width == self.out_features
-              and self.policy.wants_split(per_row * min(len(r) for r in groups.values()))):
-            # the split route: the base weight read once for all rows by one dense matmul (the fused kernel
-            # reads it once per block of rows), the deltas by the kernel over an all-zero base
-            y = F.linear(x2, self._kernel_weight(), self.base_layer.bias)
+        elif self._through or (groups is not None
+                               and self.policy.wants_split(per_row * min(len(r) for r in groups.values()))
+                               and self._width == self.out_features):
+            # the base by its own module (it must compute itself), or, on the split route, by one dense matmul
+            # that reads its weight once for all rows (the fused kernel reads it once per block of rows); the
+            # deltas by the kernel over an all-zero base
+            y = self.base_layer(x2) if self._through else F.linear(x2, self._kernel_weight(), self.base_layer.bias)
             y = y + stacks.apply(x2, self._zero_base(x2), None, slot_tok, segments, share).to(y.dtype)
         else:
             y = stacks.apply(x2, self._kernel_weight(), self.base_layer.bias, slot_tok, segments, share)

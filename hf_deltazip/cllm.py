@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -49,7 +50,10 @@ class ConsistencyConfig:
         max_new_tokens: tokens generated per prompt.
         steps: optimizer steps.
         batch_size: consistency examples per step (and as many autoregressive ones).
-        lr: AdamW learning rate.
+        lr: AdamW learning rate (the peak, with a schedule).
+        lr_schedule: ``"constant"``, or ``"cosine"``: down to zero at the last step along a half cosine, so
+            the weights the run ends with are not those of one large late step.
+        warmup_steps: steps of linear warm-up from zero before the schedule (0: none).
         weight_decay: AdamW weight decay.
         consistency_weight: weight of the consistency loss.
         ar_weight: weight of the autoregressive loss.
@@ -61,6 +65,8 @@ class ConsistencyConfig:
     steps: int = 200
     batch_size: int = 8
     lr: float = 1e-4
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
     weight_decay: float = 0.0
     consistency_weight: float = 1.0
     ar_weight: float = 1.0
@@ -71,6 +77,11 @@ class ConsistencyConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise DeltaZipError(f"ConsistencyConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise DeltaZipError(f"ConsistencyConfig.lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
+        if not isinstance(self.warmup_steps, int) or not 0 <= self.warmup_steps < self.steps:
+            raise DeltaZipError(f"ConsistencyConfig.warmup_steps must be an integer in [0, steps), got "
+                                f"{self.warmup_steps!r} with steps={self.steps}")
         if self.block_size < 2:
             raise DeltaZipError("ConsistencyConfig.block_size must be >= 2: a block of 1 has no guesses to train on")
 
@@ -181,6 +192,7 @@ def train_consistency(model: nn.Module, trajectories: Sequence[Trajectory], conf
                             "(ConsistencyConfig.max_new_tokens) or use more prompts")
     student = copy.deepcopy(model).train()
     opt = torch.optim.AdamW(student.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(config, step))
     rng = random.Random(config.seed)
     every = max(1, config.steps // 10)
     for step in range(config.steps):
@@ -191,9 +203,22 @@ def train_consistency(model: nn.Module, trajectories: Sequence[Trajectory], conf
         loss.backward()
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
         opt.step()
+        sched.step()
         if log is not None and (step % every == 0 or step == config.steps - 1):
             log(step, c_loss.item(), a_loss.item())
     return student.eval()
+
+
+def lr_factor(config: ConsistencyConfig, step: int) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) as a fraction of ``config.lr``."""
+    w = config.warmup_steps
+    if step < w:
+        return (step + 1) / (w + 1)
+    if config.lr_schedule == "constant":
+        return 1.0
+    # cosine: 1 at the first step after warm-up, falling to 0.5 * (1 - cos(pi / n)) ~ 0 at the last one
+    n = config.steps - w
+    return 0.5 * (1.0 + math.cos(math.pi * (step - w + 1) / (n + 1)))
 
 
 def tokens_per_forward(model, prompts, *, block_size: int = 16, max_new_tokens: int = 64, **generate_kwargs) -> float:

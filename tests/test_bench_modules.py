@@ -317,3 +317,25 @@ def test_host_overhead_bench_times_every_layer_and_puts_the_kernel_back(monkeypa
     assert multi_delta.triton_kernel is real and "TRITON_INTERPRET" not in os.environ
     with pytest.raises(ValueError, match="multiple of 256"):
         host_overhead.measure(hidden=100)
+
+
+def test_cllm_recipe_bench_trains_every_schedule_and_seed_and_summarises(tmp_path):
+    """bench.cllm_recipe on the tiny pair: one run per schedule and seed, each scored, and per schedule the
+    lowest and mean gain kept over its runs."""
+    import json
+
+    from hf_deltazip.bench import cllm_recipe
+
+    out = tmp_path / "r.json"
+    assert cllm_recipe.main(["--tiny", "--seeds", "0", "1", "--steps", "4", "--train-prompts", "3", "--eval-prompts",
+                             "2", "--new-tokens", "8", "--block", "4", "--batch-size", "2", "--warmup", "1",
+                             "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert [(x["schedule"], x["seed"]) for x in r["runs"]] == [("constant", 0), ("constant", 1), ("cosine", 0),
+                                                                 ("cosine", 1)]
+    for sched in ("constant", "cosine"):
+        kept = [x["nll_kept"] for x in r["runs"] if x["schedule"] == sched]
+        assert r["nll_kept"][sched] == pytest.approx({"runs": 2, "lowest": min(kept), "mean": sum(kept) / 2})
+    assert all(x["tokens_per_forward"] >= 1.0 and len(x["losses"]) == 4 for x in r["runs"])
+    with pytest.raises(SystemExit):
+        cllm_recipe.main(["--seeds", "0"])  # neither --pair nor --tiny

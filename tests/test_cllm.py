@@ -91,3 +91,38 @@ def test_bad_settings_and_empty_trajectories_are_refused():
         train_consistency(matrix_model("llama"), [Trajectory([5, 6], [7], [])])
     with pytest.raises(DeltaZipError, match="prompts"):
         collect_trajectories(matrix_model("llama"), [[]])
+
+
+def test_learning_rate_schedules_warm_up_then_hold_or_fall_to_zero(monkeypatch):
+    """lr_factor: a linear warm-up, then 1 (constant) or a half cosine that ends near zero; train_consistency
+    steps the optimizer at exactly those rates."""
+    from hf_deltazip.cllm import lr_factor
+
+    const = ConsistencyConfig(steps=10, warmup_steps=3)
+    assert [round(lr_factor(const, s), 4) for s in range(10)] == [0.25, 0.5, 0.75] + [1.0] * 7
+    cos = ConsistencyConfig(steps=200, lr_schedule="cosine", warmup_steps=20)
+    f = [lr_factor(cos, s) for s in range(200)]
+    assert f[19] < f[20] and f[20] > 0.99 and f[-1] < 1e-3
+    assert all(a >= b for a, b in zip(f[20:], f[21:]))
+
+    seen = []
+    real_step = torch.optim.AdamW.step
+
+    def spy(self, *a, **k):
+        seen.append(self.param_groups[0]["lr"])
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", spy)
+    ft = counting_finetune()
+    traj = collect_trajectories(ft, counting_ids(2, 4, seed=3), block_size=4, max_new_tokens=8, pad_token_id=0)
+    cfg = ConsistencyConfig(block_size=4, max_new_tokens=8, steps=5, batch_size=2, lr=1e-3, lr_schedule="cosine",
+                            warmup_steps=1)
+    train_consistency(ft, traj, cfg)
+    assert seen == pytest.approx([1e-3 * lr_factor(cfg, s) for s in range(5)])
+
+
+def test_bad_schedules_are_refused():
+    with pytest.raises(DeltaZipError, match="lr_schedule"):
+        ConsistencyConfig(lr_schedule="linear")
+    with pytest.raises(DeltaZipError, match="warmup_steps"):
+        ConsistencyConfig(steps=10, warmup_steps=10)

@@ -222,7 +222,8 @@ def run(args) -> dict:
         cllm = AutoModelForCausalLM.from_pretrained(args.cllm, dtype=torch.float32).to(device).eval()
     else:
         cfg = ConsistencyConfig(block_size=args.block, max_new_tokens=args.new_tokens, steps=args.cllm_steps,
-                                batch_size=args.cllm_batch, lr=args.cllm_lr)
+                                batch_size=args.cllm_batch, lr=args.cllm_lr, lr_schedule=args.cllm_schedule,
+                                warmup_steps=args.cllm_warmup)
         cllm = train_consistency(ft, trajectories, cfg, pad_token_id=pad,
                                  log=lambda s, c, a: print(f"  consistency step {s}: loss {c:.3f}, AR loss {a:.3f}"))
         if args.save_cllm:
@@ -306,7 +307,8 @@ def gate_trace(step_accepts) -> str:
 
 def task_scores(pair_dir, base_dir, tokenizer, dm, models: dict, delta_names: list) -> dict:
     """Exact match, text NLL (question and answer) and answer NLL on a real pair's held-out examples for the base (``dm`` with no delta),
-    each plain model of ``models`` and each delta of ``dm``; gain kept of each against base and ``"finetune"``."""
+    each plain model of ``models`` and each delta of ``dm``; gain kept of each against base and ``"finetune"``.
+    ``dm=None``: no deltas, and ``models`` holds the plain base as ``"base"``."""
     from .metrics import answer_nll, exact_match, gain_kept, mean_token_nll
     from .real_pairs import load_real_pair
 
@@ -320,10 +322,13 @@ def task_scores(pair_dir, base_dir, tokenizer, dm, models: dict, delta_names: li
                 "answer_nll": answer_nll(model, tokenizer, answers)}
 
     scores = {}
-    for name in [None, *delta_names]:
-        dm.set_delta(name)
-        scores[name or "base"] = score(dm)
-    dm.set_delta(None)
+    if dm is not None:
+        for name in [None, *delta_names]:
+            dm.set_delta(name)
+            scores[name or "base"] = score(dm)
+        dm.set_delta(None)
+    elif "base" not in models:
+        raise ValueError("task_scores: pass a DeltaModel as dm, or the base among models")
     for label, model in models.items():
         scores[label] = score(model)
     base, ft = scores["base"], scores["finetune"]
@@ -394,6 +399,9 @@ def main(argv=None) -> int:
     p.add_argument("--cllm-steps", type=int, default=300)
     p.add_argument("--cllm-batch", type=int, default=16)
     p.add_argument("--cllm-lr", type=float, default=2e-5)
+    p.add_argument("--cllm-schedule", choices=["constant", "cosine"], default="constant",
+                   help="learning-rate schedule of the consistency training (bench.cllm_recipe compares them)")
+    p.add_argument("--cllm-warmup", type=int, default=0, help="warm-up steps of the consistency training")
     p.add_argument("--repeats", type=int, default=1, help="timed runs after one warm-up run")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bf16" if torch.cuda.is_available() else "fp32", choices=["bf16", "fp16", "fp32"])

@@ -487,3 +487,80 @@ def test_python_docs_texts_are_deterministic_english_prose():
     assert docs != act_sparsity.python_reference_documents(seed=1)
     words = " ".join(docs).split()
     assert sum(w.lower() in {"the", "is", "of", "a"} for w in words) > len(words) / 20  # prose, not code
+
+
+def test_fisher_allocation_keeps_the_weighted_mean_and_one_threshold_per_input(tmp_path):
+    """allocation="fisher": layers get different fractions, their mean weighted by weight size is the target
+    (within one 2.5 % step of the largest group), layers reading one tensor share a threshold, each threshold
+    drops about its own fraction of the calibration inputs, and the file keeps the allocation."""
+    model = copy.deepcopy(base_model("llama"))
+    ids = calibration_ids(n=8, length=24, seed=1)
+    th = S.calibrate_activation_thresholds(model, ids, 0.4, allocation="fisher")
+    mods = S.target_modules(model)
+    assert th.allocation == "fisher" and set(th.layer_sparsity) == set(th.thresholds) == set(mods)
+    size = {n: mods[n].weight.numel() for n in mods}
+    total = sum(size.values())
+    mean = sum(th.layer_sparsity[n] * size[n] for n in mods) / total
+    qkv = sum(size[f"model.layers.0.self_attn.{p}_proj"] for p in "qkv")
+    assert 0.4 - 1e-9 <= mean <= 0.4 + 0.025 * max(qkv, 2 * size["model.layers.0.mlp.up_proj"]) / total
+    assert len(set(th.layer_sparsity.values())) > 1 and max(th.layer_sparsity.values()) <= 0.9
+    for layer in (0, 1):
+        attn, mlp = f"model.layers.{layer}.self_attn.", f"model.layers.{layer}.mlp."
+        assert th.thresholds[attn + "q_proj"] == th.thresholds[attn + "k_proj"] == th.thresholds[attn + "v_proj"]
+        assert th.thresholds[mlp + "gate_proj"] == th.thresholds[mlp + "up_proj"]
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj", "model.layers.0.mlp.up_proj"):
+        x = _inputs_of(model, name, ids)
+        assert abs(float((x.abs() <= th.thresholds[name]).float().mean()) - th.layer_sparsity[name]) < 0.03, name
+    th.save(tmp_path)
+    back = S.ActivationThresholds.load(tmp_path, 0.4)
+    assert back == th
+    assert S.ActivationThresholds.load(tmp_path, 0.4).allocation == "fisher"
+    uniform = S.calibrate_activation_thresholds(model, ids, 0.25)
+    uniform.save(tmp_path)
+    assert S.ActivationThresholds.load(tmp_path, 0.25).layer_sparsity == {}
+
+
+def test_greedy_allocation_finds_the_cheapest_split_on_known_costs():
+    import itertools
+
+    levels = [0.0, 0.25, 0.5, 0.75]
+    costs = [[0, 1, 3, 7], [0, 4, 9, 20], [0, 0.5, 1, 10]]  # convex: each step dearer than the last
+    sizes = [1, 1, 2]
+    at = S._allocate(costs, sizes, 0.5, levels)
+    assert sum(levels[i] * s for i, s in zip(at, sizes)) >= 0.5 * sum(sizes)
+    feasible = [c for c in itertools.product(range(4), repeat=3)
+                if sum(levels[i] * s for i, s in zip(c, sizes)) >= 0.5 * sum(sizes) - 1e-9]
+    best = min(sum(costs[g][i] for g, i in enumerate(c)) for c in feasible)
+    assert sum(costs[g][i] for g, i in enumerate(at)) == best == 12
+    with pytest.raises(DeltaZipError, match="cap"):
+        S._allocate(costs, sizes, 0.9, levels)
+
+
+def test_bad_allocations_are_refused():
+    model = base_model("llama")
+    with pytest.raises(ValueError, match="allocation"):
+        S.calibrate_activation_thresholds(model, calibration_ids(), 0.4, allocation="greedy")
+    with pytest.raises(ValueError, match="max_layer_sparsity"):
+        S.calibrate_activation_thresholds(model, calibration_ids(), 0.6, allocation="fisher", max_layer_sparsity=0.5)
+    with pytest.raises(ValueError, match="allocation"):
+        S.ActivationThresholds(0.4, {}, 0, "other")
+
+
+def test_quality_bench_runs_the_fisher_allocation_on_the_fine_tune_and_its_delta(tmp_path):
+    """--allocation fisher: the fine-tune and the compressed delta (calibrated on the fine-tune) both scored,
+    the allocation recorded; thresholds that differ from the uniform ones give other NLLs."""
+    from hf_deltazip.bench import act_sparsity as bench
+
+    runs = {}
+    for alloc in ("uniform", "fisher"):
+        out = tmp_path / f"{alloc}.json"
+        assert bench.main(["quality", "--tiny", "--sparsity", "0.5", "--device", "cpu", "--allocation", alloc,
+                           "--json", str(out)]) == 0
+        runs[alloc] = json.loads(out.read_text())
+    assert runs["fisher"]["allocation"] == "fisher"
+    assert {r["model"] for r in runs["fisher"]["rows"]} == {"fine-tune", "DeltaModel (compressed delta)"}
+
+    def nll(result, s):
+        return next(r["nll"] for r in result["rows"] if r["model"] == "fine-tune" and r["sparsity"] == s)
+
+    assert nll(runs["fisher"], 0.0) == nll(runs["uniform"], 0.0) and nll(runs["fisher"], 0.5) != nll(runs["uniform"], 0.5)

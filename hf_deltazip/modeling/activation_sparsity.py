@@ -60,7 +60,6 @@ __all__ = [
 ]
 
 THRESHOLDS_FILENAME = "activation_thresholds.json"
-ALLOCATIONS = ("uniform", "fisher")
 _FORMAT = "hf-deltazip/activation-thresholds"
 _VERSION = 1
 
@@ -84,18 +83,11 @@ class ActivationThresholds:
         thresholds: module name (as in the plain transformers model, e.g.
             ``model.layers.0.self_attn.q_proj``) -> threshold on ``|x|``.
         num_tokens: calibration tokens the thresholds were measured on (0: unknown).
-        allocation: how the target was spread over the layers: ``"uniform"`` (every layer drops a fraction
-            ``sparsity`` of its inputs) or ``"fisher"`` (each layer its own fraction, their mean weighted by
-            the layers' weight sizes equal to ``sparsity``; see :func:`calibrate_activation_thresholds`).
-        layer_sparsity: module name -> the fraction of its calibration inputs its threshold drops (filled
-            for ``"fisher"``; empty for ``"uniform"``, where it is ``sparsity`` everywhere).
     """
 
     sparsity: float
     thresholds: dict = field(default_factory=dict)
     num_tokens: int = 0
-    allocation: str = "uniform"
-    layer_sparsity: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.sparsity = _check_sparsity(self.sparsity)
@@ -103,9 +95,6 @@ class ActivationThresholds:
             if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
                 raise ValueError(f"threshold of {name!r} must be a finite number >= 0, got {t!r}")
         self.thresholds = {str(k): float(v) for k, v in self.thresholds.items()}
-        if self.allocation not in ALLOCATIONS:
-            raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {self.allocation!r}")
-        self.layer_sparsity = {str(k): _check_sparsity(v) for k, v in self.layer_sparsity.items()}
 
     def save(self, folder: Union[str, os.PathLike]) -> Path:
         """Write these thresholds into ``folder/activation_thresholds.json`` (atomically), keeping
@@ -123,10 +112,7 @@ class ActivationThresholds:
             doc = {"format": _FORMAT, "version": _VERSION, "targets": {}}
         if delta is not None:
             doc["delta"] = delta
-        entry = {"num_tokens": self.num_tokens, "thresholds": self.thresholds}
-        if self.allocation != "uniform":
-            entry.update(allocation=self.allocation, layer_sparsity=self.layer_sparsity)
-        doc["targets"][_target_key(self.sparsity)] = entry
+        doc["targets"][_target_key(self.sparsity)] = {"num_tokens": self.num_tokens, "thresholds": self.thresholds}
         atomic_write_bytes(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
         return path
 
@@ -148,8 +134,7 @@ class ActivationThresholds:
             raise DeltaZipError(f"{path} has no thresholds for sparsity {sparsity} (it has: {have}); calibrate them "
                                 f"with calibrate_activation_thresholds(model, texts, sparsity={sparsity}) and .save() them")
         try:
-            return cls(sparsity, dict(target["thresholds"]), int(target.get("num_tokens", 0)),
-                       target.get("allocation", "uniform"), dict(target.get("layer_sparsity", {})))
+            return cls(sparsity, dict(target["thresholds"]), int(target.get("num_tokens", 0)))
         except (TypeError, ValueError, KeyError) as e:
             raise DeltaZipError(f"{path}: bad thresholds for sparsity {sparsity}: {e}") from e
 
@@ -338,169 +323,25 @@ def activation_sparsity_of(model: nn.Module) -> dict:
 
 # --------------------------------------------------------------------------- calibration
 class _Sampler:
-    """Keeps a uniform random sample (at most ``per_call`` values of each call) of ``|x|``, with each
-    value's input feature (column), and which tensor the first call saw (layers reading one tensor)."""
+    """Keeps a uniform random sample (at most ``per_call`` values of each call) of ``|x|``."""
 
     def __init__(self, per_call: int, gen: torch.Generator):
         self.per_call = per_call
         self.gen = gen
         self.parts: list = []
-        self.cols: list = []
         self.count = 0
-        self.first = None
 
     def __call__(self, x: torch.Tensor) -> None:
-        if self.first is None:  # a fingerprint of the first input: equal for layers that read one tensor
-            d = x.detach().double()
-            self.first = (tuple(x.shape), float(d.sum()), float(d.pow(2).sum()), float(d.reshape(-1)[0]))
         v = x.detach().abs().reshape(-1).float()
         if v.numel() > self.per_call:
             idx = torch.randint(0, v.numel(), (self.per_call,), generator=self.gen).to(v.device)
             v = v[idx]
-        else:
-            idx = torch.arange(v.numel(), device=v.device)
         self.parts.append(v.cpu())
-        self.cols.append((idx % x.shape[-1]).cpu())
         self.count += x.numel()
 
     def quantiles(self, qs: Sequence[float]) -> list:
         v = torch.cat(self.parts).sort().values
         return [float(v[min(int(math.floor(q * v.numel())), v.numel() - 1)]) if q > 0 else 0.0 for q in qs]
-
-
-def _fisher_outputs(model: nn.Module, batches: list, mods: dict, device, seed: int, forward_kwargs: dict) -> dict:
-    """``{name: [N]}``: the mean squared gradient of the log-likelihood (next tokens drawn from the model's
-    own predictions) with respect to each output feature of each module in ``mods``."""
-    root = _transformers_root(model)
-    emb = root.get_input_embeddings() if hasattr(root, "get_input_embeddings") else None
-    if emb is None:
-        raise DeltaZipError("allocation='fisher' needs a model with input embeddings (a transformers causal LM)")
-    sums: dict = {}
-
-    def grad_hook(name):
-        def add(g):
-            sq = g.detach().float().pow(2).reshape(-1, g.shape[-1]).sum(dim=0)
-            sums[name] = sq if name not in sums else sums[name] + sq
-        return add
-
-    def out_hook(name):
-        def hook(_mod, _args, out):
-            t = out[0] if isinstance(out, tuple) else out
-            if torch.is_tensor(t) and t.requires_grad:
-                t.register_hook(grad_hook(name))
-        return hook
-
-    def emb_hook(_mod, _args, out):
-        return out.detach().requires_grad_(True)  # parameters are frozen: the backward pass starts here
-
-    frozen = {p: p.requires_grad for p in model.parameters()}
-    handles = [emb.register_forward_hook(emb_hook)] + [m.register_forward_hook(out_hook(n)) for n, m in mods.items()]
-    gen = torch.Generator().manual_seed(seed)
-    tokens = 0
-    try:
-        for p in frozen:
-            p.requires_grad_(False)
-        with torch.enable_grad():
-            for ids in batches:
-                logits = model(input_ids=ids.to(device), **forward_kwargs).logits.float()
-                flat = logits.reshape(-1, logits.shape[-1])
-                with torch.no_grad():
-                    labels = torch.multinomial(torch.softmax(flat, dim=-1).cpu(), 1, generator=gen).reshape(-1)
-                loss = torch.nn.functional.cross_entropy(flat, labels.to(flat.device), reduction="sum")
-                if not loss.requires_grad:
-                    break
-                loss.backward()
-                tokens += labels.numel()
-    finally:
-        for h in handles:
-            h.remove()
-        for p, flag in frozen.items():
-            p.requires_grad_(flag)
-    if not sums:
-        raise DeltaZipError(
-            "allocation='fisher' needs gradients through the model, and none reached its linear layers (a "
-            "DeltaModel's GPU kernels have none): calibrate on the plain transformers model (the base, or the "
-            "fine-tune merged), then apply the thresholds to the DeltaModel")
-    return {n: v / max(tokens, 1) for n, v in sums.items()}
-
-
-def _groups(samplers: dict) -> list:
-    """Names of the modules that read one tensor (q/k/v, gate/up), grouped; one group per other module."""
-    by_input: dict = {}
-    for name, smp in samplers.items():
-        by_input.setdefault(smp.first, []).append(name)
-    return list(by_input.values())
-
-
-def _allocate(costs: list, sizes: list, target: float, levels: Sequence[float]) -> list:
-    """Greedy allocation: one level index per group, raising the group whose next level adds the least cost
-    per weight element skipped, until the size-weighted mean level reaches ``target``. ``costs[g][i]`` is
-    group ``g``'s cost at ``levels[i]`` (non-decreasing in ``i``)."""
-    import heapq
-
-    total = float(sum(sizes))
-    at = [0] * len(costs)
-    reached = 0.0
-
-    def push(heap, g):
-        i = at[g]
-        if i + 1 < len(levels):
-            step = (costs[g][i + 1] - costs[g][i]) / (sizes[g] * (levels[i + 1] - levels[i]))
-            heapq.heappush(heap, (step, g))
-
-    heap: list = []
-    for g in range(len(costs)):
-        push(heap, g)
-    while reached < target * total - 1e-9 and heap:
-        _, g = heapq.heappop(heap)
-        reached += sizes[g] * (levels[at[g] + 1] - levels[at[g]])
-        at[g] += 1
-        push(heap, g)
-    if reached < target * total - 1e-9:
-        raise DeltaZipError(f"activation sparsity {target} is above what the per-layer cap allows")
-    return at
-
-
-def _fisher_thresholds(samplers: dict, mods: dict, fisher: dict, targets: list, max_layer: float, tokens: int) -> dict:
-    """``{target: ActivationThresholds}``: each group of layers sparsified to its own level, chosen greedily
-    so that the weight-size-weighted mean is the target and the estimated added loss
-    ``sum_j c_j E[x_j^2 1(|x_j| <= t)]`` (``c_j = sum_i F_i W_ij^2``, ``F`` the output Fisher information)
-    is smallest."""
-    step = 0.025
-    levels = [round(i * step, 4) for i in range(int(round(max_layer / step)) + 1)]
-    groups = [g for g in _groups(samplers) if all(n in fisher for n in g)]
-    left_out = sorted(n for n in samplers if not any(n in g for g in groups))
-    costs, sizes, pooled = [], [], []
-    for g in groups:
-        vals, total = [], [0.0] * len(levels)
-        for n in g:  # a group's cost: the sum of its layers' (each from its own sample)
-            w = mods[n].weight.detach().float()
-            if w.shape[0] != fisher[n].numel():  # Conv1D keeps [in, out]
-                w = w.t()
-            c = (fisher[n].to(w.device)[:, None] * w.pow(2)).sum(dim=0).cpu()  # [K]
-            v = torch.cat(samplers[n].parts)
-            order = v.argsort()
-            # per token: K x the mean over sampled (token, feature) pairs of c_j x_j^2, over the smallest q of them
-            cost = (c[torch.cat(samplers[n].cols)] * v.pow(2) * c.numel())[order].double()
-            cum = torch.cat([torch.zeros(1, dtype=torch.float64), cost.cumsum(0)]) / v.numel()
-            total = [a + float(cum[int(math.floor(q * v.numel()))]) for a, q in zip(total, levels)]
-            vals.append(v)
-        costs.append(total)
-        sizes.append(sum(mods[n].weight.numel() for n in g))
-        pooled.append(torch.cat(vals).sort().values)
-    out = {}
-    for t in targets:
-        at = _allocate(costs, sizes, t, levels) if t > 0 else [0] * len(groups)
-        th, per = {}, {}
-        for g, v, i in zip(groups, pooled, at):
-            q = levels[i]
-            thr = float(v[min(int(math.floor(q * v.numel())), v.numel() - 1)]) if q > 0 else 0.0
-            for n in g:
-                th[n], per[n] = thr, q
-        for n in left_out:  # never reached by the gradient: left dense
-            th[n], per[n] = 0.0, 0.0
-        out[t] = ActivationThresholds(t, th, tokens, "fisher", per)
-    return out
 
 
 def _batches(calibration, tokenizer, max_length: int, batch_size: int) -> Iterable[torch.Tensor]:
@@ -523,23 +364,12 @@ def _batches(calibration, tokenizer, max_length: int, batch_size: int) -> Iterab
 
 def calibrate_activation_thresholds(model: nn.Module, calibration, sparsity: Union[float, Sequence[float]], *,
                                     tokenizer=None, max_length: int = 512, batch_size: int = 8,
-                                    samples_per_call: int = 1 << 14, seed: int = 0, allocation: str = "uniform",
-                                    max_layer_sparsity: float = 0.9, **forward_kwargs):
-    """Measure per-layer input thresholds that drop a fraction ``sparsity`` of the layers' inputs.
+                                    samples_per_call: int = 1 << 14, seed: int = 0, **forward_kwargs):
+    """Measure per-layer input thresholds that drop a fraction ``sparsity`` of each layer's inputs.
 
     Runs ``model`` (a transformers causal LM, or a ``DeltaModel``: its active delta, or
     ``delta_names=`` in ``forward_kwargs``) densely over the calibration data and takes, for each
-    target layer (:func:`target_modules`), a quantile of ``|x|``:
-
-    * ``allocation="uniform"``: the ``sparsity``-quantile, every layer alike.
-    * ``allocation="fisher"``: each layer its own fraction (layers reading one tensor, as q/k/v, share
-      it), the mean weighted by weight size equal to ``sparsity`` (so the weight bytes a sparse kernel
-      skips are those of the uniform setting), chosen greedily in steps of 2.5 % up to
-      ``max_layer_sparsity`` to keep the estimated added loss smallest: for a layer with weight ``W``,
-      dropping input ``x_j`` costs about ``c_j x_j^2`` with ``c_j = sum_i F_i W_ij^2``, ``F`` the Fisher
-      information of the layer's outputs from one more forward and backward pass over the calibration
-      data (next tokens drawn from the model itself). Needs a differentiable forward (a plain
-      transformers model; not a DeltaModel on its GPU kernels).
+    target layer (:func:`target_modules`), the ``sparsity``-quantile of ``|x|``.
 
     Args:
         model: the model to calibrate (any activation sparsity on it is off while measuring).
@@ -549,9 +379,7 @@ def calibrate_activation_thresholds(model: nn.Module, calibration, sparsity: Uni
         max_length: tokens per sequence at most.
         batch_size: sequences per pass (tensor input only; lists run one sequence per pass).
         samples_per_call: values of ``|x|`` kept per layer and forward pass (a random subset).
-        seed: for that subset (and the Fisher pass's drawn tokens).
-        allocation: ``"uniform"`` or ``"fisher"``, above.
-        max_layer_sparsity: ``"fisher"``: the most any one layer drops.
+        seed: for that subset.
 
     Returns:
         :class:`ActivationThresholds`, or ``{sparsity: ActivationThresholds}`` for several targets.
@@ -564,12 +392,6 @@ def calibrate_activation_thresholds(model: nn.Module, calibration, sparsity: Uni
     targets = [_check_sparsity(s) for s in (sparsity if many else [sparsity])]
     if not targets:
         raise ValueError("give at least one target sparsity")
-    if allocation not in ALLOCATIONS:
-        raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
-    max_layer_sparsity = _check_sparsity(max_layer_sparsity)
-    if allocation == "fisher" and max(targets) > max_layer_sparsity:
-        raise ValueError(f"a target sparsity of {max(targets)} cannot be reached with max_layer_sparsity="
-                         f"{max_layer_sparsity}: raise the cap")
     mods = target_modules(model)
     if not mods:
         raise DeltaZipError(f"{type(model).__name__} has no linear layers to sparsify")
@@ -596,20 +418,9 @@ def calibrate_activation_thresholds(model: nn.Module, calibration, sparsity: Uni
     if tokens == 0:
         raise ValueError("the calibration data is empty: give at least one non-empty sequence")
     unused = sorted(n for n, s in samplers.items() if not s.parts)
+    per_layer = {n: s.quantiles(targets) for n, s in samplers.items() if s.parts}
     if unused and len(unused) == len(samplers):
         raise DeltaZipError("no linear layer saw an input during calibration: is this a causal LM?")
-    if allocation == "fisher":
-        seen = {n: s for n, s in samplers.items() if s.parts}
-        was_training = model.training
-        model.eval()
-        try:
-            fisher = _fisher_outputs(model, list(_batches(calibration, tokenizer, max_length, batch_size)),
-                                     {n: mods[n] for n in seen}, device, seed, forward_kwargs)
-        finally:
-            model.train(was_training)
-        out = _fisher_thresholds(seen, mods, fisher, targets, max_layer_sparsity, tokens)
-        return out if many else out[targets[0]]
-    per_layer = {n: s.quantiles(targets) for n, s in samplers.items() if s.parts}
     out = {t: ActivationThresholds(t, {n: q[i] for n, q in per_layer.items()}, tokens) for i, t in enumerate(targets)}
     return out if many else out[targets[0]]
 

@@ -487,3 +487,25 @@ def test_python_docs_texts_are_deterministic_english_prose():
     assert docs != act_sparsity.python_reference_documents(seed=1)
     words = " ".join(docs).split()
     assert sum(w.lower() in {"the", "is", "of", "a"} for w in words) > len(words) / 20  # prose, not code
+
+
+def test_quality_bench_thresholds_only_the_layers_asked_for(tmp_path):
+    """--layers: only the named layer kinds are thresholded (the others keep every input), so their NLL lies
+    between dense and every layer thresholded; a name that matches nothing is refused."""
+    from hf_deltazip.bench import act_sparsity as bench
+
+    def run(extra):
+        out = tmp_path / "r.json"
+        assert bench.main(["quality", "--tiny", "--sparsity", "0.5", "--device", "cpu", "--json", str(out)] + extra) == 0
+        r = json.loads(out.read_text())
+        return {s: next(x["nll"] for x in r["rows"] if x["model"] == "fine-tune" and x["sparsity"] == s) for s in (0.0, 0.5)}, r
+
+    every, _ = run([])
+    mlp, r = run(["--layers", "gate_proj,up_proj,down_proj"])
+    assert r["layers"] == ["gate_proj", "up_proj", "down_proj"]
+    assert mlp[0.0] == every[0.0] and mlp[0.5] != every[0.5] and mlp[0.5] != mlp[0.0]
+    th = S.calibrate_activation_thresholds(base_model("llama"), calibration_ids(), 0.5)
+    only = bench._only(th, ["down_proj"])
+    assert all((t == 0.0) != n.endswith("down_proj") for n, t in only.thresholds.items())
+    with pytest.raises(DeltaZipError, match="matches no layer"):
+        bench._only(th, ["c_fc"])

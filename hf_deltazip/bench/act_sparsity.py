@@ -213,14 +213,27 @@ def _nlls(model, evals: dict, batch_size: int, dense_prefix=None, lengths: Optio
     return {k: metrics.mean_token_nll(model, ids, batch_size=batch_size) for k, ids in evals.items()}
 
 
-def _sweep(model, calib, evals, sparsities, batch_size, save_dir=None, dense_prefix=None, lengths=None) -> dict:
+def _only(th, layers):
+    """``th`` with a threshold of 0 (nothing but exact zeros dropped: the layer stays dense) on every layer whose
+    name does not end in one of ``layers`` (``None``: ``th`` itself)."""
+    if th is None or not layers:
+        return th
+    kept = {n: (t if n.rsplit(".", 1)[-1] in layers else 0.0) for n, t in th.thresholds.items()}
+    if not any(n.rsplit(".", 1)[-1] in layers for n in kept):
+        raise DeltaZipError(f"--layers {','.join(layers)} matches no layer; the layers end in "
+                            f"{sorted({n.rsplit('.', 1)[-1] for n in kept})}")
+    return acts.ActivationThresholds(th.sparsity, kept, th.num_tokens)
+
+
+def _sweep(model, calib, evals, sparsities, batch_size, save_dir=None, dense_prefix=None, lengths=None,
+           layers=None) -> dict:
     """NLL per eval set at each sparsity, thresholds calibrated on ``model`` itself (``dense_prefix``: see
-    :func:`_prefix_nll`)."""
+    :func:`_prefix_nll`; ``layers``: see :func:`_only`)."""
     out = {}
     targets = [s for s in sparsities if s > 0]
     ths = acts.calibrate_activation_thresholds(model, calib, targets) if targets else {}
     for s in sparsities:
-        th = ths.get(s)
+        th = _only(ths.get(s), layers)
         if th is not None and save_dir is not None:
             th.save(save_dir)
         if hasattr(model, "set_activation_sparsity"):
@@ -257,7 +270,8 @@ def run_quality(args) -> dict:
         raise SystemExit("--dense-prefix prompt needs --real-pair with evaluation texts that start with their "
                          "examples' prompts (the date pair); give a share such as 0.7 instead")
     base_nll = _nlls(base, evals, args.batch_size, prefix, lengths)
-    ft_sweep = _sweep(ft, calib, evals, sparsities, args.batch_size, args.save_thresholds, prefix, lengths)
+    ft_sweep = _sweep(ft, calib, evals, sparsities, args.batch_size, args.save_thresholds, prefix, lengths,
+                      args.layers)
     rows = []
     for kind, sweep in [("fine-tune", ft_sweep)] + _delta_sweeps(args, pair, calib, evals, sparsities, DeltaModel):
         for s in sparsities:
@@ -267,7 +281,7 @@ def run_quality(args) -> dict:
                 rows.append({"model": kind, "eval": k, "sparsity": s, "nll": nll, "base_nll": base_nll[k],
                              "finetune_nll": dense, "rel_nll_increase": nll / dense - 1.0, "gain_kept": gain})
     return {"mode": "quality", "pair": pair["name"], "device": device, "dtype": str(dtype).replace("torch.", ""),
-            "calibration_sequences": len(calib), "dense_prefix": prefix, "rows": rows,
+            "calibration_sequences": len(calib), "dense_prefix": prefix, "layers": args.layers, "rows": rows,
             "seconds": round(time.time() - t0, 1)}
 
 
@@ -292,7 +306,7 @@ def _delta_sweeps(args, pair, calib, evals, sparsities, delta_model_cls) -> list
         dm.set_delta("ft")
         return [("DeltaModel (compressed delta)", _sweep(dm, calib, evals, sparsities, args.batch_size,
                                                          dense_prefix=args.dense_prefix,
-                                                         lengths=pair.get("prompt_lengths")))]
+                                                         lengths=pair.get("prompt_lengths"), layers=args.layers))]
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -303,7 +317,8 @@ def quality_table(result: dict) -> str:
     scope = ("; each prompt dense, NLL over the answers" if prefix == "prompt" else
              f"; first {prefix:.0%} of each sequence dense, NLL over the rest" if prefix else "; every token thresholded")
     lines = [f"activation sparsity, quality: {result['pair']} ({result['device']}, {result['dtype']}, "
-             f"{result['calibration_sequences']} calibration sequences{scope})",
+             f"{result['calibration_sequences']} calibration sequences{scope}"
+             f"{'; only ' + ','.join(result['layers']) + ' thresholded' if result.get('layers') else ''})",
              f"{'model':<30} {'eval':<20} {'sparsity':>8} {'NLL':>8} {'rel. NLL':>9} {'gain kept':>9}"]
     for r in result["rows"]:
         gain = "n/a" if r["gain_kept"] is None else f"{r['gain_kept']:.3f}"
@@ -512,6 +527,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     q.add_argument("--max-length", type=int, default=512)
     q.add_argument("--batch-size", type=int, default=8)
     q.add_argument("--save-thresholds", help="folder to save the fine-tune's thresholds in")
+    q.add_argument("--layers", type=lambda v: [x for x in v.split(",") if x],
+                   help="threshold only the layers whose names end in one of these (comma list, e.g. "
+                        "q_proj,k_proj,v_proj); the others stay dense: which layer kinds the loss comes from")
     q.add_argument("--dense-prefix", type=_dense_prefix, help="decode-only sparsity: run this share of each evaluation "
                    "sequence dense (as a prompt's prefill) and score the NLL of the rest, thresholded; 'prompt' "
                    "(--real-pair, date pair): each example's own prompt (default: every token thresholded, NLL "

@@ -7,6 +7,7 @@ shapes in fp16 / fp32 against the plain-PyTorch reference; GPU tests (bf16 too) 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -338,3 +339,19 @@ def test_sass_report_counts_the_delta_loop(compiled):
     assert row["block"] == 64 and row["weights_per_thread"] == 128
     assert row["mix"].get("HGMMA", 0) >= 4 and row["mix"].get("LOP3", 0) >= 16  # MMAs and the decode
     assert 1.0 < row["instructions_per_weight"] < 10.0
+
+
+@pytest.mark.parametrize("variant", ["pk1", "pm64n128", "pm128n64", "pm128n128"])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_planar_kernel_prefill_variants_on_long_segments(interpret, variant, bits):
+    """The launch variants the kernel bench offers for prefill shapes (row blocks of 64-128, x on the MMA's M
+    side, no split-K) on segments of 60-140 rows of one delta, base rows among them."""
+    from dataclasses import fields
+
+    from hf_deltazip.bench.kernels import VARIANTS
+
+    over = {k: v for k, v in VARIANTS[variant].items() if k in {f.name for f in fields(K.MultiDeltaConfig)}}
+    cfg = replace(K.MultiDeltaConfig(block_k_base=32, num_stages=1), **over)
+    rows = [0] * 140 + [-1] * 13 + [1] * 60 + [2] * 97
+    x, w, b, st, rd = make_planar_case(len(rows), 40, 128, 3, bits, 32, torch.float16, rows=rows, seed=bits)
+    check(x, w, b, st, rd, cfg, tol=1e-3, segments=L.build_row_segments(rd))

@@ -613,6 +613,11 @@ VARIANTS = {
     "bn32": dict(block_n=32),
     "bkb128": dict(block_k_base=128),
     "w8s4": dict(waves=8, num_stages=4),
+    # prefill shapes (hundreds of rows per delta): bigger row blocks, the x tile on the MMA's M side, no split-K
+    "pk1": dict(split_k=1),
+    "pm64n128": dict(block_m=64, block_n=128, swap_ab=False, num_warps=8, split_k=1),
+    "pm128n64": dict(block_m=128, block_n=64, swap_ab=False, num_warps=4, split_k=1),
+    "pm128n128": dict(block_m=128, block_n=128, swap_ab=False, num_warps=8, split_k=1),
 }
 
 
@@ -626,7 +631,7 @@ def variant_config(name: str):
 
     def make(m, n, k, stack):
         cfg = _replace(K.default_config(m, n, k, stack, torch.device("cuda")), **over)
-        if waves is not None or "block_n" in over:
+        if (waves is not None or "block_n" in over) and "split_k" not in over:
             cfg = _replace(cfg, split_k=K.auto_split_k(n, k, cfg.block_n, torch.device("cuda"), waves or 4.0))
         return cfg
 

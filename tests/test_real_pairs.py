@@ -306,3 +306,27 @@ def test_jacobi_bench_times_greedy_and_jacobi_in_turn():
     calls.clear()
     jacobi._timed_pair(lambda: calls.append("a"), lambda: calls.append("b"), 2, False)
     assert calls == ["a", "b", "b", "a"]
+
+
+def test_cllm_recipe_bench_scores_each_run_on_the_pair_task(tmp_path, base_dir):
+    """`bench.cllm_recipe --pair`: base and fine-tune scored once (what the pair builder recorded), each
+    consistency run's exact match and answer NLL against them."""
+    from hf_deltazip.bench import cllm_recipe
+
+    real_pairs.build_real_pair(tmp_path, "dates", base_dir=base_dir, **dict(SMALL, n_eval=4, n_calibration=4))
+    pair_dir = tmp_path / "dates"
+    out = tmp_path / "r.json"
+    assert cllm_recipe.main(["--pair", str(pair_dir), "--base", str(base_dir), "--schedules", "cosine", "--seeds", "0",
+                             "1", "--steps", "2", "--batch-size", "2", "--train-prompts", "2", "--eval-prompts", "2",
+                             "--new-tokens", "6", "--block", "4", "--device", "cpu", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    recorded = json.loads((pair_dir / "real_pair.json").read_text())["scores"]
+    ref = result["reference"]["scores"]
+    assert ref["base"]["exact_match"] == recorded["base"]["exact_match"]
+    assert ref["finetune"]["task_nll"] == pytest.approx(recorded["finetuned"]["task_nll"], rel=1e-5)
+    assert [(r["schedule"], r["seed"]) for r in result["runs"]] == [("cosine", 0), ("cosine", 1)]
+    for r in result["runs"]:
+        s = r["scores"]
+        want = (ref["base"]["answer_nll"] - s["answer_nll"]) / (ref["base"]["answer_nll"] - ref["finetune"]["answer_nll"])
+        assert r["nll_kept"] == pytest.approx(want)
+    assert result["nll_kept"]["cosine"]["runs"] == 2

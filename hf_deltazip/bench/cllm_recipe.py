@@ -33,7 +33,7 @@ from .jacobi import _pair_prompts, counting_prompts, task_scores, tiny_pair
 def _summary(runs: list, key: str) -> dict:
     out = {}
     for sched in dict.fromkeys(r["schedule"] for r in runs):
-        vals = [r[key] for r in runs if r["schedule"] == sched and r.get(key) is not None]
+        vals = [r[key] for r in runs if r["schedule"] == sched and r.get(key) is not None and r[key] == r[key]]
         if vals:
             out[sched] = {"runs": len(vals), "lowest": min(vals), "mean": sum(vals) / len(vals)}
     return out
@@ -90,8 +90,7 @@ def run(args) -> dict:
                 row.update(nll=nll, em_kept=None,
                            nll_kept=(ref["base"] - nll) / (ref["base"] - ref["finetune"]))
             else:
-                s = task_scores(args.pair, args.base, tok, None,
-                                {"base": base, "finetune": ft, "cllm": cllm}, [])
+                s = task_scores(args.pair, args.base, tok, None, {"cllm": cllm}, [], known=ref["scores"])
                 row.update(scores=s["scores"]["cllm"], em_kept=s["gain_kept"]["cllm"]["exact_match"],
                            nll_kept=s["gain_kept"]["cllm"]["answer_nll"])
             result["runs"].append(row)

@@ -31,6 +31,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -305,10 +306,11 @@ def gate_trace(step_accepts) -> str:
     return " ".join("." if a is None else f"{a:.1f}" for a in step_accepts)
 
 
-def task_scores(pair_dir, base_dir, tokenizer, dm, models: dict, delta_names: list) -> dict:
+def task_scores(pair_dir, base_dir, tokenizer, dm, models: dict, delta_names: list, known: Optional[dict] = None) -> dict:
     """Exact match, text NLL (question and answer) and answer NLL on a real pair's held-out examples for the base (``dm`` with no delta),
     each plain model of ``models`` and each delta of ``dm``; gain kept of each against base and ``"finetune"``.
-    ``dm=None``: no deltas, and ``models`` holds the plain base as ``"base"``."""
+    ``dm=None``: no deltas, and ``models`` (or ``known``) holds the plain base as ``"base"``. ``known``: scores
+    measured before (``{label: score}``, as this returns under ``"scores"``), not measured again."""
     from .metrics import answer_nll, exact_match, gain_kept, mean_token_nll
     from .real_pairs import load_real_pair
 
@@ -321,16 +323,17 @@ def task_scores(pair_dir, base_dir, tokenizer, dm, models: dict, delta_names: li
                 "task_nll": mean_token_nll(model, tokenizer, pair.eval_texts),
                 "answer_nll": answer_nll(model, tokenizer, answers)}
 
-    scores = {}
+    scores = dict(known or {})
     if dm is not None:
         for name in [None, *delta_names]:
             dm.set_delta(name)
             scores[name or "base"] = score(dm)
         dm.set_delta(None)
-    elif "base" not in models:
+    elif "base" not in models and "base" not in scores:
         raise ValueError("task_scores: pass a DeltaModel as dm, or the base among models")
     for label, model in models.items():
-        scores[label] = score(model)
+        if label not in scores:
+            scores[label] = score(model)
     base, ft = scores["base"], scores["finetune"]
 
     def share(c, b, f):  # NaN where the fine-tune does not beat the base (nothing to keep)

@@ -20,14 +20,13 @@ target reliably when its lowest run does. Prints a table; ``--json PATH`` writes
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
 from ..cllm import ConsistencyConfig, collect_trajectories, mean_nll, tokens_per_forward, train_consistency
-from .jacobi import _pair_prompts, counting_prompts, task_scores, tiny_pair
+from .jacobi import _pair_prompts, counting_prompts, report, task_scores, tiny_pair
 
 
 def _summary(runs: list, key: str) -> dict:
@@ -151,11 +150,7 @@ def main(argv=None) -> int:
         args.finetune = str(Path(args.pair) / "finetuned")
     if args.warmup >= args.steps:
         p.error("--warmup must be below --steps")
-    result = run(args)
-    print(to_table(result))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    report(run(args), to_table, args.json)
     return 0
 
 

@@ -419,12 +419,16 @@ def main(argv=None) -> int:
         p.error("pass --base DIR --finetune DIR, --pair DIR, or --tiny")
     if args.task_prompts and (not args.pair or args.prompts):
         p.error("--task-prompts needs --pair DIR and no --prompts")
-    result = run(args)
-    print(to_table(result))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    report(run(args), to_table, args.json)
     return 0
+
+
+def report(result: dict, table, path) -> None:
+    """Print ``table(result)``; write ``result`` as JSON to ``path`` when given."""
+    print(table(result))
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=2, default=str))
 
 
 if __name__ == "__main__":

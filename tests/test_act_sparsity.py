@@ -507,5 +507,9 @@ def test_quality_bench_thresholds_only_the_layers_asked_for(tmp_path):
     th = S.calibrate_activation_thresholds(base_model("llama"), calibration_ids(), 0.5)
     only = bench._only(th, ["down_proj"])
     assert all((t == 0.0) != n.endswith("down_proj") for n, t in only.thresholds.items())
+    one = bench._only(th, ["layers.1.mlp.up_proj", "layers.1.mlp.gate_proj"])
+    assert {n for n, t in one.thresholds.items() if t > 0} == {"model.layers.1.mlp.up_proj", "model.layers.1.mlp.gate_proj"}
     with pytest.raises(DeltaZipError, match="matches no layer"):
         bench._only(th, ["c_fc"])
+    with pytest.raises(DeltaZipError, match="matches no layer"):  # a part of a name is not a match
+        bench._only(th, ["_proj"])

@@ -215,14 +215,19 @@ def _nlls(model, evals: dict, batch_size: int, dense_prefix=None, lengths: Optio
 
 def _only(th, layers):
     """``th`` with a threshold of 0 (nothing but exact zeros dropped: the layer stays dense) on every layer whose
-    name does not end in one of ``layers`` (``None``: ``th`` itself)."""
+    name does not end in one of ``layers`` at a dot (``q_proj``: every q_proj; ``layers.3.mlp.up_proj``: one
+    layer) (``None``: ``th`` itself)."""
     if th is None or not layers:
         return th
-    kept = {n: (t if n.rsplit(".", 1)[-1] in layers else 0.0) for n, t in th.thresholds.items()}
-    if not any(n.rsplit(".", 1)[-1] in layers for n in kept):
+
+    def picked(name):
+        return any(name == x or name.endswith("." + x) for x in layers)
+
+    if not any(picked(n) for n in th.thresholds):
         raise DeltaZipError(f"--layers {','.join(layers)} matches no layer; the layers end in "
-                            f"{sorted({n.rsplit('.', 1)[-1] for n in kept})}")
-    return acts.ActivationThresholds(th.sparsity, kept, th.num_tokens)
+                            f"{sorted({n.rsplit('.', 1)[-1] for n in th.thresholds})}")
+    return acts.ActivationThresholds(th.sparsity, {n: (t if picked(n) else 0.0) for n, t in th.thresholds.items()},
+                                     th.num_tokens)
 
 
 def _sweep(model, calib, evals, sparsities, batch_size, save_dir=None, dense_prefix=None, lengths=None,
@@ -529,7 +534,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     q.add_argument("--save-thresholds", help="folder to save the fine-tune's thresholds in")
     q.add_argument("--layers", type=lambda v: [x for x in v.split(",") if x],
                    help="threshold only the layers whose names end in one of these (comma list, e.g. "
-                        "q_proj,k_proj,v_proj); the others stay dense: which layer kinds the loss comes from")
+                        "q_proj,k_proj,v_proj or layers.3.mlp.up_proj); the others stay dense: which layers the "
+                        "loss comes from")
     q.add_argument("--dense-prefix", type=_dense_prefix, help="decode-only sparsity: run this share of each evaluation "
                    "sequence dense (as a prompt's prefill) and score the NLL of the rest, thresholded; 'prompt' "
                    "(--real-pair, date pair): each example's own prompt (default: every token thresholded, NLL "

@@ -513,3 +513,79 @@ def test_quality_bench_thresholds_only_the_layers_asked_for(tmp_path):
         bench._only(th, ["c_fc"])
     with pytest.raises(DeltaZipError, match="matches no layer"):  # a part of a name is not a match
         bench._only(th, ["_proj"])
+
+
+def test_measured_allocation_keeps_the_weighted_mean_and_spares_the_costly_layers(tmp_path, monkeypatch):
+    """allocation="measured": each group of layers reading one tensor gets one of the levels, the size-weighted
+    mean reaches the target (by at most one level step of the largest group), each threshold drops about its
+    level of the calibration inputs, the file keeps it all; a group whose thresholding costs the most NLL is
+    the one left densest."""
+    model = copy.deepcopy(base_model("llama"))
+    ids = calibration_ids(n=8, length=24, seed=1)
+    th = S.calibrate_activation_thresholds(model, ids, 0.4, allocation="measured")
+    mods = S.target_modules(model)
+    assert th.allocation == "measured" and set(th.layer_sparsity) == set(th.thresholds) == set(mods)
+    assert set(th.layer_sparsity.values()) <= {0.0, *S.MEASURED_LEVELS}
+    size = {n: mods[n].weight.numel() for n in mods}
+    total = sum(size.values())
+    mean = sum(th.layer_sparsity[n] * size[n] for n in mods) / total
+    assert 0.4 - 1e-9 <= mean <= 0.4 + 0.2 * 2 * size["model.layers.0.mlp.up_proj"] / total
+    for layer in (0, 1):
+        attn, mlp = f"model.layers.{layer}.self_attn.", f"model.layers.{layer}.mlp."
+        assert th.thresholds[attn + "q_proj"] == th.thresholds[attn + "k_proj"] == th.thresholds[attn + "v_proj"]
+        assert th.layer_sparsity[mlp + "gate_proj"] == th.layer_sparsity[mlp + "up_proj"]
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        x = _inputs_of(model, name, ids)
+        assert abs(float((x.abs() <= th.thresholds[name]).float().mean()) - th.layer_sparsity[name]) < 0.03, name
+    assert S.activation_sparsity_of(model) == {}  # calibrating leaves nothing installed
+    th.save(tmp_path)
+    assert S.ActivationThresholds.load(tmp_path, 0.4) == th
+
+    # costs measured through the model: make one group's thresholding ruinous, and it stays dense
+    costly = "model.layers.1.mlp.down_proj"
+    real = S._mean_nll
+
+    def nll(model_, batches, device, kw):
+        rule = S._RULES.get(mods[costly])
+        return real(model_, batches, device, kw) + (100.0 if rule is not None and rule.threshold > 0 else 0.0)
+
+    monkeypatch.setattr(S, "_mean_nll", nll)
+    th2 = S.calibrate_activation_thresholds(model, ids, 0.4, allocation="measured")
+    assert th2.layer_sparsity[costly] == 0.0 and th.layer_sparsity[costly] > 0.0
+
+
+def test_greedy_allocation_finds_the_cheapest_split_on_known_costs():
+    import itertools
+
+    levels = [0.0, 0.25, 0.5, 0.75]
+    costs = [[0, 1, 3, 7], [0, 4, 9, 20], [0, 0.5, 1, 10]]  # convex: each step dearer than the last
+    sizes = [1, 1, 2]
+    at = S._allocate(costs, sizes, 0.5, levels)
+    feasible = [c for c in itertools.product(range(4), repeat=3)
+                if sum(levels[i] * s for i, s in zip(c, sizes)) >= 0.5 * sum(sizes) - 1e-9]
+    best = min(sum(costs[g][i] for g, i in enumerate(c)) for c in feasible)
+    assert sum(levels[i] * s for i, s in zip(at, sizes)) >= 0.5 * sum(sizes)
+    assert sum(costs[g][i] for g, i in enumerate(at)) == best == 12
+    with pytest.raises(DeltaZipError, match="highest measured level"):
+        S._allocate(costs, sizes, 0.9, levels)
+
+
+def test_bad_allocations_are_refused():
+    model = base_model("llama")
+    with pytest.raises(ValueError, match="allocation"):
+        S.calibrate_activation_thresholds(model, calibration_ids(), 0.4, allocation="fisher")
+    with pytest.raises(ValueError, match="levels"):
+        S.calibrate_activation_thresholds(model, calibration_ids(), 0.6, allocation="measured", levels=(0.2, 0.5))
+    with pytest.raises(ValueError, match="allocation"):
+        S.ActivationThresholds(0.4, {}, 0, "other")
+
+
+def test_quality_bench_runs_the_measured_allocation(tmp_path):
+    from hf_deltazip.bench import act_sparsity as bench
+
+    out = tmp_path / "m.json"
+    assert bench.main(["quality", "--tiny", "--sparsity", "0.5", "--device", "cpu", "--allocation", "measured",
+                       "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["allocation"] == "measured"
+    assert {x["model"] for x in r["rows"]} == {"fine-tune", "DeltaModel (compressed delta)"}

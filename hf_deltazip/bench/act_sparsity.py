@@ -231,12 +231,12 @@ def _only(th, layers):
 
 
 def _sweep(model, calib, evals, sparsities, batch_size, save_dir=None, dense_prefix=None, lengths=None,
-           layers=None) -> dict:
+           layers=None, allocation="uniform") -> dict:
     """NLL per eval set at each sparsity, thresholds calibrated on ``model`` itself (``dense_prefix``: see
-    :func:`_prefix_nll`; ``layers``: see :func:`_only`)."""
+    :func:`_prefix_nll`; ``layers``: see :func:`_only`; ``allocation``: see ``calibrate_activation_thresholds``)."""
     out = {}
     targets = [s for s in sparsities if s > 0]
-    ths = acts.calibrate_activation_thresholds(model, calib, targets) if targets else {}
+    ths = acts.calibrate_activation_thresholds(model, calib, targets, allocation=allocation) if targets else {}
     for s in sparsities:
         th = _only(ths.get(s), layers)
         if th is not None and save_dir is not None:
@@ -276,7 +276,7 @@ def run_quality(args) -> dict:
                          "examples' prompts (the date pair); give a share such as 0.7 instead")
     base_nll = _nlls(base, evals, args.batch_size, prefix, lengths)
     ft_sweep = _sweep(ft, calib, evals, sparsities, args.batch_size, args.save_thresholds, prefix, lengths,
-                      args.layers)
+                      args.layers, args.allocation)
     rows = []
     for kind, sweep in [("fine-tune", ft_sweep)] + _delta_sweeps(args, pair, calib, evals, sparsities, DeltaModel):
         for s in sparsities:
@@ -286,7 +286,8 @@ def run_quality(args) -> dict:
                 rows.append({"model": kind, "eval": k, "sparsity": s, "nll": nll, "base_nll": base_nll[k],
                              "finetune_nll": dense, "rel_nll_increase": nll / dense - 1.0, "gain_kept": gain})
     return {"mode": "quality", "pair": pair["name"], "device": device, "dtype": str(dtype).replace("torch.", ""),
-            "calibration_sequences": len(calib), "dense_prefix": prefix, "layers": args.layers, "rows": rows,
+            "calibration_sequences": len(calib), "dense_prefix": prefix, "layers": args.layers,
+            "allocation": args.allocation, "rows": rows,
             "seconds": round(time.time() - t0, 1)}
 
 
@@ -311,7 +312,8 @@ def _delta_sweeps(args, pair, calib, evals, sparsities, delta_model_cls) -> list
         dm.set_delta("ft")
         return [("DeltaModel (compressed delta)", _sweep(dm, calib, evals, sparsities, args.batch_size,
                                                          dense_prefix=args.dense_prefix,
-                                                         lengths=pair.get("prompt_lengths"), layers=args.layers))]
+                                                         lengths=pair.get("prompt_lengths"), layers=args.layers,
+                                                         allocation=args.allocation))]
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -323,7 +325,8 @@ def quality_table(result: dict) -> str:
              f"; first {prefix:.0%} of each sequence dense, NLL over the rest" if prefix else "; every token thresholded")
     lines = [f"activation sparsity, quality: {result['pair']} ({result['device']}, {result['dtype']}, "
              f"{result['calibration_sequences']} calibration sequences{scope}"
-             f"{'; only ' + ','.join(result['layers']) + ' thresholded' if result.get('layers') else ''})",
+             f"{'; only ' + ','.join(result['layers']) + ' thresholded' if result.get('layers') else ''}"
+             f"; {result.get('allocation', 'uniform')} allocation over the layers)",
              f"{'model':<30} {'eval':<20} {'sparsity':>8} {'NLL':>8} {'rel. NLL':>9} {'gain kept':>9}"]
     for r in result["rows"]:
         gain = "n/a" if r["gain_kept"] is None else f"{r['gain_kept']:.3f}"
@@ -532,6 +535,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     q.add_argument("--max-length", type=int, default=512)
     q.add_argument("--batch-size", type=int, default=8)
     q.add_argument("--save-thresholds", help="folder to save the fine-tune's thresholds in")
+    q.add_argument("--allocation", choices=list(acts.ALLOCATIONS), default="uniform",
+                   help="how each target is spread over the layers (calibrate_activation_thresholds; 'measured': "
+                        "one more calibration pass per layer group and level)")
     q.add_argument("--layers", type=lambda v: [x for x in v.split(",") if x],
                    help="threshold only the layers whose names end in one of these (comma list, e.g. "
                         "q_proj,k_proj,v_proj or layers.3.mlp.up_proj); the others stay dense: which layers the "

@@ -60,6 +60,8 @@ __all__ = [
 ]
 
 THRESHOLDS_FILENAME = "activation_thresholds.json"
+ALLOCATIONS = ("uniform", "measured")
+MEASURED_LEVELS = (0.2, 0.4, 0.6, 0.8)
 _FORMAT = "hf-deltazip/activation-thresholds"
 _VERSION = 1
 
@@ -83,11 +85,18 @@ class ActivationThresholds:
         thresholds: module name (as in the plain transformers model, e.g.
             ``model.layers.0.self_attn.q_proj``) -> threshold on ``|x|``.
         num_tokens: calibration tokens the thresholds were measured on (0: unknown).
+        allocation: how the target was spread over the layers: ``"uniform"`` (every layer drops a fraction
+            ``sparsity`` of its inputs) or ``"measured"`` (each layer its own fraction, their mean weighted by
+            the layers' weight sizes equal to ``sparsity``; see :func:`calibrate_activation_thresholds`).
+        layer_sparsity: module name -> the fraction of its calibration inputs its threshold drops (filled
+            for ``"measured"``; empty for ``"uniform"``, where it is ``sparsity`` everywhere).
     """
 
     sparsity: float
     thresholds: dict = field(default_factory=dict)
     num_tokens: int = 0
+    allocation: str = "uniform"
+    layer_sparsity: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.sparsity = _check_sparsity(self.sparsity)
@@ -95,6 +104,9 @@ class ActivationThresholds:
             if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
                 raise ValueError(f"threshold of {name!r} must be a finite number >= 0, got {t!r}")
         self.thresholds = {str(k): float(v) for k, v in self.thresholds.items()}
+        if self.allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {self.allocation!r}")
+        self.layer_sparsity = {str(k): _check_sparsity(v) for k, v in self.layer_sparsity.items()}
 
     def save(self, folder: Union[str, os.PathLike]) -> Path:
         """Write these thresholds into ``folder/activation_thresholds.json`` (atomically), keeping
@@ -112,7 +124,10 @@ class ActivationThresholds:
             doc = {"format": _FORMAT, "version": _VERSION, "targets": {}}
         if delta is not None:
             doc["delta"] = delta
-        doc["targets"][_target_key(self.sparsity)] = {"num_tokens": self.num_tokens, "thresholds": self.thresholds}
+        entry = {"num_tokens": self.num_tokens, "thresholds": self.thresholds}
+        if self.allocation != "uniform":
+            entry.update(allocation=self.allocation, layer_sparsity=self.layer_sparsity)
+        doc["targets"][_target_key(self.sparsity)] = entry
         atomic_write_bytes(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
         return path
 
@@ -134,7 +149,8 @@ class ActivationThresholds:
             raise DeltaZipError(f"{path} has no thresholds for sparsity {sparsity} (it has: {have}); calibrate them "
                                 f"with calibrate_activation_thresholds(model, texts, sparsity={sparsity}) and .save() them")
         try:
-            return cls(sparsity, dict(target["thresholds"]), int(target.get("num_tokens", 0)))
+            return cls(sparsity, dict(target["thresholds"]), int(target.get("num_tokens", 0)),
+                       target.get("allocation", "uniform"), dict(target.get("layer_sparsity", {})))
         except (TypeError, ValueError, KeyError) as e:
             raise DeltaZipError(f"{path}: bad thresholds for sparsity {sparsity}: {e}") from e
 
@@ -330,8 +346,12 @@ class _Sampler:
         self.gen = gen
         self.parts: list = []
         self.count = 0
+        self.first = None
 
     def __call__(self, x: torch.Tensor) -> None:
+        if self.first is None:  # a fingerprint of the first input: equal for layers that read one tensor
+            d = x.detach().double()
+            self.first = (tuple(x.shape), float(d.sum()), float(d.pow(2).sum()), float(d.reshape(-1)[0]))
         v = x.detach().abs().reshape(-1).float()
         if v.numel() > self.per_call:
             idx = torch.randint(0, v.numel(), (self.per_call,), generator=self.gen).to(v.device)
@@ -342,6 +362,92 @@ class _Sampler:
     def quantiles(self, qs: Sequence[float]) -> list:
         v = torch.cat(self.parts).sort().values
         return [float(v[min(int(math.floor(q * v.numel())), v.numel() - 1)]) if q > 0 else 0.0 for q in qs]
+
+
+def _groups(samplers: dict) -> list:
+    """Names of the modules that read one tensor (q/k/v, gate/up), grouped; one group per other module."""
+    by_input: dict = {}
+    for name, smp in samplers.items():
+        by_input.setdefault(smp.first, []).append(name)
+    return list(by_input.values())
+
+
+def _allocate(costs: list, sizes: list, target: float, levels: Sequence[float]) -> list:
+    """Greedy allocation: one level index per group, raising the group whose next level adds the least cost
+    per weight element skipped, until the size-weighted mean level reaches ``target``. ``costs[g][i]`` is
+    group ``g``'s cost at ``levels[i]`` (``levels[0] == 0``)."""
+    import heapq
+
+    total = float(sum(sizes))
+    at = [0] * len(costs)
+    reached = 0.0
+
+    def push(heap, g):
+        i = at[g]
+        if i + 1 < len(levels):
+            step = (costs[g][i + 1] - costs[g][i]) / (sizes[g] * (levels[i + 1] - levels[i]))
+            heapq.heappush(heap, (step, g))
+
+    heap: list = []
+    for g in range(len(costs)):
+        push(heap, g)
+    while reached < target * total - 1e-9 and heap:
+        _, g = heapq.heappop(heap)
+        reached += sizes[g] * (levels[at[g] + 1] - levels[at[g]])
+        at[g] += 1
+        push(heap, g)
+    if reached < target * total - 1e-9:
+        raise DeltaZipError(f"activation sparsity {target} is above what the highest measured level allows")
+    return at
+
+
+def _mean_nll(model, batches: list, device, forward_kwargs: dict) -> float:
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids in batches:
+            ids = ids.to(device)
+            logits = model(input_ids=ids, **forward_kwargs).logits[:, :-1].float()
+            total += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                             ids[:, 1:].reshape(-1), reduction="sum"))
+            count += ids[:, 1:].numel()
+    return total / max(count, 1)
+
+
+def _measured_thresholds(model, samplers: dict, mods: dict, batches: list, device, targets: list, levels: list,
+                         tokens: int, forward_kwargs: dict) -> dict:
+    """``{target: ActivationThresholds}``: each group of layers reading one tensor thresholded alone at each of
+    ``levels`` over the calibration batches; its cost there is the rise of the calibration NLL (non-decreasing in
+    the level: a level cannot cost less than a lower one); then :func:`_allocate`."""
+    groups = _groups(samplers)
+    levels = [0.0] + sorted(levels)
+    pooled = [torch.cat([p for n in g for p in samplers[n].parts]).sort().values for g in groups]
+
+    def threshold(v, q):
+        return float(v[min(int(math.floor(q * v.numel())), v.numel() - 1)]) if q > 0 else 0.0
+
+    dense = _mean_nll(model, batches, device, forward_kwargs)
+    costs = []
+    for g, v in zip(groups, pooled):
+        row = [0.0]
+        for q in levels[1:]:
+            for n in g:
+                _install_rule(mods[n], _Rule(threshold=threshold(v, q)))
+            try:
+                row.append(max(row[-1], _mean_nll(model, batches, device, forward_kwargs) - dense))
+            finally:
+                for n in g:
+                    _uninstall(mods[n])
+        costs.append(row)
+    sizes = [sum(mods[n].weight.numel() for n in g) for g in groups]
+    out = {}
+    for t in targets:
+        at = _allocate(costs, sizes, t, levels)
+        th, per = {}, {}
+        for g, v, i in zip(groups, pooled, at):
+            for n in g:
+                th[n], per[n] = threshold(v, levels[i]), levels[i]
+        out[t] = ActivationThresholds(t, th, tokens, "measured", per)
+    return out
 
 
 def _batches(calibration, tokenizer, max_length: int, batch_size: int) -> Iterable[torch.Tensor]:
@@ -364,12 +470,22 @@ def _batches(calibration, tokenizer, max_length: int, batch_size: int) -> Iterab
 
 def calibrate_activation_thresholds(model: nn.Module, calibration, sparsity: Union[float, Sequence[float]], *,
                                     tokenizer=None, max_length: int = 512, batch_size: int = 8,
-                                    samples_per_call: int = 1 << 14, seed: int = 0, **forward_kwargs):
-    """Measure per-layer input thresholds that drop a fraction ``sparsity`` of each layer's inputs.
+                                    samples_per_call: int = 1 << 14, seed: int = 0, allocation: str = "uniform",
+                                    levels: Sequence[float] = MEASURED_LEVELS, **forward_kwargs):
+    """Measure per-layer input thresholds that drop a fraction ``sparsity`` of the layers' inputs.
 
     Runs ``model`` (a transformers causal LM, or a ``DeltaModel``: its active delta, or
     ``delta_names=`` in ``forward_kwargs``) densely over the calibration data and takes, for each
-    target layer (:func:`target_modules`), the ``sparsity``-quantile of ``|x|``.
+    target layer (:func:`target_modules`), a quantile of ``|x|``:
+
+    * ``allocation="uniform"``: the ``sparsity``-quantile, every layer alike.
+    * ``allocation="measured"``: each group of layers that read one tensor (q/k/v, gate/up; every other
+      layer alone) its own fraction, one of ``levels`` (or 0), the mean weighted by weight size at least
+      ``sparsity`` (so a sparse kernel skips as many weight bytes as with the uniform setting). The cost of
+      each group at each level is measured: the calibration NLL with only that group thresholded, minus the
+      dense NLL, one more pass over the calibration data per group and level; then the groups are raised
+      greedily, cheapest added NLL per skipped weight first. On some models the loss of thresholding sits in
+      a few layers (BENCHMARKS.md section 8), which this spares.
 
     Args:
         model: the model to calibrate (any activation sparsity on it is off while measuring).
@@ -380,6 +496,8 @@ def calibrate_activation_thresholds(model: nn.Module, calibration, sparsity: Uni
         batch_size: sequences per pass (tensor input only; lists run one sequence per pass).
         samples_per_call: values of ``|x|`` kept per layer and forward pass (a random subset).
         seed: for that subset.
+        allocation: ``"uniform"`` or ``"measured"``, above.
+        levels: ``"measured"``: the fractions a group may take besides 0; the largest caps every layer.
 
     Returns:
         :class:`ActivationThresholds`, or ``{sparsity: ActivationThresholds}`` for several targets.
@@ -392,6 +510,13 @@ def calibrate_activation_thresholds(model: nn.Module, calibration, sparsity: Uni
     targets = [_check_sparsity(s) for s in (sparsity if many else [sparsity])]
     if not targets:
         raise ValueError("give at least one target sparsity")
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
+    if allocation == "measured":
+        levels = [_check_sparsity(q) for q in levels if q > 0]
+        if not levels or max(targets) > max(levels):
+            raise ValueError(f"allocation='measured' cannot reach sparsity {max(targets)} with levels {levels}: "
+                             "give a level at least as high as the target")
     mods = target_modules(model)
     if not mods:
         raise DeltaZipError(f"{type(model).__name__} has no linear layers to sparsify")
@@ -418,9 +543,25 @@ def calibrate_activation_thresholds(model: nn.Module, calibration, sparsity: Uni
     if tokens == 0:
         raise ValueError("the calibration data is empty: give at least one non-empty sequence")
     unused = sorted(n for n, s in samplers.items() if not s.parts)
-    per_layer = {n: s.quantiles(targets) for n, s in samplers.items() if s.parts}
     if unused and len(unused) == len(samplers):
         raise DeltaZipError("no linear layer saw an input during calibration: is this a causal LM?")
+    if allocation == "measured":
+        was_training = model.training
+        model.eval()
+        for mod in mods.values():  # measured from the dense model, whatever was installed before
+            _uninstall(mod)
+        try:
+            out = _measured_thresholds(model, {n: s for n, s in samplers.items() if s.parts}, mods,
+                                       list(_batches(calibration, tokenizer, max_length, batch_size)), device,
+                                       targets, levels, tokens, forward_kwargs)
+        finally:
+            model.train(was_training)
+            for name, mod in mods.items():  # what was installed before calibrating
+                _uninstall(mod)
+                if before[name] is not None:
+                    _install_rule(mod, before[name])
+        return out if many else out[targets[0]]
+    per_layer = {n: s.quantiles(targets) for n, s in samplers.items() if s.parts}
     out = {t: ActivationThresholds(t, {n: q[i] for n, q in per_layer.items()}, tokens) for i, t in enumerate(targets)}
     return out if many else out[targets[0]]
 

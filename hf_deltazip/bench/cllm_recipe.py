@@ -27,6 +27,7 @@ import torch
 
 from ..cllm import ConsistencyConfig, collect_trajectories, mean_nll, tokens_per_forward, train_consistency
 from .jacobi import _pair_prompts, counting_prompts, report, task_scores, tiny_pair
+from .metrics import gain_kept
 
 
 def _summary(runs: list, key: str) -> dict:
@@ -86,8 +87,7 @@ def run(args) -> dict:
                                                             max_new_tokens=args.new_tokens, **gen_kw)}
             if args.tiny:
                 nll = mean_nll(cllm, eval_rows)
-                row.update(nll=nll, em_kept=None,
-                           nll_kept=(ref["base"] - nll) / (ref["base"] - ref["finetune"]))
+                row.update(nll=nll, em_kept=None, nll_kept=gain_kept(-nll, -ref["base"], -ref["finetune"]))
             else:
                 s = task_scores(args.pair, args.base, tok, None, {"cllm": cllm}, [], known=ref["scores"])
                 row.update(scores=s["scores"]["cllm"], em_kept=s["gain_kept"]["cllm"]["exact_match"],

@@ -29,6 +29,7 @@ thresholded) scores exactly what decode-only generation after a ``p``-token prom
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import os
@@ -361,7 +362,12 @@ class _Sampler:
 
     def quantiles(self, qs: Sequence[float]) -> list:
         v = torch.cat(self.parts).sort().values
-        return [float(v[min(int(math.floor(q * v.numel())), v.numel() - 1)]) if q > 0 else 0.0 for q in qs]
+        return [_quantile(v, q) for q in qs]
+
+
+def _quantile(v: torch.Tensor, q: float) -> float:
+    """The threshold that drops a fraction ``q`` of the sorted sample ``v`` (0: none, only exact zeros)."""
+    return float(v[min(int(math.floor(q * v.numel())), v.numel() - 1)]) if q > 0 else 0.0
 
 
 def _groups(samplers: dict) -> list:
@@ -376,8 +382,6 @@ def _allocate(costs: list, sizes: list, target: float, levels: Sequence[float]) 
     """Greedy allocation: one level index per group, raising the group whose next level adds the least cost
     per weight element skipped, until the size-weighted mean level reaches ``target``. ``costs[g][i]`` is
     group ``g``'s cost at ``levels[i]`` (``levels[0] == 0``)."""
-    import heapq
-
     total = float(sum(sizes))
     at = [0] * len(costs)
     reached = 0.0
@@ -421,17 +425,13 @@ def _measured_thresholds(model, samplers: dict, mods: dict, batches: list, devic
     groups = _groups(samplers)
     levels = [0.0] + sorted(levels)
     pooled = [torch.cat([p for n in g for p in samplers[n].parts]).sort().values for g in groups]
-
-    def threshold(v, q):
-        return float(v[min(int(math.floor(q * v.numel())), v.numel() - 1)]) if q > 0 else 0.0
-
     dense = _mean_nll(model, batches, device, forward_kwargs)
     costs = []
     for g, v in zip(groups, pooled):
         row = [0.0]
         for q in levels[1:]:
             for n in g:
-                _install_rule(mods[n], _Rule(threshold=threshold(v, q)))
+                _install_rule(mods[n], _Rule(threshold=_quantile(v, q)))
             try:
                 row.append(max(row[-1], _mean_nll(model, batches, device, forward_kwargs) - dense))
             finally:
@@ -445,7 +445,7 @@ def _measured_thresholds(model, samplers: dict, mods: dict, batches: list, devic
         th, per = {}, {}
         for g, v, i in zip(groups, pooled, at):
             for n in g:
-                th[n], per[n] = threshold(v, levels[i]), levels[i]
+                th[n], per[n] = _quantile(v, levels[i]), levels[i]
         out[t] = ActivationThresholds(t, th, tokens, "measured", per)
     return out
 

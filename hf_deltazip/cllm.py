@@ -57,6 +57,10 @@ class ConsistencyConfig:
         weight_decay: AdamW weight decay.
         consistency_weight: weight of the consistency loss.
         ar_weight: weight of the autoregressive loss.
+        ar_loss: ``"labels"``: cross-entropy on the fine-tune's greedy output (the fixed points); ``"distill"``:
+            KL divergence from the fine-tune's own next-token distribution at the same positions, which
+            carries the whole distribution rather than its argmax (one extra forward of the fine-tune, no
+            gradient, per step).
         seed: sampling of the examples.
     """
 
@@ -70,6 +74,7 @@ class ConsistencyConfig:
     weight_decay: float = 0.0
     consistency_weight: float = 1.0
     ar_weight: float = 1.0
+    ar_loss: str = "labels"
     seed: int = 0
 
     def __post_init__(self):
@@ -77,6 +82,8 @@ class ConsistencyConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise DeltaZipError(f"ConsistencyConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.ar_loss not in ("labels", "distill"):
+            raise DeltaZipError(f"ConsistencyConfig.ar_loss must be 'labels' or 'distill', got {self.ar_loss!r}")
         if self.lr_schedule not in ("constant", "cosine"):
             raise DeltaZipError(f"ConsistencyConfig.lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
         if not isinstance(self.warmup_steps, int) or not 0 <= self.warmup_steps < self.steps:
@@ -171,6 +178,16 @@ def _loss(model, examples: list, pad: int) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
+def _distill_loss(student, teacher, examples: list, pad: int) -> torch.Tensor:
+    """Mean KL(teacher || student) of the next-token distributions at the positions that carry a label."""
+    ids, labels, mask = _batch(examples, _device(student), pad)
+    where = labels != -100
+    with torch.no_grad():
+        target = F.log_softmax(teacher(input_ids=ids, attention_mask=mask).logits[where].float(), dim=-1)
+    logp = F.log_softmax(student(input_ids=ids, attention_mask=mask).logits[where].float(), dim=-1)
+    return F.kl_div(logp, target, log_target=True, reduction="batchmean")
+
+
 def train_consistency(model: nn.Module, trajectories: Sequence[Trajectory], config: Optional[ConsistencyConfig] = None,
                       *, pad_token_id: int = 0, log=None) -> nn.Module:
     """Train a copy of ``model`` (all parameters) with the consistency loss plus the autoregressive loss.
@@ -191,21 +208,28 @@ def train_consistency(model: nn.Module, trajectories: Sequence[Trajectory], conf
         raise DeltaZipError("the trajectories hold no Jacobi block to learn from: generate more tokens per prompt "
                             "(ConsistencyConfig.max_new_tokens) or use more prompts")
     student = copy.deepcopy(model).train()
+    teacher_was_training = model.training
+    model.eval()  # the teacher of ar_loss="distill": its distribution without dropout
     opt = torch.optim.AdamW(student.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(config, step))
     rng = random.Random(config.seed)
     every = max(1, config.steps // 10)
-    for step in range(config.steps):
-        c_loss = _loss(student, rng.sample(consistency, min(config.batch_size, len(consistency))), pad_token_id)
-        a_loss = _loss(student, rng.sample(ar, min(config.batch_size, len(ar))), pad_token_id)
-        loss = config.consistency_weight * c_loss + config.ar_weight * a_loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if log is not None and (step % every == 0 or step == config.steps - 1):
-            log(step, c_loss.item(), a_loss.item())
+    try:
+        for step in range(config.steps):
+            c_loss = _loss(student, rng.sample(consistency, min(config.batch_size, len(consistency))), pad_token_id)
+            ar_batch = rng.sample(ar, min(config.batch_size, len(ar)))
+            a_loss = (_distill_loss(student, model, ar_batch, pad_token_id) if config.ar_loss == "distill"
+                      else _loss(student, ar_batch, pad_token_id))
+            loss = config.consistency_weight * c_loss + config.ar_weight * a_loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            if log is not None and (step % every == 0 or step == config.steps - 1):
+                log(step, c_loss.item(), a_loss.item())
+    finally:
+        model.train(teacher_was_training)
     return student.eval()
 
 

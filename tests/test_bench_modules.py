@@ -337,5 +337,13 @@ def test_cllm_recipe_bench_trains_every_schedule_and_seed_and_summarises(tmp_pat
         kept = [x["nll_kept"] for x in r["runs"] if x["schedule"] == sched]
         assert r["nll_kept"][sched] == pytest.approx({"runs": 2, "lowest": min(kept), "mean": sum(kept) / 2})
     assert all(x["tokens_per_forward"] >= 1.0 and len(x["losses"]) == 4 for x in r["runs"])
+    # the distilled autoregressive loss: recorded with the run, and the first step's AR loss is the KL of the
+    # fine-tune's copy from itself (0), where the labels' cross-entropy is not
+    assert cllm_recipe.main(["--tiny", "--schedules", "cosine", "--seeds", "0", "--steps", "4", "--train-prompts", "3",
+                             "--eval-prompts", "2", "--new-tokens", "8", "--block", "4", "--batch-size", "2",
+                             "--ar-loss", "distill", "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["args"]["ar_loss"] == "distill" and [x["seed"] for x in d["runs"]] == [0]
+    assert d["runs"][0]["losses"][0][2] == pytest.approx(0.0, abs=1e-5) and r["runs"][2]["losses"][0][2] > 1e-3
     with pytest.raises(SystemExit):
         cllm_recipe.main(["--seeds", "0"])  # neither --pair nor --tiny

@@ -126,3 +126,29 @@ def test_bad_schedules_are_refused():
         ConsistencyConfig(lr_schedule="linear")
     with pytest.raises(DeltaZipError, match="warmup_steps"):
         ConsistencyConfig(steps=10, warmup_steps=10)
+
+
+def test_distilled_autoregressive_loss_is_zero_for_the_teacher_itself_and_trains():
+    """ar_loss="distill": KL from the fine-tune's own distribution at the labelled positions: exactly zero for
+    an identical copy, positive for another model; a short run with it still raises tokens per forward."""
+    from hf_deltazip.cllm import _distill_loss, _examples, tokens_per_forward
+
+    ft = counting_finetune()
+    traj = collect_trajectories(ft, counting_ids(2, 4, seed=7), block_size=6, max_new_tokens=12, pad_token_id=0)
+    _, ar = _examples(traj)
+    assert _distill_loss(copy.deepcopy(ft), ft, ar, 0).item() == pytest.approx(0.0, abs=1e-6)
+    assert _distill_loss(matrix_model("llama"), ft, ar, 0).item() > 0.1
+    with pytest.raises(DeltaZipError, match="ar_loss"):
+        ConsistencyConfig(ar_loss="kl")
+
+    prompts = counting_ids(2, 4, seed=500)
+    traj = collect_trajectories(ft, prompts, block_size=8, max_new_tokens=16, pad_token_id=0)
+    ft.train()  # the teacher runs in eval mode during training and gets its mode back
+    cfg = ConsistencyConfig(block_size=8, max_new_tokens=16, steps=35, batch_size=8, lr=6e-3, consistency_weight=2.0,
+                            ar_loss="distill")
+    student = train_consistency(ft, traj, cfg, pad_token_id=0)
+    assert ft.training
+    ft.eval()
+    before = tokens_per_forward(ft, prompts, block_size=8, max_new_tokens=16, pad_token_id=0)
+    after = tokens_per_forward(student, prompts, block_size=8, max_new_tokens=16, pad_token_id=0)
+    assert after > before + 0.3, (before, after)

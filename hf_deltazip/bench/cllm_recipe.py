@@ -76,7 +76,7 @@ def run(args) -> dict:
         for seed in args.seeds:
             cfg = ConsistencyConfig(block_size=args.block, max_new_tokens=args.new_tokens, steps=args.steps,
                                     batch_size=args.batch_size, lr=args.lr, lr_schedule=sched,
-                                    warmup_steps=args.warmup, seed=seed)
+                                    warmup_steps=args.warmup, ar_loss=args.ar_loss, seed=seed)
             torch.manual_seed(seed)
             t = time.perf_counter()
             losses = []
@@ -108,7 +108,8 @@ def _pct(x) -> str:
 def to_table(result: dict) -> str:
     a = result["args"]
     nll_name = "NLL gain kept (held-out continuations)" if a["tiny"] else "answer NLL gain kept"
-    lines = [f"consistency recipe: {a['steps']} steps of {a['batch_size']}, peak lr {a['lr']}, warm-up {a['warmup']}; "
+    lines = [f"consistency recipe: {a['steps']} steps of {a['batch_size']}, peak lr {a['lr']}, warm-up {a['warmup']}, "
+             f"autoregressive loss {a.get('ar_loss', 'labels')}; "
              f"{a['train_prompts']} training prompts, block {a['block']}; "
              f"the fine-tune itself: {result['finetune_tokens_per_forward']:.2f} tokens/forward", "",
              f"| schedule | seed | EM gain kept | {nll_name} | tokens / forward | train s |",
@@ -140,6 +141,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--warmup", type=int, default=0, help="warm-up steps (every schedule)")
+    p.add_argument("--ar-loss", choices=["labels", "distill"], default="labels",
+                   help="the autoregressive loss: the fine-tune's greedy tokens, or its whole distribution (KL)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)

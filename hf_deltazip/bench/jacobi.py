@@ -224,7 +224,7 @@ def run(args) -> dict:
     else:
         cfg = ConsistencyConfig(block_size=args.block, max_new_tokens=args.new_tokens, steps=args.cllm_steps,
                                 batch_size=args.cllm_batch, lr=args.cllm_lr, lr_schedule=args.cllm_schedule,
-                                warmup_steps=args.cllm_warmup)
+                                warmup_steps=args.cllm_warmup, ar_loss=args.cllm_ar_loss)
         cllm = train_consistency(ft, trajectories, cfg, pad_token_id=pad,
                                  log=lambda s, c, a: print(f"  consistency step {s}: loss {c:.3f}, AR loss {a:.3f}"))
         if args.save_cllm:
@@ -405,6 +405,8 @@ def main(argv=None) -> int:
     p.add_argument("--cllm-schedule", choices=["constant", "cosine"], default="constant",
                    help="learning-rate schedule of the consistency training (bench.cllm_recipe compares them)")
     p.add_argument("--cllm-warmup", type=int, default=0, help="warm-up steps of the consistency training")
+    p.add_argument("--cllm-ar-loss", choices=["labels", "distill"], default="labels",
+                   help="the consistency training's autoregressive loss (ConsistencyConfig.ar_loss)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs after one warm-up run")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bf16" if torch.cuda.is_available() else "fp32", choices=["bf16", "fp16", "fp32"])

@@ -7,6 +7,7 @@ Gemma3ForCausalLM saved as the "base" folder.
 from __future__ import annotations
 
 import json
+import string
 
 import pytest
 import torch
@@ -330,3 +331,74 @@ def test_cllm_recipe_bench_scores_each_run_on_the_pair_task(tmp_path, base_dir):
         want = (ref["base"]["answer_nll"] - s["answer_nll"]) / (ref["base"]["answer_nll"] - ref["finetune"]["answer_nll"])
         assert r["nll_kept"] == pytest.approx(want)
     assert result["nll_kept"]["cosine"]["runs"] == 2
+
+
+def _tiny_gguf(path, pieces):
+    """A GGUF file holding only a sentencepiece ('llama') vocabulary: four specials, then ``pieces`` in
+    merge order, a control token and a user-defined one."""
+    gguf = pytest.importorskip("gguf")
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + pieces + ["<start_of_turn>", "<tag>"]
+    kinds = [3, 3, 3, 2] + [1] * len(pieces) + [3, 4]
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types(kinds)
+    w.add_token_scores([0.0] * len(tokens))  # Gemma's scores say nothing about merge order
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return tokens
+
+
+def _pieces(tok, text):
+    return tok.convert_ids_to_tokens(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def test_gguf_tokenizer_rebuilds_merges_in_file_order(tmp_path):
+    """real_pairs.gguf_tokenizer: merges come from the vocabulary, earlier pieces merged first; runs of spaces,
+    control and user-defined tokens stay whole; BOS is added as the file asks; a character-level tokenizer
+    (what transformers 5.17 built from the Gemma 3 GGUF) is refused by check_tokenizer."""
+    first_ab = _tiny_gguf(tmp_path / "ab.gguf", ["\u2581", "a", "b", "c", "ab", "bc", "  ", "\u2581a"])
+    tok = real_pairs.gguf_tokenizer(tmp_path / "ab.gguf")
+    assert _pieces(tok, "abc") == ["ab", "c"]
+    assert _pieces(tok, "a  a") == ["a", "\u2581\u2581", "a"] and _pieces(tok, " a") == ["\u2581a"]
+    ids = tok("abc<start_of_turn><tag>")["input_ids"]
+    assert ids == [2, first_ab.index("ab"), first_ab.index("c"), first_ab.index("<start_of_turn>"),
+                   first_ab.index("<tag>")]
+    assert tok.decode(tok("a abc")["input_ids"], skip_special_tokens=True) == "a abc"
+    _tiny_gguf(tmp_path / "bc.gguf", ["\u2581", "a", "b", "c", "bc", "ab", "  ", "\u2581a"])
+    assert _pieces(real_pairs.gguf_tokenizer(tmp_path / "bc.gguf"), "abc") == ["a", "bc"]
+
+    # the check: letters and no longer pieces cut English into characters, as a conversion without merges does
+    _tiny_gguf(tmp_path / "chars.gguf", ["\u2581"] + list(string.ascii_letters) + [":", "."])
+    with pytest.raises(DeltaZipError, match="cuts plain English into .*Delete the base folder"):
+        real_pairs.check_tokenizer(real_pairs.gguf_tokenizer(tmp_path / "chars.gguf"), "tiny")
+    with pytest.raises(DeltaZipError, match="only sentencepiece"):
+        gguf = pytest.importorskip("gguf")
+        w = gguf.GGUFWriter(str(tmp_path / "bpe.gguf"), "gpt2")
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list(["a"])
+        w.add_token_types([1])
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        real_pairs.gguf_tokenizer(tmp_path / "bpe.gguf")
+
+
+def test_gguf_tokenizer_reads_english_as_words_on_the_real_base():
+    """On the Gemma 3 270M GGUF (where its package is installed): the rebuilt tokenizer reads English in words
+    (the 5.17 conversion gave one token per character) and passes the check."""
+    pytest.importorskip("gguf")
+    package = pytest.importorskip(real_pairs.GGUF_PACKAGE)
+    tok = real_pairs.gguf_tokenizer(package.assemble())
+    real_pairs.check_tokenizer(tok)
+    text = "Compound statements contain (groups of) other statements."
+    assert len(tok(text, add_special_tokens=False)["input_ids"]) <= 12
+    assert tok(text)["input_ids"][0] == tok.bos_token_id == 2

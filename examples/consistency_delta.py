@@ -26,14 +26,15 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base", help="the base model folder")
     p.add_argument("--finetune", help="the fine-tune folder (with its tokenizer)")
-    p.add_argument("--prompts", help="the fine-tune's prompts, one per line")
+    p.add_argument("--prompts", help="the fine-tune's prompts, one per line (about a hundred: with 32 the "
+                                     "consistency model overfit them and lost part of the task)")
     p.add_argument("--eval", help="held-out text of the fine-tune's domain, one per line (for the gain kept)")
     p.add_argument("--demo", action="store_true", help="build a tiny counting pair instead")
     p.add_argument("--out", required=True, help="the trained model goes to OUT/model, the delta to OUT/delta")
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=200)
     p.add_argument("--lr", type=float, default=2e-5)
     args = p.parse_args()
 
@@ -42,7 +43,8 @@ def main():
 
         base, ft = tiny_pair()
         prompts, eval_ids, gen = counting_prompts(2, 4, seed=500), counting_prompts(4, 20, seed=900), {"pad_token_id": 0}
-        config = ConsistencyConfig(block_size=8, max_new_tokens=16, steps=35, batch_size=8, lr=6e-3, consistency_weight=2.0)
+        config = ConsistencyConfig(block_size=8, max_new_tokens=16, steps=35, batch_size=8, lr=6e-3, consistency_weight=2.0,
+                                lr_schedule="constant", warmup_steps=0)
         delta_config = DeltaZipConfig(bits=args.bits, group_size=32, seq_len=24)
     else:
         if not (args.base and args.finetune and args.prompts):

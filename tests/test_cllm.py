@@ -51,7 +51,8 @@ def test_trajectories_end_at_the_greedy_output_and_start_every_block_on_it():
 def test_consistency_delta_accepts_more_tokens_per_forward_and_keeps_greedy_output(tmp_path):
     base, ft = matrix_model("llama"), counting_finetune()
     prompts = counting_ids(2, 4, seed=500)
-    config = ConsistencyConfig(block_size=8, max_new_tokens=16, steps=35, batch_size=8, lr=6e-3, consistency_weight=2.0)
+    config = ConsistencyConfig(block_size=8, max_new_tokens=16, steps=35, batch_size=8, lr=6e-3, consistency_weight=2.0,
+                               lr_schedule="constant", warmup_steps=0)
     report = consistency_delta(base, ft, prompts, eval_ids=counting_ids(4, 20, seed=900), config=config,
                                delta_config=DeltaZipConfig(bits=8, group_size=32, seq_len=24), output_dir=tmp_path,
                                pad_token_id=0)
@@ -98,7 +99,7 @@ def test_learning_rate_schedules_warm_up_then_hold_or_fall_to_zero(monkeypatch):
     steps the optimizer at exactly those rates."""
     from hf_deltazip.cllm import lr_factor
 
-    const = ConsistencyConfig(steps=10, warmup_steps=3)
+    const = ConsistencyConfig(steps=10, lr_schedule="constant", warmup_steps=3)
     assert [round(lr_factor(const, s), 4) for s in range(10)] == [0.25, 0.5, 0.75] + [1.0] * 7
     cos = ConsistencyConfig(steps=200, lr_schedule="cosine", warmup_steps=20)
     f = [lr_factor(cos, s) for s in range(200)]
@@ -119,6 +120,15 @@ def test_learning_rate_schedules_warm_up_then_hold_or_fall_to_zero(monkeypatch):
                             warmup_steps=1)
     train_consistency(ft, traj, cfg)
     assert seen == pytest.approx([1e-3 * lr_factor(cfg, s) for s in range(5)])
+
+
+def test_default_config_is_the_measured_recipe():
+    """The defaults are the recipe BENCHMARKS.md section 9 measured: cosine to zero, peak 2e-5, batches of 16, 200
+    steps, a tenth of them warming up; a shorter run keeps a tenth as warm-up instead of being refused."""
+    cfg = ConsistencyConfig()
+    assert (cfg.lr_schedule, cfg.lr, cfg.batch_size, cfg.steps, cfg.warmup_steps) == ("cosine", 2e-5, 16, 200, 20)
+    assert ConsistencyConfig(steps=10).warmup_steps == 1
+    assert ConsistencyConfig(steps=5).warmup_steps == 0
 
 
 def test_bad_schedules_are_refused():
@@ -145,7 +155,7 @@ def test_distilled_autoregressive_loss_is_zero_for_the_teacher_itself_and_trains
     traj = collect_trajectories(ft, prompts, block_size=8, max_new_tokens=16, pad_token_id=0)
     ft.train()  # the teacher runs in eval mode during training and gets its mode back
     cfg = ConsistencyConfig(block_size=8, max_new_tokens=16, steps=35, batch_size=8, lr=6e-3, consistency_weight=2.0,
-                            ar_loss="distill")
+                            lr_schedule="constant", warmup_steps=0, ar_loss="distill")
     student = train_consistency(ft, traj, cfg, pad_token_id=0)
     assert ft.training
     ft.eval()

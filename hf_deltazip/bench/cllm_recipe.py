@@ -133,7 +133,8 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="a tiny counting pair built here (CPU smoke test)")
     p.add_argument("--schedules", nargs="+", default=["constant", "cosine"], choices=["constant", "cosine"])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--train-prompts", type=int, default=32)
+    p.add_argument("--train-prompts", type=int, default=96,
+                   help="prompts the consistency model trains on (32 overfit them: BENCHMARKS.md section 9)")
     p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts for tokens per forward")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--block", type=int, default=16)

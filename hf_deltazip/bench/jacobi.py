@@ -389,7 +389,8 @@ def main(argv=None) -> int:
                         "model, held-out evaluation prompts to time) instead of held-out Python stdlib snippets")
     p.add_argument("--prompts", help="a .txt (one prompt a line) or .jsonl ({'prompt'|'text': ...}) file; "
                                      "default: held-out Python stdlib snippets")
-    p.add_argument("--train-prompts", type=int, default=64)
+    p.add_argument("--train-prompts", type=int, default=96,
+                   help="prompts the consistency model trains on (32 overfit them: BENCHMARKS.md section 9)")
     p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts: the batch runs and the gain kept")
     p.add_argument("--b1-prompts", type=int, default=3, help="of those, how many run alone (batch 1)")
     p.add_argument("--prompt-tokens", type=int, default=64)
@@ -399,12 +400,13 @@ def main(argv=None) -> int:
                    help="tokens per forward under which Jacobi falls back to greedy steps for a while ('none': never)")
     p.add_argument("--bits", type=int, nargs="+", default=[4, 2])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--cllm-steps", type=int, default=300)
+    p.add_argument("--cllm-steps", type=int, default=200)
     p.add_argument("--cllm-batch", type=int, default=16)
     p.add_argument("--cllm-lr", type=float, default=2e-5)
-    p.add_argument("--cllm-schedule", choices=["constant", "cosine"], default="constant",
+    p.add_argument("--cllm-schedule", choices=["constant", "cosine"], default="cosine",
                    help="learning-rate schedule of the consistency training (bench.cllm_recipe compares them)")
-    p.add_argument("--cllm-warmup", type=int, default=0, help="warm-up steps of the consistency training")
+    p.add_argument("--cllm-warmup", type=int, default=None,
+                   help="warm-up steps of the consistency training (default: a tenth of --cllm-steps)")
     p.add_argument("--cllm-ar-loss", choices=["labels", "distill"], default="labels",
                    help="the consistency training's autoregressive loss (ConsistencyConfig.ar_loss)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs after one warm-up run")

@@ -120,3 +120,19 @@ def test_row_blocks_follow_the_rows_that_share_a_delta(monkeypatch):
     assert multi_delta.default_config(128, 4096, 4096, stack, cuda).block_m == 16
     assert multi_delta.default_config(128, 4096, 4096, stack, cuda, rows_per_delta=128).block_m == 64
     assert multi_delta.default_config(128, 4096, 4096, stack, cuda, rows_per_delta=20).block_m == 32
+
+
+def test_prefill_sized_batches_do_not_split_k(monkeypatch):
+    """Row blocks that fill the GPU on their own (many rows per delta) run with K unsplit; decode-sized batches
+    (rows per delta <= 16) and a few large row blocks keep the split that gives about four programs per SM."""
+    from hf_deltazip.kernels import multi_delta, random_delta_stack
+
+    monkeypatch.setattr(multi_delta, "_sm_count", lambda device: 132)
+    multi_delta._DEFAULT_CONFIGS.clear()
+    stack = random_delta_stack(16, 64, 256, bits=2, group_size=128)
+    cuda = torch.device("cuda")
+    for m in (512, 2048):  # 32 and 128 rows per delta: 16-32 row blocks x 64 output tiles >= 4 x 132 programs
+        assert multi_delta.default_config(m, 4096, 4096, stack, cuda).split_k == 1
+    assert multi_delta.default_config(16, 4096, 4096, stack, cuda).split_k > 1  # decode: one row per delta
+    assert multi_delta.default_config(32, 4096, 4096, stack, cuda, rows_per_delta=32).split_k > 1  # 2 row blocks
+    multi_delta._DEFAULT_CONFIGS.clear()

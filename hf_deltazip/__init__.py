@@ -7,7 +7,27 @@ Example:
     >>> model = DeltaModel.from_pretrained("ft-delta", base="org/base")
 """
 
-from ._version import __version__
+import os as _os
+import sys as _sys
+
+
+def _unshadow_kernels_package():
+    """Run from the root of a source checkout (``python -m ...`` puts it first on ``sys.path``), the checkout's
+    ``kernels/`` folder, installed as ``hf_deltazip.kernels``, would also be importable as a top-level
+    ``kernels`` and hide the Hugging Face ``kernels`` package that transformers (5.25+) imports. Drop that root
+    from ``sys.path`` before transformers is imported; this package itself is already loaded."""
+    root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    if not _os.path.isfile(_os.path.join(root, "kernels", "multi_delta.py")):
+        return  # an installed copy, not a checkout
+    _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or _os.getcwd()) != root]
+    shadow = getattr(_sys.modules.get("kernels"), "__file__", None)
+    if shadow and _os.path.abspath(shadow).startswith(_os.path.join(root, "kernels") + _os.sep):
+        del _sys.modules["kernels"]  # imported from the checkout by name: let the real package load instead
+
+
+_unshadow_kernels_package()
+
+from ._version import __version__  # noqa: E402
 from .config import DeltaZipConfig
 from .errors import (
     BaseMismatchError,

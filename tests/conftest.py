@@ -14,6 +14,12 @@ import warnings
 
 import pytest
 
+# --- the checkout's kernels/ must not hide the Hugging Face `kernels` package --------------------
+# `python -m pytest` from the repository root puts the root on sys.path, where kernels/ (installed as
+# hf_deltazip.kernels) would be found as the top-level `kernels` that transformers 5.25+ imports.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != _ROOT]
+
 # --- a local Hub for every test (see tests/hub_server.py) -------------------------------------
 with socket.socket() as _sock:
     _sock.bind(("127.0.0.1", 0))

@@ -276,3 +276,20 @@ def test_compress_calibration_text_needs_a_tokenizer_and_takes_one_from_the_flag
     assert main(args + ["--out", str(tmp_path / "d3"), "--tokenizer", str(tmp_path / "tok")]) == 0
     capsys.readouterr()
     assert (tmp_path / "d3" / "tokenizer.json").is_file()  # the delta carries the tokenizer it was calibrated with
+
+
+def test_running_from_the_checkout_root_keeps_the_real_kernels_package():
+    """`python -m hf_deltazip...` from the repository root puts the root on sys.path, where the checkout's kernels/
+    folder would hide the Hugging Face `kernels` package that transformers 5.25+ imports; importing hf_deltazip
+    first takes the root off the path, so transformers' models still import and `kernels` is not ours."""
+
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    code = ("import sys, hf_deltazip; from transformers import LlamaForCausalLM; import hf_deltazip.kernels; "
+            "m = sys.modules.get('kernels'); f = getattr(m, '__file__', None) or ''; "
+            "print('OURS' if f.startswith(sys.argv[1]) else 'OK')")
+    out = subprocess.run([sys.executable, "-c", code, str(root / "kernels")], cwd=root, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "OK"

@@ -20,9 +20,6 @@ def _unshadow_kernels_package():
     if not _os.path.isfile(_os.path.join(root, "kernels", "multi_delta.py")):
         return  # an installed copy, not a checkout
     _sys.path[:] = [p for p in _sys.path if _os.path.abspath(p or _os.getcwd()) != root]
-    shadow = getattr(_sys.modules.get("kernels"), "__file__", None)
-    if shadow and _os.path.abspath(shadow).startswith(_os.path.join(root, "kernels") + _os.sep):
-        del _sys.modules["kernels"]  # imported from the checkout by name: let the real package load instead
 
 
 _unshadow_kernels_package()

@@ -55,11 +55,6 @@ class ConsistencyConfig:
             ends with are not those of one large late step; or ``"constant"``.
         warmup_steps: steps of linear warm-up from zero before the schedule (0: none; ``None``, the default:
             a tenth of ``steps``).
-
-    The defaults are the recipe measured on a real pair (BENCHMARKS.md section 9: 200 steps of 16 at a peak of
-    2e-5, cosine, 20 warm-up steps, on 96 of the task's prompts kept the whole exact-match gain in three runs
-    out of three). With a third as many prompts it overfit them, and one run in three lost a tenth of the gain:
-    give it about a hundred prompts.
         weight_decay: AdamW weight decay.
         consistency_weight: weight of the consistency loss.
         ar_weight: weight of the autoregressive loss.
@@ -68,6 +63,11 @@ class ConsistencyConfig:
             carries the whole distribution rather than its argmax (one extra forward of the fine-tune, no
             gradient, per step).
         seed: sampling of the examples.
+
+    The defaults are the recipe measured on a real pair (BENCHMARKS.md section 9: 200 steps of 16 at a peak of
+    2e-5, cosine, 20 warm-up steps, on 96 of the task's prompts kept the whole exact-match gain in three runs
+    out of three). With a third as many prompts it overfit them, and one run in three lost a tenth of the gain:
+    give it about a hundred prompts.
     """
 
     block_size: int = 16

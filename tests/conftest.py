@@ -5,6 +5,7 @@ The Hub settings below must be in the environment before anything imports ``hugg
 """
 
 import atexit
+import importlib
 import os
 import shutil
 import socket
@@ -13,12 +14,6 @@ import tempfile
 import warnings
 
 import pytest
-
-# --- the checkout's kernels/ must not hide the Hugging Face `kernels` package --------------------
-# `python -m pytest` from the repository root puts the root on sys.path, where kernels/ (installed as
-# hf_deltazip.kernels) would be found as the top-level `kernels` that transformers 5.25+ imports.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != _ROOT]
 
 # --- a local Hub for every test (see tests/hub_server.py) -------------------------------------
 with socket.socket() as _sock:
@@ -38,6 +33,10 @@ for _name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "TRANSFORM
     os.environ.pop(_name, None)
 if "huggingface_hub" in sys.modules:
     warnings.warn("huggingface_hub was imported before tests/conftest.py: it may not use the test Hub")
+
+# `python -m pytest` from the repository root puts the root on sys.path, where kernels/ would hide the Hugging Face
+# `kernels` package that transformers 5.25+ imports; importing hf_deltazip first takes the root off the path.
+importlib.import_module("hf_deltazip")
 
 
 @pytest.fixture(scope="session")

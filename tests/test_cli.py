@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -282,9 +283,6 @@ def test_running_from_the_checkout_root_keeps_the_real_kernels_package():
     """`python -m hf_deltazip...` from the repository root puts the root on sys.path, where the checkout's kernels/
     folder would hide the Hugging Face `kernels` package that transformers 5.25+ imports; importing hf_deltazip
     first takes the root off the path, so transformers' models still import and `kernels` is not ours."""
-
-    from pathlib import Path
-
     root = Path(__file__).resolve().parent.parent
     code = ("import sys, hf_deltazip; from transformers import LlamaForCausalLM; import hf_deltazip.kernels; "
             "m = sys.modules.get('kernels'); f = getattr(m, '__file__', None) or ''; "

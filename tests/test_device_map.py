@@ -7,7 +7,6 @@ whole, row for row in a mixed batch.
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from hf_deltazip import DeltaModel, DeltaZipConfig, DeltaZipError, compress
 from hf_deltazip.modeling.quantized import execution_device

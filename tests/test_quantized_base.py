@@ -6,7 +6,6 @@ each row of a mixed batch must come out as the dequantized base plus its delta. 
 off (``support_avx512bf16_for_cpu = False``, a public attribute) to compare float32 with float32.
 """
 
-import copy
 import warnings
 
 import pytest

@@ -3,7 +3,6 @@ it compares at equal bytes, and the pure-Python pieces of decode, compress_speed
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

@@ -56,12 +56,21 @@ __all__ = [
     "sparse_delta_linear",
     "sparse_delta_linear_reference",
     "SPARSE_BASE_MAX_ROWS",
+    "SPARSE_DELTA_DEFAULTS",
+    "SPARSE_DELTA_MIXED_ROWS",
 ]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BITS = (2, 4, 8)
 #: rows one base program handles (a decode step at batch 1-16); more rows keep fewer zero columns
 SPARSE_BASE_MAX_ROWS = 16
+#: launch defaults of :func:`sparse_delta_linear` as ``(block_n, num_warps, inner_k)``: for a call of
+#: at least :data:`SPARSE_DELTA_MIXED_ROWS` rows (a mixed batch, one row per delta) and for fewer rows
+#: (batch 1 on one delta); the fastest compacted walks of the H200 sweeps (BENCHMARKS.md section 8)
+SPARSE_DELTA_DEFAULTS = {"mixed": (512, 2, 8), "few": (128, 1, 16)}
+SPARSE_DELTA_MIXED_ROWS = 4
+#: inputs per kept-input list of the compacted base GEMV (lists are built in parallel, one per segment)
+_BASE_SEGMENT = 1024
 
 
 def sparsify_input(x: torch.Tensor, threshold: Optional[float]) -> torch.Tensor:
@@ -270,6 +279,28 @@ def _workspace(device: torch.device, m: int, n: int, counters: int) -> tuple[tor
     return ws
 
 
+# kept-input lists of compact_inputs_kernel: indices, values and counts per (device, rows, inputs,
+# segment, dtype), rewritten by every launch and kept for the life of the process like the workspaces
+_COMPACT: dict = {}
+
+
+def _compacted(x: torch.Tensor, thr: float, use_thr: bool, seg: int) -> tuple:
+    """Launch :func:`compact_inputs_kernel` on ``x``: per row and per segment of ``seg`` inputs, the
+    kept inputs' indices and values packed to the segment's front, and their counts ``[M, cdiv(K, seg)]``."""
+    m, k = x.shape
+    nseg = _cdiv(k, seg)
+    key = (x.device.type, x.device.index, m, k, seg, x.dtype)
+    buf = _COMPACT.get(key)
+    if buf is None:
+        buf = _COMPACT[key] = (torch.zeros((m, k), dtype=torch.int32, device=x.device),
+                               torch.zeros((m, k), dtype=x.dtype, device=x.device),
+                               torch.zeros((m, nseg), dtype=torch.int32, device=x.device))
+    idx, xv, cnt = buf
+    _kernel("compact_inputs_kernel")[(nseg, m)](x, idx, xv, cnt, thr, k, x.stride(0), SEG=seg, THRESH=use_thr,
+                                                CH=min(1024, _next_pow2(seg)), num_warps=4)
+    return buf
+
+
 def _inner_k(inner_k: int, block_k: int) -> int:
     """The kernels' ``BKI``: ``inner_k``, or ``block_k`` (one step) for 0."""
     if inner_k == 0:
@@ -292,7 +323,7 @@ def _check_blocks(block_n: int, block_k: int, block_m: Optional[int] = None) -> 
 def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                        threshold: Optional[float] = None, out: Optional[torch.Tensor] = None,
                        block_n: int = 64, block_k: int = 256, num_warps: int = 2,
-                       mma: bool = False) -> torch.Tensor:
+                       mma: bool = False, compact: bool = False) -> torch.Tensor:
     """``y = x W^T + bias`` reading only the weight columns of inputs some row of ``x`` keeps.
 
     Args:
@@ -307,6 +338,11 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
             of two, at least 16) and its warps. Memory is skipped per input whatever the tile.
         mma: one row through ``tl.dot`` too, padded to 16 rows; ``False`` (default, faster on the
             H200): one row runs as a GEMV (a multiply and a sum across lanes).
+        compact: one row without MMA: first pack the row's kept inputs into lists of 1024-input
+            segments (one small extra launch), then give each program ``block_k`` *kept* inputs, so
+            a program past the end of a list does nothing. ``False`` (default; 108 against 121 µs
+            per 8B block at 50 % on the H200, BENCHMARKS.md section 8): each program takes
+            ``block_k`` consecutive inputs and masks the dropped ones. Ignored for more rows.
 
     Returns:
         ``[M, N]`` in ``out``'s dtype (default ``x.dtype``), accumulated in float32.
@@ -329,13 +365,17 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
     if k == 0:
         return out.copy_(bias.expand(m, n) if bias is not None else torch.zeros((), dtype=out.dtype))
     bm = 1 if m == 1 and not mma else SPARSE_BASE_MAX_ROWS
-    grid = (_cdiv(n, block_n), _cdiv(k, block_k), _cdiv(m, bm))
+    use_compact = compact and bm == 1
+    # compacted: lists per segment of `seg` inputs (compacted in parallel), block_k kept inputs a program
+    seg = max(_BASE_SEGMENT, block_k)
+    grid = (_cdiv(n, block_n), _cdiv(k, seg) * (seg // block_k) if use_compact else _cdiv(k, block_k), _cdiv(m, bm))
     ws, cnt = _workspace(x.device, m, n, grid[0] * grid[2])
+    idx, xv, kc = _compacted(x, thr, use_thr, seg) if use_compact else (cnt, x, cnt)
     _kernel("sparse_base_kernel")[grid](
-        x, weight_t, bias if bias is not None else out, out, ws, ws.view(torch.int32), cnt, thr,
+        x, weight_t, bias if bias is not None else out, out, ws, ws.view(torch.int32), cnt, thr, idx, xv, kc,
         m, n, k, x.stride(0), weight_t.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, THRESH=use_thr, GEMV=bm == 1, BM=bm, BN=block_n, BK=block_k,
-        DOT_PREC=_dot_prec(x), num_warps=num_warps,
+        HAS_BIAS=bias is not None, THRESH=use_thr, GEMV=bm == 1, COMPACT=use_compact, SEG=seg, BM=bm, BN=block_n,
+        BK=block_k, DOT_PREC=_dot_prec(x), num_warps=num_warps,
     )
     return out
 
@@ -346,8 +386,9 @@ def _cdiv(a: int, b: int) -> int:
 
 def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: torch.Tensor, *,
                         out: Optional[torch.Tensor] = None, threshold: Optional[float] = None,
-                        segments: Optional[torch.Tensor] = None, block_m: int = 1, block_n: int = 128,
-                        block_k: int = 0, num_warps: int = 1, inner_k: int = 16) -> torch.Tensor:
+                        segments: Optional[torch.Tensor] = None, block_m: int = 1,
+                        block_n: Optional[int] = None, block_k: int = 0, num_warps: Optional[int] = None,
+                        inner_k: Optional[int] = None, compact: bool = True) -> torch.Tensor:
     """``out[m] += x[m] @ dequant(deltas[row_delta[m]])^T``, each segment of rows sharing a delta
     reading only the delta columns its own rows keep.
 
@@ -367,16 +408,25 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
             multiplied together with ``tl.dot`` (a segment of one row padded to 16).
         block_n, block_k, num_warps: the ``[block_k, block_n]`` tile of one program (powers of two,
             at least 16; ``block_k`` 0: the group size up to 128, so a tile reads one scale row).
+            ``None``: the fastest on the H200 for the call's rows (:data:`SPARSE_DELTA_DEFAULTS`).
         inner_k: one-row GEMV on codes read as int32 words with the tile inside one group: walk the
-            tile in steps of ``inner_k`` inputs (a power of two up to ``block_k``; default 16, the
-            fastest on the H200), the sum over inputs kept inside each lane and reduced once per
-            tile; 0: the whole tile in one step. Other paths ignore it.
+            tile in steps of ``inner_k`` inputs (a power of two up to ``block_k``; ``None``: as
+            ``block_n``), the sum over inputs kept inside each lane and reduced once per tile; 0:
+            the whole tile in one step. Other paths ignore it.
+        compact: that same path (one row, int32 words, tile inside one group): first pack each
+            row's kept inputs per tile into a list (one small extra launch), then walk only the
+            kept ones, ``ceil(kept / inner_k)`` steps per tile instead of ``block_k / inner_k``;
+            ``False``: walk every input of the tile and mask the dropped ones.
 
     Returns:
         ``out``.
     """
     _check_delta(x, deltas, row_delta, out)
     m, k = x.shape
+    d_bn, d_nw, d_ik = SPARSE_DELTA_DEFAULTS["mixed" if m >= SPARSE_DELTA_MIXED_ROWS else "few"]
+    block_n = d_bn if block_n is None else block_n
+    num_warps = d_nw if num_warps is None else num_warps
+    inner_k = d_ik if inner_k is None else inner_k
     gs = deltas.group_size if deltas.group_size > 0 else k
     if block_k == 0:
         block_k = 128
@@ -407,12 +457,15 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
     block_group = gs % block_k == 0
     # whole int32 words per packed row (every 8B shape): the one-row path reads words
     words = block_m == 1 and rb % 4 == 0 and q.is_contiguous() and q.data_ptr() % 4 == 0 and block_n * deltas.bits >= 32
+    use_compact = compact and words and block_group
+    idx, xv, kc = _compacted(x, thr, use_thr, block_k) if use_compact else (cnt, x, cnt)
     _kernel("sparse_delta_kernel")[grid](
         x, q, q.view(torch.int32) if words else q, deltas.scales, deltas.zeros, segments.contiguous(), out, ws,
-        ws.view(torch.int32), cnt, thr,
+        ws.view(torch.int32), cnt, thr, idx, xv, kc,
         m, n, k, deltas.num_deltas, rb, num_groups(k, deltas.group_size), gs,
         x.stride(0), out.stride(0),
-        BITS=deltas.bits, THRESH=use_thr, BLOCK_GROUP=block_group, GEMV=block_m == 1, WORDS=words, BM=block_m,
+        BITS=deltas.bits, THRESH=use_thr, BLOCK_GROUP=block_group, GEMV=block_m == 1, WORDS=words,
+        COMPACT=use_compact, BM=block_m,
         BN=block_n, BK=block_k, BKI=bki, MP=max(2, _next_pow2(m)), DOT_PREC=_dot_prec(x), num_warps=num_warps,
     )
     return out

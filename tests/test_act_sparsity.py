@@ -157,6 +157,65 @@ def test_a_segment_longer_than_a_row_block_and_the_workspace_left_zero(interpret
         assert not ws.any() and not counters.any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("segment", [32, 1024])  # the base's lists: five segments (the last 22 wide), or one
+def test_compacted_kept_inputs_give_the_masked_walks_result_and_read_nothing_dropped(interpret, monkeypatch, dtype,
+                                                                                     segment):
+    # the compacted walks (the delta kernel's default) against the masked ones and the reference: a row
+    # with every input dropped, one with none dropped, one at 70 %; k = 150, not a multiple of any tile
+    monkeypatch.setattr(A, "_BASE_SEGMENT", segment)
+    gen = torch.Generator().manual_seed(5)
+    n, k = 40, 150
+    w = (torch.randn(n, k, generator=gen) * 0.1).to(dtype)
+    wt = A.input_major_weight(w)
+    rows = [torch.zeros(1, k, dtype=dtype), (torch.rand(1, k, generator=gen) + 0.5).to(dtype),
+            _sparse_x(1, k, gen, dtype, frac=0.7)]
+    for x in rows:
+        dense = (x.float() @ w.float().t()).to(dtype)
+        for bk in (16, 32, 64):  # chunks of a segment of 32: two, one; 64: segments of 64
+            got = A.sparse_base_linear(x, wt, block_n=16, block_k=bk, compact=True)
+            torch.testing.assert_close(got, dense, **_tol(dtype))
+            torch.testing.assert_close(A.sparse_base_linear(x, wt, block_n=16, block_k=bk, compact=False), dense,
+                                       **_tol(dtype))
+    # the list itself: the kept inputs' indices in order, their values, and the count per segment
+    x = rows[2]
+    idx, xv, cnt = A._compacted(x, 0.0, False, k)
+    kept = (x[0] != 0).nonzero().squeeze(1)
+    assert cnt.tolist() == [[kept.numel()]]
+    assert torch.equal(idx[0, :kept.numel()].long(), kept) and torch.equal(xv[0, :kept.numel()], x[0, kept])
+    idx, xv, cnt = A._compacted(x, 0.0, False, 32)  # per tile of 32 inputs (the last one 22 wide)
+    for s in range(5):
+        ks = kept[(kept >= 32 * s) & (kept < 32 * s + 32)]
+        assert cnt[0, s] == ks.numel() and torch.equal(idx[0, 32 * s:32 * s + ks.numel()].long(), ks)
+    # poisoned weight rows of dropped inputs: the compacted walk never reads them
+    poisoned = wt.clone()
+    poisoned[x[0] == 0] = float("nan")
+    assert torch.isfinite(A.sparse_base_linear(x, poisoned, block_n=16, block_k=32, compact=True)).all()
+
+    # deltas: 4-bit g32 on whole int32 words (n = 80), three deltas, five rows (one base-only, one
+    # with every input dropped), k = 96; compacted walks in steps of 8 and 32 against the masked walk
+    n, k = 80, 96
+    stack = random_delta_stack(3, n, k, bits=4, group_size=32, scale_range=(0.01, 0.03), generator=gen)
+    deltas = A.input_major_deltas(stack)
+    x = _sparse_x(5, k, gen, dtype, frac=0.6)
+    x[3] = 0
+    row_delta = torch.tensor([2, -1, 0, 1, 0])
+    base = torch.randn(5, n, generator=gen).to(dtype)
+    want = A.sparse_delta_linear_reference(x, deltas, row_delta, out=base.clone())
+    for kw in (dict(inner_k=8), dict(inner_k=0), dict(inner_k=16, compact=False)):
+        got = A.sparse_delta_linear(x, deltas, row_delta, out=base.clone(), block_n=32, block_k=32, **kw)
+        torch.testing.assert_close(got, want, **_tol(dtype), msg=lambda e, kw=kw: f"{kw}: {e}")
+    got_t = A.sparse_delta_linear(x, deltas, row_delta, threshold=0.8, block_n=32, block_k=32)
+    torch.testing.assert_close(got_t, A.sparse_delta_linear_reference(x, deltas, row_delta, threshold=0.8),
+                               **_tol(dtype))
+    poisoned = copy.deepcopy(deltas)
+    poisoned.scales[1] = float("nan")  # delta 1's only row drops every input: its scales are never read
+    torch.testing.assert_close(A.sparse_delta_linear(x, poisoned, row_delta, out=base.clone(), block_n=32, block_k=32),
+                               want, **_tol(dtype))
+    for ws, counters in A._WORKSPACES.values():
+        assert not ws.any() and not counters.any()
+
+
 @pytest.mark.parametrize("planar", [False, True])
 def test_input_major_deltas_hold_the_same_delta(planar):
     gen = torch.Generator().manual_seed(5)

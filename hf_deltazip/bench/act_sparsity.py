@@ -341,17 +341,24 @@ SHAPES_8B = {  # name: (out_features N, in_features K) of one Llama-3-8B decoder
     "gate_proj": (14336, 4096), "up_proj": (14336, 4096), "down_proj": (4096, 14336),
 }
 LAYERS_8B, VOCAB_8B = 32, 128256
-#: launch settings tried by ``speed --sweep``: (block_n, block_k, num_warps, mma) of the base kernel at
-#: batch 1 and (block_n, block_k, num_warps, block_m, inner_k) of the delta kernel with 8 distinct deltas:
-#: the fastest of the 2026-12-02 H200 sweeps and their neighbours (BENCHMARKS.md section 8), plus smaller
-#: tiles and fewer warps for the base kernel (fewer warps were faster there). The MMA
-#: variants were slower in every setting tried: one of each is kept for reference.
-BASE_SWEEP = ((64, 256, 2, False), (64, 256, 4, False), (64, 512, 4, False), (32, 512, 2, False),
-              (64, 1024, 4, False), (128, 256, 2, False), (256, 64, 4, True),
-              (64, 128, 1, False), (32, 256, 1, False), (64, 128, 2, False), (128, 128, 2, False),
-              (64, 512, 2, False), (32, 256, 2, False))
-DELTA_SWEEP = ((128, 128, 1, 1, 16), (256, 128, 2, 1, 16), (512, 128, 4, 1, 16), (512, 128, 1, 1, 8),
-               (256, 128, 1, 1, 8), (128, 128, 4, 1, 0), (256, 128, 4, 1, 0), (256, 128, 4, 16, 0))
+#: launch settings tried by ``speed --sweep``: (block_n, block_k, num_warps, mma, compact) of the base
+#: kernel at batch 1 and (block_n, block_k, num_warps, block_m, inner_k, compact) of the delta kernel with
+#: 8 distinct deltas. The masked walks (compact False) keep the fastest settings of the 2026-12-02/03 H200
+#: sweeps (BENCHMARKS.md section 8) and one MMA variant for reference; the compacted walks (each program
+#: gets kept inputs only) are tried around the fastest of the 2026-12-04 sweep.
+BASE_SWEEP = ((64, 256, 2, False, False), (128, 128, 2, False, False), (256, 64, 4, True, False),
+              (64, 128, 2, False, True), (64, 256, 2, False, True), (128, 128, 2, False, True),
+              (64, 128, 1, False, True), (32, 128, 1, False, True), (128, 256, 4, False, True),
+              (64, 256, 4, False, True), (32, 256, 2, False, True), (128, 128, 4, False, True))
+DELTA_SWEEP = ((128, 128, 1, 1, 16, False), (256, 128, 2, 1, 16, False),
+               (256, 128, 1, 1, 8, True), (128, 128, 1, 1, 8, True), (256, 128, 1, 1, 4, True),
+               (512, 128, 1, 1, 8, True), (512, 128, 2, 1, 8, True), (256, 128, 2, 1, 8, True),
+               (128, 128, 1, 1, 4, True), (512, 128, 1, 1, 4, True), (128, 128, 1, 1, 16, True))
+#: the same for the delta kernel at batch 1 on one delta (far fewer programs per launch)
+DELTA1_SWEEP = ((128, 128, 1, 1, 16, False), (64, 128, 1, 1, 16, False),
+                (128, 128, 1, 1, 16, True), (128, 128, 1, 1, 8, True), (64, 128, 1, 1, 16, True),
+                (64, 128, 1, 1, 8, True), (32, 128, 1, 1, 16, True), (256, 128, 1, 1, 8, True),
+                (256, 128, 2, 1, 8, True), (128, 128, 2, 1, 8, True))
 
 
 def _sparse_rows(m: int, k: int, sparsity: float, gen: torch.Generator, device) -> torch.Tensor:
@@ -405,7 +412,7 @@ def run_speed(args) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     t0 = time.time()
     layers = _block(device, args.bits, args.group_size, 8, gen)
-    err = _check(layers, gen, device)
+    err = max(_check(layers, gen, device), _check(layers, gen, device, {"compact": False}, {"compact": False}))
     head = (torch.randn(VOCAB_8B, 4096, generator=gen, device=device) * 0.02).to(torch.bfloat16)
     xh = torch.randn(8, 4096, generator=gen, device=device).to(torch.bfloat16)
     head_us = {m: time_calls([lambda m=m: torch.nn.functional.linear(xh[:m], head)]) for m in (1, 8)}
@@ -427,31 +434,46 @@ def run_speed(args) -> dict:
     def base_calls(x, cfg):
         return [lambda L=L, x=x[n][:1]: A.sparse_base_linear(x, L["wt"], **cfg) for n, L in layers.items()]
 
+    def delta1_calls(x, cfg):
+        return [lambda L=L, x=x[n][:1]: A.sparse_delta_linear(x, L["im"], rd1, out=lin(x, L["w"]), segments=seg1, **cfg)
+                for n, L in layers.items()]
+
     def delta8_calls(x, cfg):
         return [lambda L=L, x=x[n]: A.sparse_delta_linear(x, L["im"], rd8, out=lin(x, L["w"]), segments=seg8, **cfg)
                 for n, L in layers.items()]
 
     # launch settings of the sparse kernels: the ones given, or the fastest of a sweep at the highest sparsity
     given = {k: v for k, v in (("block_n", args.block_n), ("block_k", args.block_k), ("num_warps", args.num_warps)) if v}
-    base_cfg, delta_cfg = dict(given), dict(given)
-    sweep = {"base": [], "delta": []}
+    base_cfg, delta_cfg, delta1_cfg = dict(given), dict(given), dict(given)
+    sweep = {"base": [], "delta": [], "delta1": []}
     if args.sweep:
         top = xs[max(args.sparsity)]
         gs = args.group_size
-        for bn, bk, nw, mma in BASE_SWEEP:
-            cfg = {"block_n": bn, "block_k": bk, "num_warps": nw, "mma": mma}
+        for bn, bk, nw, mma, compact in BASE_SWEEP:
+            cfg = {"block_n": bn, "block_k": bk, "num_warps": nw, "mma": mma, "compact": compact}
             us = time_calls(base_calls(top, cfg), rep_ms=args.rep_ms) * len(SHAPES_8B)
             sweep["base"].append({**cfg, "us_per_block": us})
             print(f"sweep base {cfg}: {us:.1f} us/block", flush=True)
-        for bn, bk, nw, bm, inner in DELTA_SWEEP:
+        for bn, bk, nw, bm, inner, compact in DELTA_SWEEP:
             bk = min(bk, gs) if gs > 0 else bk
-            cfg = {"block_n": bn, "block_k": bk, "num_warps": nw, "block_m": bm, "inner_k": min(inner, bk)}
+            cfg = {"block_n": bn, "block_k": bk, "num_warps": nw, "block_m": bm, "inner_k": min(inner, bk),
+                   "compact": compact}
             us = time_calls(delta8_calls(top, cfg), rep_ms=args.rep_ms) * len(SHAPES_8B)
             sweep["delta"].append({**cfg, "us_per_block": us})
             print(f"sweep 8 deltas {cfg}: {us:.1f} us/block", flush=True)
+        for bn, bk, nw, bm, inner, compact in DELTA1_SWEEP:
+            bk = min(bk, gs) if gs > 0 else bk
+            cfg = {"block_n": bn, "block_k": bk, "num_warps": nw, "block_m": bm, "inner_k": min(inner, bk),
+                   "compact": compact}
+            us = time_calls(delta1_calls(top, cfg), rep_ms=args.rep_ms) * len(SHAPES_8B)
+            sweep["delta1"].append({**cfg, "us_per_block": us})
+            print(f"sweep 1 delta {cfg}: {us:.1f} us/block", flush=True)
+        delta1_cfg = {k: v for k, v in min(sweep["delta1"], key=lambda r: r["us_per_block"]).items()
+                      if k != "us_per_block"}
         base_cfg = {k: v for k, v in min(sweep["base"], key=lambda r: r["us_per_block"]).items() if k != "us_per_block"}
         delta_cfg = {k: v for k, v in min(sweep["delta"], key=lambda r: r["us_per_block"]).items() if k != "us_per_block"}
-        err = max(err, _check(layers, gen, device, base_cfg, delta_cfg))  # the chosen settings are right too
+        # the chosen settings are right too
+        err = max(err, _check(layers, gen, device, base_cfg, delta_cfg), _check(layers, gen, device, base_cfg, delta1_cfg))
     dense_x = xs[min(args.sparsity)]
     add("base, batch 1", 1, 0.0, "cuBLAS dense", [lambda L=L, x=dense_x[n][:1]: lin(x, L["w"]) for n, L in layers.items()])
     add("1 delta, batch 1", 1, 0.0, "fused planar kernel (dense)",
@@ -460,19 +482,33 @@ def run_speed(args) -> dict:
     add("8 deltas, batch 8", 8, 0.0, "fused planar kernel (dense)",
         [lambda L=L, x=dense_x[n]: multi_delta_linear(x, L["w"], None, L["stack"], rd8, segments=seg8)
          for n, L in layers.items()])
+    variants = [("", base_cfg, delta1_cfg, delta_cfg)]
+    if args.sweep:  # the fastest masked walks beside, for comparison
+        def best(rows_, pred):
+            r = min((r for r in rows_ if pred(r)), key=lambda r: r["us_per_block"])
+            return {k: v for k, v in r.items() if k != "us_per_block"}
+
+        def masked(r):
+            return not r["compact"] and r["block_m"] == 1
+
+        variants.append((", masked walk", best(sweep["base"], lambda r: not r["compact"] and not r["mma"]),
+                         best(sweep["delta1"], masked), best(sweep["delta"], masked)))
     for s in args.sparsity:
         x = xs[s]
-        add("base, batch 1", 1, s, "sparse base kernel", base_calls(x, base_cfg))
-        add("1 delta, batch 1", 1, s, "sparse base + sparse delta",
-            [lambda L=L, x=x[n][:1]: A.sparse_delta_linear(x, L["im"], rd1, out=A.sparse_base_linear(x, L["wt"], **base_cfg),
-                                                           segments=seg1, **delta_cfg) for n, L in layers.items()])
-        add("8 deltas, batch 8", 8, s, "cuBLAS base + sparse delta", delta8_calls(x, delta_cfg))
+        for tag, bcfg, d1cfg, dcfg in variants:
+            add("base, batch 1", 1, s, "sparse base kernel" + tag, base_calls(x, bcfg))
+            add("1 delta, batch 1", 1, s, "sparse base + sparse delta" + tag,
+                [lambda L=L, x=x[n][:1], bcfg=bcfg, dcfg=d1cfg: A.sparse_delta_linear(
+                    x, L["im"], rd1, out=A.sparse_base_linear(x, L["wt"], **bcfg), segments=seg1, **dcfg)
+                 for n, L in layers.items()])
+            add("8 deltas, batch 8", 8, s, "cuBLAS base + sparse delta" + tag, delta8_calls(x, dcfg))
     dense_ref = {(r["case"]): r["block_us"] for r in rows if r["sparsity"] == 0.0 and "dense" in r["path"]}
     for r in rows:
         r["speedup_vs_dense"] = dense_ref[r["case"]] / r["block_us"]
     return {"mode": "speed", "device": torch.cuda.get_device_name(), "shape": "Llama-3-8B block",
             "delta_bits": args.bits, "group_size": args.group_size, "max_rel_error": err,
-            "lm_head_us": head_us, "base_tiles": base_cfg, "delta_tiles": delta_cfg, "sweep": sweep,
+            "lm_head_us": head_us, "base_tiles": base_cfg, "delta_tiles": delta_cfg, "delta1_tiles": delta1_cfg,
+            "sweep": sweep,
             "rows": rows, "seconds": round(time.time() - t0, 1)}
 
 
@@ -488,10 +524,11 @@ def speed_table(result: dict) -> str:
     lines = [f"activation sparsity, speed: {result['shape']} on {result['device']}, {result['delta_bits']}-bit deltas "
              f"g{result['group_size']}",
              f"correctness: sparse path vs dense reference, max error / max |y| = {result['max_rel_error']:.2e}",
-             f"tiles: base {_tiles(result.get('base_tiles'))}, delta {_tiles(result.get('delta_tiles'))}",
-             f"{'case':<18} {'sparsity':>8} {'path':<30} {'us/block':>9} {'tok/s':>8} {'vs dense':>8}"]
+             f"tiles: base {_tiles(result.get('base_tiles'))}; delta, 8 rows {_tiles(result.get('delta_tiles'))}; "
+             f"delta, 1 row {_tiles(result.get('delta1_tiles'))}",
+             f"{'case':<18} {'sparsity':>8} {'path':<44} {'us/block':>9} {'tok/s':>8} {'vs dense':>8}"]
     for r in result["rows"]:
-        lines.append(f"{r['case']:<18} {r['sparsity']:>8.0%} {r['path']:<30} {r['block_us']:>9.1f} "
+        lines.append(f"{r['case']:<18} {r['sparsity']:>8.0%} {r['path']:<44} {r['block_us']:>9.1f} "
                      f"{r['tokens_per_s']:>8.1f} {r['speedup_vs_dense']:>7.2f}x")
     lines.append("tok/s: 32 blocks of linear layers + the dense LM head (attention and norms not counted)")
     return "\n".join(lines)

@@ -3,6 +3,8 @@ it compares at equal bytes, and the pure-Python pieces of decode, compress_speed
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -180,6 +182,23 @@ def test_decode_peft_baseline_runs_mixed_adapters_and_gives_the_base_back():
     assert all(torch.equal(p, before[n]) for n, p in back.named_parameters())
     got = back.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(got, want)
+
+
+def test_decode_cold_start_times_every_load_mode_from_a_real_file_and_restores_the_cache(tmp_path):
+    # the cold-start bench end to end on the CPU: a .dz file written, read back four ways (pipelined or
+    # whole, pinned or pageable host buffers), each request answered, the cache's settings put back
+    out = tmp_path / "cold.json"
+    assert decode.main(["--shape", "tiny", "--device", "cpu", "--cold-start-only", "--workdir", str(tmp_path),
+                        "--bits", "4", "--group-size", "64", "--json", str(out)]) == 0
+    cold = json.loads(out.read_text())["cold_start"]
+    modes = ("pipelined", "whole_file", "pipelined_pageable", "whole_file_pageable")
+    for mode in modes:
+        run = cold[mode]
+        assert run["request_to_first_token_s"] > 0 and 0 < run["load_s"] <= run["request_to_first_token_s"]
+        assert run["x_sequential_read"] == pytest.approx(run["request_to_first_token_s"] / cold["disk_sequential_read_s"])
+    # the headline is the cache's default mode: whole file, pinned
+    assert cold["request_to_first_token_s"] == cold["whole_file"]["request_to_first_token_s"]
+    assert cold["file_bytes"] > 0 and cold["bits"] == 4 and not list(tmp_path.glob("tmp*"))
 
 
 def test_budget_synthetic_finetune_changes_what_it_says():

@@ -125,6 +125,10 @@ class DeltaCache:
         self.pipeline_loads: bool = False
         #: decoded bytes per piece of a pipelined load
         self.pipeline_piece_bytes: int = 64 << 20
+        #: decode a delta read from disk into page-locked host memory (CUDA only), so its uploads run
+        #: asynchronously; ``False``: into pageable memory (no pinning cost on the read; each upload then
+        #: waits for its copy). A prefetched host copy is pinned either way.
+        self.pinned_loads: bool = True
 
     # ------------------------------------------------------------------ looking
     def __contains__(self, name) -> bool:
@@ -387,13 +391,16 @@ class DeltaCache:
         if ready is not None:
             torch.cuda.current_stream().wait_event(ready)
 
+    def _pin_loads(self) -> bool:
+        return self.placer.device.type == "cuda" and self.pinned_loads
+
     def _read(self, e: CacheEntry):
         if e.path is None:
             raise DeltaZipError(f"delta {e.name!r} has no file and no host copy: load it again")
         folder = Path(e.path)
         with DeltaZipFile(folder / DZ_FILENAME) as dz:
             _check_same_delta(e, dz)
-            pin = self.placer.device.type == "cuda"  # page-locked: uploads go asynchronously
+            pin = self._pin_loads()  # page-locked: uploads go asynchronously
             # a tqdm bar on a terminal; otherwise one read of the whole file in file order
             modules, params = read_packed(dz, num_threads=e.num_threads, pin_memory=pin, desc=f"loading {e.name}")
         if not e.validated:
@@ -412,7 +419,7 @@ class DeltaCache:
         the base before it is placed; a failure takes the partly placed delta out again.
         """
         folder = Path(e.path)
-        pin = self.placer.device.type == "cuda"
+        pin = self._pin_loads()
         with DeltaZipFile(folder / DZ_FILENAME) as dz:
             _check_same_delta(e, dz)
             pieces, piece, size = [], [], 0

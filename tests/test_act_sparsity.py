@@ -648,3 +648,17 @@ def test_quality_bench_runs_the_measured_allocation(tmp_path):
     r = json.loads(out.read_text())
     assert r["allocation"] == "measured"
     assert {x["model"] for x in r["rows"]} == {"fine-tune", "DeltaModel (compressed delta)"}
+
+
+def test_speed_table_gives_the_per_block_and_the_tokens_per_second_ratio():
+    from hf_deltazip.bench import act_sparsity as bench
+
+    rows = [{"case": "base, batch 1", "sparsity": s, "path": p, "block_us": us, "tokens_per_s": tps,
+             "speedup_vs_dense": 148.0 / us, "tokens_per_s_vs_dense": tps / 200.0}
+            for s, p, us, tps in ((0.0, "cuBLAS dense", 148.0, 200.0), (0.5, "sparse base kernel", 108.0, 270.0))]
+    table = bench.speed_table({"shape": "Llama-3-8B block", "device": "H200", "delta_bits": 4, "group_size": 128,
+                               "max_rel_error": 2.5e-3, "base_tiles": {"block_n": 64, "block_k": 256, "num_warps": 2},
+                               "delta_tiles": None, "delta1_tiles": None, "rows": rows})
+    last = table.splitlines()[-2].split()
+    assert last[-4:] == ["108.0", "1.37x", "270.0", "1.35x"]  # per block, then tokens/s with the LM head
+    assert "64x256 (n x k), 2 warps" in table and "delta, 8 rows defaults" in table

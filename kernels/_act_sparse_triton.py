@@ -235,6 +235,26 @@ def _delta_row_words(x_row, cols, kmask, thr, q32_base, s_base, z_base, RW, N, G
 
 
 @triton.jit
+def _codes_f32(words, shifts, CMASK: tl.constexpr):
+    # int32 words [R, W] taken apart into their codes [R, W, 32 / BITS] as float32, without an int->float
+    # conversion: OR-ed into the mantissa of 2**23 a code reads as 2**23 + code
+    return (((words[:, :, None] >> shifts) & CMASK) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _add_group_tile(acc, xsum, k0, s_base, z_base, N, GS, wcol, ws_row, P32: tl.constexpr):
+    # one row's sums over a tile inside one group, acc [BKI, W, P32] (x . codes) and xsum [BKI], into the
+    # workspace: s * (x.c - z * sum(x)) per output (output of word w, slot j: w * P32 + j)
+    n3 = wcol[:, None] * P32 + tl.arange(0, P32)[None, :]
+    nm = n3 < N
+    g = k0 // GS
+    sc = tl.load(s_base + g * N + n3, mask=nm, other=0.0).to(tl.float32)
+    zf = tl.load(z_base + g * N + n3, mask=nm, other=0).to(tl.float32)
+    part = sc * (tl.reduce(acc, 0, _add) - zf * tl.reduce(xsum, 0, _add))
+    tl.atomic_add(ws_row + n3, part, mask=nm, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _delta_row_words_loop(x_row, k0, K, thr, q32_base, s_base, z_base, RW, N, GS, wcol, ws_row,
                           BITS: tl.constexpr, CMASK: tl.constexpr, THRESH: tl.constexpr,
                           BK: tl.constexpr, BKI: tl.constexpr, W: tl.constexpr):
@@ -251,20 +271,13 @@ def _delta_row_words_loop(x_row, k0, K, thr, q32_base, s_base, z_base, RW, N, GS
         xv, keep = _kept_input_row(x_row, c, c < K, thr, THRESH)
         words = tl.load(q32_base + c.to(tl.int64)[:, None] * RW + wcol[None, :],
                         mask=keep[:, None] & (wcol < RW)[None, :], other=0, eviction_policy="evict_first")
-        # the code as a float without an int->float conversion: OR-ed into the mantissa of 2**23
-        cm = (((words[:, :, None] >> shifts) & CMASK) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        cm = _codes_f32(words, shifts, CMASK)
         xf = xv.to(tl.float32)
         acc += xf[:, None, None] * cm
         xsum += xf
         kept += keep.to(tl.int32)
     if tl.reduce(kept, 0, _add) > 0:  # a group no input of the row keeps: its scales are never read
-        n3 = wcol[:, None] * P32 + tl.arange(0, P32)[None, :]
-        nm = n3 < N
-        g = k0 // GS
-        sc = tl.load(s_base + g * N + n3, mask=nm, other=0.0).to(tl.float32)
-        zf = tl.load(z_base + g * N + n3, mask=nm, other=0).to(tl.float32)
-        part = sc * (tl.reduce(acc, 0, _add) - zf * tl.reduce(xsum, 0, _add))
-        tl.atomic_add(ws_row + n3, part, mask=nm, sem="relaxed", scope="gpu")
+        _add_group_tile(acc, xsum, k0, s_base, z_base, N, GS, wcol, ws_row, P32)
 
 
 @triton.jit
@@ -294,17 +307,11 @@ def _delta_row_words_compact(idx_row, xv_row, kept, k0, q32_base, s_base, z_base
         xf = xn.to(tl.float32)
         words = wn
         xn, wn = _kept_words(idx_row, xv_row, kk + BKI, kept, q32_base, RW, wcol, BKI)
-        cm = (((words[:, :, None] >> shifts) & CMASK) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        cm = _codes_f32(words, shifts, CMASK)
         acc += xf[:, None, None] * cm
         xsum += xf
     if kept > 0:
-        n3 = wcol[:, None] * P32 + tl.arange(0, P32)[None, :]
-        nm = n3 < N
-        g = k0 // GS
-        sc = tl.load(s_base + g * N + n3, mask=nm, other=0.0).to(tl.float32)
-        zf = tl.load(z_base + g * N + n3, mask=nm, other=0).to(tl.float32)
-        part = sc * (tl.reduce(acc, 0, _add) - zf * tl.reduce(xsum, 0, _add))
-        tl.atomic_add(ws_row + n3, part, mask=nm, sem="relaxed", scope="gpu")
+        _add_group_tile(acc, xsum, k0, s_base, z_base, N, GS, wcol, ws_row, P32)
 
 
 @triton.jit

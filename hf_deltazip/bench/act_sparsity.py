@@ -454,20 +454,15 @@ def run_speed(args) -> dict:
             us = time_calls(base_calls(top, cfg), rep_ms=args.rep_ms) * len(SHAPES_8B)
             sweep["base"].append({**cfg, "us_per_block": us})
             print(f"sweep base {cfg}: {us:.1f} us/block", flush=True)
-        for bn, bk, nw, bm, inner, compact in DELTA_SWEEP:
-            bk = min(bk, gs) if gs > 0 else bk
-            cfg = {"block_n": bn, "block_k": bk, "num_warps": nw, "block_m": bm, "inner_k": min(inner, bk),
-                   "compact": compact}
-            us = time_calls(delta8_calls(top, cfg), rep_ms=args.rep_ms) * len(SHAPES_8B)
-            sweep["delta"].append({**cfg, "us_per_block": us})
-            print(f"sweep 8 deltas {cfg}: {us:.1f} us/block", flush=True)
-        for bn, bk, nw, bm, inner, compact in DELTA1_SWEEP:
-            bk = min(bk, gs) if gs > 0 else bk
-            cfg = {"block_n": bn, "block_k": bk, "num_warps": nw, "block_m": bm, "inner_k": min(inner, bk),
-                   "compact": compact}
-            us = time_calls(delta1_calls(top, cfg), rep_ms=args.rep_ms) * len(SHAPES_8B)
-            sweep["delta1"].append({**cfg, "us_per_block": us})
-            print(f"sweep 1 delta {cfg}: {us:.1f} us/block", flush=True)
+        for key, settings, calls, what in (("delta", DELTA_SWEEP, delta8_calls, "8 deltas"),
+                                           ("delta1", DELTA1_SWEEP, delta1_calls, "1 delta")):
+            for bn, bk, nw, bm, inner, compact in settings:
+                bk = min(bk, gs) if gs > 0 else bk
+                cfg = {"block_n": bn, "block_k": bk, "num_warps": nw, "block_m": bm, "inner_k": min(inner, bk),
+                       "compact": compact}
+                us = time_calls(calls(top, cfg), rep_ms=args.rep_ms) * len(SHAPES_8B)
+                sweep[key].append({**cfg, "us_per_block": us})
+                print(f"sweep {what} {cfg}: {us:.1f} us/block", flush=True)
         delta1_cfg = {k: v for k, v in min(sweep["delta1"], key=lambda r: r["us_per_block"]).items()
                       if k != "us_per_block"}
         base_cfg = {k: v for k, v in min(sweep["base"], key=lambda r: r["us_per_block"]).items() if k != "us_per_block"}

@@ -27,8 +27,10 @@ Skipping is exact: a skipped column contributes ``0 * w`` in the dense reference
 accept ``threshold=``: inputs with ``|x| <= threshold`` are treated as zero inside the kernel
 (no separate thresholding pass). The grids depend on shapes only (no host sync): safe to capture
 in a CUDA graph. Each launch sums its tiles in a float32 workspace that the kernel leaves zero;
-the workspaces are kept per shape for the life of the process (a captured graph holds their
-addresses), so launches of one shape must not run concurrently on two streams. On a CPU tensor without ``TRITON_INTERPRET=1`` the public functions run the
+the workspaces, and the kept-input lists of the compacted walks (one small launch before the
+kernel packs each row's kept inputs per tile), are kept per shape for the life of the process (a
+captured graph holds their addresses), so launches of one shape must not run concurrently on two
+streams. On a CPU tensor without ``TRITON_INTERPRET=1`` the public functions run the
 references.
 """
 

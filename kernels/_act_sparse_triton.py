@@ -130,7 +130,6 @@ def _kept_input_row(x_row, cols, kmask, thr, THRESH: tl.constexpr):
     return xv, keep
 
 
-
 @triton.jit(do_not_specialize=["K"])
 def compact_inputs_kernel(x_ptr, idx_ptr, xv_ptr, cnt_ptr, thr, K, stride_xm,
                           SEG: tl.constexpr, THRESH: tl.constexpr, CH: tl.constexpr):
@@ -150,6 +149,7 @@ def compact_inputs_kernel(x_ptr, idx_ptr, xv_ptr, cnt_ptr, thr, K, stride_xm,
         tl.store(xv_ptr + out0 + pos, xv, mask=keep)
         n += tl.reduce(k32, 0, _add)
     tl.store(cnt_ptr + m * tl.num_programs(0) + s, n)
+
 
 @triton.jit(do_not_specialize=["M"])
 def sparse_base_kernel(

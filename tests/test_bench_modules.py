@@ -184,9 +184,9 @@ def test_decode_peft_baseline_runs_mixed_adapters_and_gives_the_base_back():
     assert torch.equal(got, want)
 
 
-def test_decode_cold_start_times_every_load_mode_from_a_real_file_and_restores_the_cache(tmp_path):
+def test_decode_cold_start_times_every_load_mode_from_a_real_file(tmp_path):
     # the cold-start bench end to end on the CPU: a .dz file written, read back four ways (pipelined or
-    # whole, pinned or pageable host buffers), each request answered, the cache's settings put back
+    # whole, pinned or pageable host buffers), each request answered, the temporary folder removed
     out = tmp_path / "cold.json"
     assert decode.main(["--shape", "tiny", "--device", "cpu", "--cold-start-only", "--workdir", str(tmp_path),
                         "--bits", "4", "--group-size", "64", "--json", str(out)]) == 0

@@ -58,6 +58,11 @@ masked tile (the gather waits on the index load), so it is not the default.
 import triton
 import triton.language as tl
 
+try:  # programmatic dependent launch (Hopper and later; triton >= 3.3)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older triton: the launcher never sets PDL
+    gdc_launch_dependents = gdc_wait = None
+
 
 # Only core builtins and this module's own jit functions are used (no tl.max from triton's standard
 # library): the launcher can then reload this module to switch between compiled and interpreted mode.
@@ -132,9 +137,13 @@ def _kept_input_row(x_row, cols, kmask, thr, THRESH: tl.constexpr):
 
 @triton.jit(do_not_specialize=["K"])
 def compact_inputs_kernel(x_ptr, idx_ptr, xv_ptr, cnt_ptr, thr, K, stride_xm,
-                          SEG: tl.constexpr, THRESH: tl.constexpr, CH: tl.constexpr):
+                          SEG: tl.constexpr, THRESH: tl.constexpr, CH: tl.constexpr, PDL: tl.constexpr = 0):
     # program (s, m): the kept inputs of row m in [s*SEG, s*SEG + SEG), packed to the front of that
     # span of idx/xv (row m's span is [m*K, m*K + K)); their count in cnt[m, s]
+    if PDL > 0:
+        gdc_wait()
+        if PDL == 2:
+            gdc_launch_dependents()
     s = tl.program_id(0)
     m = tl.program_id(1)
     x_row = x_ptr + m.to(tl.int64) * stride_xm
@@ -155,19 +164,49 @@ def compact_inputs_kernel(x_ptr, idx_ptr, xv_ptr, cnt_ptr, thr, K, stride_xm,
 def sparse_base_kernel(
     x_ptr, wt_ptr, bias_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, thr, idx_ptr, xv_ptr, kc_ptr,
     M, N, K, stride_xm, stride_wk, stride_om,
+    wt1_ptr, wt2_ptr, N0, N1, stride_wk1, stride_wk2,
     HAS_BIAS: tl.constexpr, THRESH: tl.constexpr, GEMV: tl.constexpr, COMPACT: tl.constexpr, SEG: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr = 0,
+    NG: tl.constexpr = 1,
 ):
+    if PDL > 0:  # launched early: wait for the kernels before this one (x, the workspace) first
+        gdc_wait()
+        if PDL == 2:  # and let the next launch start as this one's last programs run
+            gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    nmask = offs_n < N
+    # the weight this n-tile reads: with NG weights sharing x, their output tiles one after another
+    wbase = wt_ptr
+    swk = tl.full([], 0, tl.int64) + stride_wk
+    g_off = tl.full([], 0, tl.int32)
+    g_n = tl.full([], 0, tl.int32) + N
+    tile = pid_n
+    if NG > 1:
+        t0 = (N0 + BN - 1) // BN
+        g_n = tl.full([], 0, tl.int32) + N0
+        if pid_n >= t0:
+            wbase = wt1_ptr
+            swk = tl.full([], 0, tl.int64) + stride_wk1
+            g_off = tl.full([], 0, tl.int32) + N0
+            g_n = tl.full([], 0, tl.int32) + N1
+            tile = pid_n - t0
+            if NG > 2:
+                t1 = (N1 + BN - 1) // BN
+                if tile >= t1:
+                    wbase = wt2_ptr
+                    swk = tl.full([], 0, tl.int64) + stride_wk2
+                    g_off = tl.full([], 0, tl.int32) + N0 + N1
+                    g_n = tl.full([], 0, tl.int32) + N - N0 - N1
+                    tile = tile - t1
+    wn = tile * BN + tl.arange(0, BN)  # the tile's columns of its own weight
+    offs_n = g_off + wn  # and of the output, the workspace and the bias
+    nmask = wn < g_n
     rows = pid_m * BM + tl.arange(0, BM)
     row_ok = rows < M
     cols = pid_k * BK + tl.arange(0, BK)
     kmask = cols < K
-    w_ptrs = wt_ptr + cols.to(tl.int64)[:, None] * stride_wk + offs_n[None, :]
+    w_ptrs = wbase + cols.to(tl.int64)[:, None] * swk + wn[None, :]
     if COMPACT:  # one row's kept inputs: chunk pid_k % (SEG // BK) of segment pid_k // (SEG // BK)'s list
         seg = pid_k // (SEG // BK)
         start = (pid_k % (SEG // BK)) * BK
@@ -178,7 +217,7 @@ def sparse_base_kernel(
             jm = jj < kept
             ii = tl.load(idx_ptr + j, mask=jm, other=0)
             xv = tl.load(xv_ptr + j, mask=jm, other=0.0)
-            wt = tl.load(wt_ptr + ii.to(tl.int64)[:, None] * stride_wk + offs_n[None, :],
+            wt = tl.load(wbase + ii.to(tl.int64)[:, None] * swk + wn[None, :],
                          mask=jm[:, None] & nmask[None, :], other=0.0, eviction_policy="evict_first")
             part = tl.reduce(xv.to(tl.float32)[:, None] * wt.to(tl.float32), 0, _add)
             tl.atomic_add(ws_ptr + pid_m.to(tl.int64) * N + offs_n, part, mask=nmask, sem="relaxed", scope="gpu")
@@ -374,8 +413,12 @@ def sparse_delta_kernel(
     M, N, K, U, RB, G, GS, stride_xm, stride_om,
     BITS: tl.constexpr, THRESH: tl.constexpr, BLOCK_GROUP: tl.constexpr, GEMV: tl.constexpr,
     WORDS: tl.constexpr, COMPACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKI: tl.constexpr,
-    MP: tl.constexpr, DOT_PREC: tl.constexpr,
+    MP: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr = 0,
 ):
+    if PDL > 0:  # launched early: wait for the kernels before this one (x, the segments, out) first
+        gdc_wait()
+        if PDL == 2:
+            gdc_launch_dependents()
     P: tl.constexpr = 8 // BITS  # codes per byte (along the outputs)
     CMASK: tl.constexpr = (1 << BITS) - 1
     pid_n = tl.program_id(0)

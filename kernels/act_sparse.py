@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -54,6 +54,7 @@ __all__ = [
     "input_major_deltas",
     "sparsify_input",
     "sparse_base_linear",
+    "sparse_base_linears",
     "sparse_base_linear_reference",
     "sparse_delta_linear",
     "sparse_delta_linear_reference",
@@ -247,6 +248,27 @@ def _kernel(name: str):
     return kern
 
 
+_PDL_DEVICES: dict = {}
+
+
+def _pdl(pdl: Optional[int], x: torch.Tensor) -> int:
+    """The launch's programmatic-dependent-launch mode: ``pdl`` as given, or the default for ``x``'s device."""
+    if pdl is not None:
+        if pdl not in (0, 1, 2):
+            raise ValueError(f"pdl must be 0, 1, 2 or None, got {pdl!r}")
+        if pdl and (_interpreting() or x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] < 9):
+            raise ValueError("pdl needs a GPU of compute capability 9.0 or more (Hopper); pass pdl=0 or None")
+        return pdl
+    if _interpreting() or x.device.type != "cuda":
+        return 0
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if index not in _PDL_DEVICES:
+        from . import _act_sparse_triton as mod
+
+        _PDL_DEVICES[index] = 2 if mod.gdc_wait is not None and torch.cuda.get_device_capability(index)[0] >= 9 else 0
+    return _PDL_DEVICES[index]
+
+
 def _runs_reference(x: torch.Tensor) -> bool:
     return x.device.type != "cuda" and not _interpreting()
 
@@ -286,7 +308,7 @@ def _workspace(device: torch.device, m: int, n: int, counters: int) -> tuple[tor
 _COMPACT: dict = {}
 
 
-def _compacted(x: torch.Tensor, thr: float, use_thr: bool, seg: int) -> tuple:
+def _compacted(x: torch.Tensor, thr: float, use_thr: bool, seg: int, pdl: int = 0) -> tuple:
     """Launch :func:`compact_inputs_kernel` on ``x``: per row and per segment of ``seg`` inputs, the
     kept inputs' indices and values packed to the segment's front, and their counts ``[M, cdiv(K, seg)]``."""
     m, k = x.shape
@@ -299,7 +321,8 @@ def _compacted(x: torch.Tensor, thr: float, use_thr: bool, seg: int) -> tuple:
                                torch.zeros((m, nseg), dtype=torch.int32, device=x.device))
     idx, xv, cnt = buf
     _kernel("compact_inputs_kernel")[(nseg, m)](x, idx, xv, cnt, thr, k, x.stride(0), SEG=seg, THRESH=use_thr,
-                                                CH=min(1024, _next_pow2(seg)), num_warps=4)
+                                                CH=min(1024, _next_pow2(seg)), PDL=pdl, num_warps=4,
+                                                **({"launch_pdl": True} if pdl else {}))
     return buf
 
 
@@ -325,7 +348,7 @@ def _check_blocks(block_n: int, block_k: int, block_m: Optional[int] = None) -> 
 def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                        threshold: Optional[float] = None, out: Optional[torch.Tensor] = None,
                        block_n: int = 64, block_k: int = 256, num_warps: int = 2,
-                       mma: bool = False, compact: bool = False) -> torch.Tensor:
+                       mma: bool = False, compact: bool = False, pdl: Optional[int] = None) -> torch.Tensor:
     """``y = x W^T + bias`` reading only the weight columns of inputs some row of ``x`` keeps.
 
     Args:
@@ -345,21 +368,78 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
             a program past the end of a list does nothing. ``False`` (default; 108 against 121 µs
             per 8B block at 50 % on the H200, BENCHMARKS.md section 8): each program takes
             ``block_k`` consecutive inputs and masks the dropped ones. Ignored for more rows.
+        pdl: programmatic dependent launch (Hopper and later): 0 off; 1 the launch may start
+            before the kernel before it ends and waits for it inside; 2 the same, and this launch
+            lets the next one start as its own last programs run (the same results; 3-13 µs less
+            per 8B block on the H200, BENCHMARKS.md section 8). ``None`` (default): 2 on a GPU of
+            compute capability 9.0 or more, else 0.
 
     Returns:
         ``[M, N]`` in ``out``'s dtype (default ``x.dtype``), accumulated in float32.
     """
     _check_base(x, weight_t, bias, out)
     _check_blocks(block_n, block_k)
-    thr, use_thr = _thr(threshold, x.dtype)
+    _thr(threshold, x.dtype)  # a bad threshold or pdl is refused on every path
+    pdl = _pdl(pdl, x)
     if _runs_reference(x):
         y = sparse_base_linear_reference(x, weight_t, bias, threshold)
         return y if out is None else out.copy_(y)
-    if weight_t.stride(1) != 1:
-        raise ValueError("weight_t must have contiguous rows: build it with input_major_weight(W)")
+    return _launch_base(x, [weight_t], bias, threshold, out, block_n, block_k, num_warps, mma, compact, pdl)
+
+
+def sparse_base_linears(x: torch.Tensor, weights_t: Sequence[torch.Tensor],
+                        biases: Optional[Sequence[Optional[torch.Tensor]]] = None, *,
+                        threshold: Optional[float] = None, out: Optional[torch.Tensor] = None,
+                        block_n: int = 64, block_k: int = 256, num_warps: int = 2, mma: bool = False,
+                        pdl: Optional[int] = None) -> tuple:
+    """:func:`sparse_base_linear` for up to three weights that read the same input (q/k/v, gate/up),
+    in one launch: the same result as one call per weight, with the launch and the tail of two
+    fewer kernels. The weights stay separate tensors (nothing is concatenated).
+
+    Args:
+        x: ``[M, K]`` activations.
+        weights_t: one to three input-major ``[K, N_i]`` weights (:func:`input_major_weight`).
+        biases: ``None`` or one ``[N_i]`` bias or ``None`` per weight.
+        out: optional ``[M, sum N_i]`` output; the weights' outputs are its column ranges in order.
+        threshold, block_n, block_k, num_warps, mma, pdl: as :func:`sparse_base_linear`.
+
+    Returns:
+        one ``[M, N_i]`` tensor per weight: column views of one ``[M, sum N_i]`` output.
+    """
+    weights_t = list(weights_t)
+    if not 1 <= len(weights_t) <= 3:
+        raise ValueError(f"sparse_base_linears takes one to three weights, got {len(weights_t)}")
+    biases = [None] * len(weights_t) if biases is None else list(biases)
+    if len(biases) != len(weights_t):
+        raise ValueError(f"got {len(biases)} biases for {len(weights_t)} weights: give one (or None) per weight")
+    if any(b is not None for b in biases) and any(b is None for b in biases):
+        raise ValueError("give a bias for every weight or for none (a zero bias where a layer has none)")
+    sizes = [w.shape[1] if w.dim() == 2 else -1 for w in weights_t]
+    for w, b in zip(weights_t, biases):
+        _check_base(x, w, b, None)
+    _check_blocks(block_n, block_k)
+    _thr(threshold, x.dtype)
+    pdl = _pdl(pdl, x)
+    n = sum(sizes)
+    _check_out(out, x.shape[0], n, x)
+    bias = None if biases[0] is None else torch.cat([b.reshape(-1) for b in biases])
+    if _runs_reference(x):
+        y = torch.cat([sparse_base_linear_reference(x, w, b, threshold) for w, b in zip(weights_t, biases)], dim=1)
+        y = y if out is None else out.copy_(y)
+    else:
+        y = _launch_base(x, weights_t, bias, threshold, out, block_n, block_k, num_warps, mma, False, pdl)
+    return tuple(y.split(sizes, dim=1))
+
+
+def _launch_base(x, weights_t, bias, threshold, out, block_n, block_k, num_warps, mma, compact, pdl):
+    thr, use_thr = _thr(threshold, x.dtype)
+    for w in weights_t:
+        if w.stride(1) != 1:
+            raise ValueError("weight_t must have contiguous rows: build it with input_major_weight(W)")
     x = x if x.stride(1) == 1 else x.contiguous()
     m, k = x.shape
-    n = weight_t.shape[1]
+    sizes = [w.shape[1] for w in weights_t]
+    n = sum(sizes)
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -370,14 +450,18 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
     use_compact = compact and bm == 1
     # compacted: lists per segment of `seg` inputs (compacted in parallel), block_k kept inputs a program
     seg = max(_BASE_SEGMENT, block_k)
-    grid = (_cdiv(n, block_n), _cdiv(k, seg) * (seg // block_k) if use_compact else _cdiv(k, block_k), _cdiv(m, bm))
+    tiles = sum(_cdiv(s, block_n) for s in sizes)
+    grid = (tiles, _cdiv(k, seg) * (seg // block_k) if use_compact else _cdiv(k, block_k), _cdiv(m, bm))
     ws, cnt = _workspace(x.device, m, n, grid[0] * grid[2])
-    idx, xv, kc = _compacted(x, thr, use_thr, seg) if use_compact else (cnt, x, cnt)
+    idx, xv, kc = _compacted(x, thr, use_thr, seg, pdl) if use_compact else (cnt, x, cnt)
+    w0, w1, w2 = (weights_t + weights_t[-1:] * 2)[:3]
     _kernel("sparse_base_kernel")[grid](
-        x, weight_t, bias if bias is not None else out, out, ws, ws.view(torch.int32), cnt, thr, idx, xv, kc,
-        m, n, k, x.stride(0), weight_t.stride(0), out.stride(0),
+        x, w0, bias if bias is not None else out, out, ws, ws.view(torch.int32), cnt, thr, idx, xv, kc,
+        m, n, k, x.stride(0), w0.stride(0), out.stride(0),
+        w1, w2, sizes[0], sizes[1] if len(sizes) > 1 else 0, w1.stride(0), w2.stride(0),
         HAS_BIAS=bias is not None, THRESH=use_thr, GEMV=bm == 1, COMPACT=use_compact, SEG=seg, BM=bm, BN=block_n,
-        BK=block_k, DOT_PREC=_dot_prec(x), num_warps=num_warps,
+        BK=block_k, DOT_PREC=_dot_prec(x), PDL=pdl, NG=len(weights_t), num_warps=num_warps,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out
 
@@ -390,7 +474,7 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
                         out: Optional[torch.Tensor] = None, threshold: Optional[float] = None,
                         segments: Optional[torch.Tensor] = None, block_m: int = 1,
                         block_n: Optional[int] = None, block_k: int = 0, num_warps: Optional[int] = None,
-                        inner_k: Optional[int] = None, compact: bool = True) -> torch.Tensor:
+                        inner_k: Optional[int] = None, compact: bool = True, pdl: Optional[int] = None) -> torch.Tensor:
     """``out[m] += x[m] @ dequant(deltas[row_delta[m]])^T``, each segment of rows sharing a delta
     reading only the delta columns its own rows keep.
 
@@ -419,6 +503,7 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
             row's kept inputs per tile into a list (one small extra launch), then walk only the
             kept ones, ``ceil(kept / inner_k)`` steps per tile instead of ``block_k / inner_k``;
             ``False``: walk every input of the tile and mask the dropped ones.
+        pdl: programmatic dependent launch, as :func:`sparse_base_linear` (the compaction launch too).
 
     Returns:
         ``out``.
@@ -437,6 +522,7 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
     _check_blocks(block_n, block_k, block_m)
     bki = _inner_k(inner_k, block_k)
     thr, use_thr = _thr(threshold, x.dtype)
+    pdl = _pdl(pdl, x)
     if _runs_reference(x):
         y = sparse_delta_linear_reference(x, deltas, row_delta, out, threshold)
         return y if out is None else out.copy_(y)
@@ -460,7 +546,7 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
     # whole int32 words per packed row (every 8B shape): the one-row path reads words
     words = block_m == 1 and rb % 4 == 0 and q.is_contiguous() and q.data_ptr() % 4 == 0 and block_n * deltas.bits >= 32
     use_compact = compact and words and block_group
-    idx, xv, kc = _compacted(x, thr, use_thr, block_k) if use_compact else (cnt, x, cnt)
+    idx, xv, kc = _compacted(x, thr, use_thr, block_k, pdl) if use_compact else (cnt, x, cnt)
     _kernel("sparse_delta_kernel")[grid](
         x, q, q.view(torch.int32) if words else q, deltas.scales, deltas.zeros, segments.contiguous(), out, ws,
         ws.view(torch.int32), cnt, thr, idx, xv, kc,
@@ -468,7 +554,8 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
         x.stride(0), out.stride(0),
         BITS=deltas.bits, THRESH=use_thr, BLOCK_GROUP=block_group, GEMV=block_m == 1, WORDS=words,
         COMPACT=use_compact, BM=block_m,
-        BN=block_n, BK=block_k, BKI=bki, MP=max(2, _next_pow2(m)), DOT_PREC=_dot_prec(x), num_warps=num_warps,
+        BN=block_n, BK=block_k, BKI=bki, MP=max(2, _next_pow2(m)), DOT_PREC=_dot_prec(x), PDL=pdl, num_warps=num_warps,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out
 

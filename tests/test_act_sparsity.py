@@ -85,6 +85,57 @@ def test_sparse_base_linear_never_reads_columns_of_dropped_inputs(interpret, dty
     torch.testing.assert_close(got, A.sparse_base_linear_reference(x, clean, threshold=0.6), **_tol(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("m,sizes", [(1, (40, 24, 24)), (1, (33, 16)), (3, (17, 50, 8))])
+def test_weights_sharing_an_input_in_one_launch_give_one_call_per_weight(interpret, dtype, m, sizes):
+    gen = torch.Generator().manual_seed(sum(sizes) + m)
+    k = 100
+    x = _sparse_x(m, k, gen, dtype, dead=[(32, 64)])
+    ws = [(torch.randn(n, k, generator=gen) * 0.1).to(dtype) for n in sizes]
+    wts = [A.input_major_weight(w) for w in ws]
+    dropped = (x.abs() <= 0.6).all(0)
+    for wt in wts:  # reading the row of an input no row keeps would poison that weight's outputs
+        wt[dropped] = float("nan")
+    clean = [wt.masked_fill(dropped[:, None], 0) for wt in wts]
+    for biases in (None, [torch.randn(n, generator=gen).to(dtype) for n in sizes]):
+        outs = A.sparse_base_linears(x, wts, biases, threshold=0.6, block_n=16, block_k=32)
+        assert [tuple(o.shape) for o in outs] == [(m, n) for n in sizes]
+        for i, o in enumerate(outs):
+            b = None if biases is None else biases[i]
+            assert torch.isfinite(o).all()
+            torch.testing.assert_close(o, A.sparse_base_linear_reference(x, clean[i], b, threshold=0.6), **_tol(dtype))
+            # the same launch settings, one weight per launch: the same sums in the same order
+            torch.testing.assert_close(o, A.sparse_base_linear(x, wts[i], b, threshold=0.6, block_n=16, block_k=32),
+                                       atol=0, rtol=0)
+    out = torch.full((m, sum(sizes)), 7.0, dtype=dtype)  # a given output: the weights' column ranges in order
+    views = A.sparse_base_linears(x, clean, threshold=0.6, out=out, block_n=32, block_k=64)
+    assert all(v.data_ptr() == out[:, lo:].data_ptr() for v, lo in zip(views, [0, *torch.tensor(sizes).cumsum(0)[:-1].tolist()]))
+    torch.testing.assert_close(out, torch.cat([A.sparse_base_linear_reference(x, c, threshold=0.6) for c in clean], 1),
+                               **_tol(dtype))
+
+
+def test_grouped_launch_and_pdl_refuse_what_they_cannot_do(interpret):
+    x = torch.randn(1, 64, dtype=torch.float16)
+    wt = A.input_major_weight(torch.randn(16, 64, dtype=torch.float16))
+    with pytest.raises(ValueError, match="one to three weights"):
+        A.sparse_base_linears(x, [wt] * 4)
+    with pytest.raises(ValueError, match="one to three weights"):
+        A.sparse_base_linears(x, [])
+    with pytest.raises(ValueError, match="for every weight or for none"):
+        A.sparse_base_linears(x, [wt, wt], [torch.zeros(16, dtype=torch.float16), None])
+    with pytest.raises(ValueError, match="2 biases for 3 weights"):
+        A.sparse_base_linears(x, [wt] * 3, [None, None])
+    with pytest.raises(ValueError, match="input-major"):  # a weight of another input width
+        A.sparse_base_linears(x, [wt, A.input_major_weight(torch.randn(16, 32, dtype=torch.float16))])
+    with pytest.raises(ValueError, match=r"\[1, 32\]"):
+        A.sparse_base_linears(x, [wt, wt], out=torch.empty(1, 16, dtype=torch.float16))
+    with pytest.raises(ValueError, match="compute capability 9.0"):
+        A.sparse_base_linear(x, wt, pdl=2)
+    with pytest.raises(ValueError, match="pdl must be"):
+        A.sparse_delta_linear(x, A.input_major_deltas(random_delta_stack(1, 16, 64, bits=4, group_size=32)),
+                              torch.zeros(1, dtype=torch.int32), pdl=3)
+
+
 # --------------------------------------------------------------------------- delta kernel
 @pytest.mark.parametrize("dtype,bits,group_size,block_k", [
     (torch.float16, 4, 32, 32), (torch.float32, 4, 64, 32), (torch.float16, 2, -1, 32),
@@ -461,6 +512,20 @@ def test_compiled_kernels_match_references_on_gpu(monkeypatch, dtype):
     got = A.sparse_delta_linear(x, deltas, rd, out=base.clone(), threshold=0.6)
     want = A.sparse_delta_linear_reference(x, deltas, rd, out=base, threshold=0.6)
     torch.testing.assert_close(got.float(), want.float(), atol=6e-2, rtol=2e-2)
+    # programmatic dependent launch (on by default on Hopper) and the grouped base launch: the same sums up
+    # to the order of the float32 atomic adds (one rounding of the output)
+    same = dict(atol=1e-2, rtol=1e-2)
+    if torch.cuda.get_device_capability()[0] >= 9:
+        for pdl in (0, 1, 2):
+            torch.testing.assert_close(A.sparse_delta_linear(x, deltas, rd, out=base.clone(), threshold=0.6, pdl=pdl),
+                                       got, **same)
+            torch.testing.assert_close(A.sparse_base_linear(x[:1], wt, threshold=0.6, pdl=pdl),
+                                       A.sparse_base_linear(x[:1], wt, threshold=0.6, pdl=0), **same)
+    w2t = A.input_major_weight((torch.randn(300, k, generator=gen, device="cuda") * 0.02).to(dtype))
+    for rows in (1, m):
+        q, kv = A.sparse_base_linears(x[:rows], [wt, w2t], threshold=0.6)
+        torch.testing.assert_close(q, A.sparse_base_linear_reference(x[:rows], wt, threshold=0.6), atol=3e-2, rtol=2e-2)
+        torch.testing.assert_close(kv, A.sparse_base_linear_reference(x[:rows], w2t, threshold=0.6), atol=3e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])

@@ -15,7 +15,10 @@ or ``--tiny`` (a tiny llama pair trained on the spot from token patterns, a CPU 
 graph over the block's layers (the block's ~0.9 GB of weights stream through L2 every replay):
 
 * batch 1, base only: cuBLAS dense vs :func:`~hf_deltazip.kernels.act_sparse.sparse_base_linear`
-  at 0/25/40/50 % of inputs zero (random positions: what magnitude thresholds give);
+  at 0/25/40/50 % of inputs zero (random positions: what magnitude thresholds give), with and
+  without programmatic dependent launch; and grouped: q/k/v and gate/up in one launch each
+  (:func:`~hf_deltazip.kernels.act_sparse.sparse_base_linears`) against cuBLAS on the
+  concatenated weights (what a model with fused projections runs);
 * batch 1 with one delta: the fused planar multi-delta kernel (dense) vs sparse base + sparse delta;
 * batch 8 with 8 distinct deltas: the fused planar kernel (dense) vs cuBLAS base (the union of 8
   rows' kept inputs is almost everything) + :func:`~hf_deltazip.kernels.act_sparse.sparse_delta_linear`
@@ -434,6 +437,15 @@ def run_speed(args) -> dict:
     def base_calls(x, cfg):
         return [lambda L=L, x=x[n][:1]: A.sparse_base_linear(x, L["wt"], **cfg) for n, L in layers.items()]
 
+    # q/k/v and gate/up share their input: one launch each (sparse_base_linears); the dense baseline
+    # of the same grouping multiplies by the concatenated weights (what a fused-projection model runs)
+    groups = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+    fused_w = {g: torch.cat([layers[n]["w"] for n in g]) for g in groups}
+
+    def grouped_calls(x, cfg):
+        return [lambda g=g, x=x[g[0]][:1]: A.sparse_base_linears(x, [layers[n]["wt"] for n in g], **cfg)
+                for g in groups]
+
     def delta1_calls(x, cfg):
         return [lambda L=L, x=x[n][:1]: A.sparse_delta_linear(x, L["im"], rd1, out=lin(x, L["w"]), segments=seg1, **cfg)
                 for n, L in layers.items()]
@@ -471,6 +483,8 @@ def run_speed(args) -> dict:
         err = max(err, _check(layers, gen, device, base_cfg, delta_cfg), _check(layers, gen, device, base_cfg, delta1_cfg))
     dense_x = xs[min(args.sparsity)]
     add("base, batch 1", 1, 0.0, "cuBLAS dense", [lambda L=L, x=dense_x[n][:1]: lin(x, L["w"]) for n, L in layers.items()])
+    add("base, batch 1, grouped", 1, 0.0, "cuBLAS dense, q/k/v and gate/up concatenated",
+        [lambda g=g, x=dense_x[g[0]][:1]: lin(x, fused_w[g]) for g in groups])
     add("1 delta, batch 1", 1, 0.0, "fused planar kernel (dense)",
         [lambda L=L, x=dense_x[n][:1]: multi_delta_linear(x, L["w"], None, L["stack"], rd1, segments=seg1)
          for n, L in layers.items()])
@@ -492,6 +506,10 @@ def run_speed(args) -> dict:
         x = xs[s]
         for tag, bcfg, d1cfg, dcfg in variants:
             add("base, batch 1", 1, s, "sparse base kernel" + tag, base_calls(x, bcfg))
+            if not tag:
+                add("base, batch 1", 1, s, "sparse base kernel, no PDL", base_calls(x, {**bcfg, "pdl": 0}))
+                add("base, batch 1, grouped", 1, s, "sparse base kernel, q/k/v and gate/up in one launch each",
+                    grouped_calls(x, {k: v for k, v in bcfg.items() if k != "compact"}))
             add("1 delta, batch 1", 1, s, "sparse base + sparse delta" + tag,
                 [lambda L=L, x=x[n][:1], bcfg=bcfg, dcfg=d1cfg: A.sparse_delta_linear(
                     x, L["im"], rd1, out=A.sparse_base_linear(x, L["wt"], **bcfg), segments=seg1, **dcfg)

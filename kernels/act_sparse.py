@@ -26,7 +26,10 @@ read *input-major* weights, where input ``k``'s column is one contiguous row:
 Skipping is exact: a skipped column contributes ``0 * w`` in the dense reference. Both kernels
 accept ``threshold=``: inputs with ``|x| <= threshold`` are treated as zero inside the kernel
 (no separate thresholding pass). The grids depend on shapes only (no host sync): safe to capture
-in a CUDA graph. Each launch sums its tiles in a float32 workspace that the kernel leaves zero;
+in a CUDA graph. On Hopper the launches use programmatic dependent launch (each may begin while
+the kernel before it drains; ``pdl=``). :func:`sparse_base_linears` multiplies up to three weights
+that read the same input (q/k/v, gate/up) in one launch. Each launch sums its tiles in a float32
+workspace that the kernel (or its finishing launch) leaves zero;
 the workspaces, and the kept-input lists of the compacted walks (one small launch before the
 kernel packs each row's kept inputs per tile), are kept per shape for the life of the process (a
 captured graph holds their addresses), so launches of one shape must not run concurrently on two
@@ -348,7 +351,8 @@ def _check_blocks(block_n: int, block_k: int, block_m: Optional[int] = None) -> 
 def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                        threshold: Optional[float] = None, out: Optional[torch.Tensor] = None,
                        block_n: int = 64, block_k: int = 256, num_warps: int = 2,
-                       mma: bool = False, compact: bool = False, pdl: Optional[int] = None) -> torch.Tensor:
+                       mma: bool = False, compact: bool = False, pdl: Optional[int] = None,
+                       finish_kernel: bool = True) -> torch.Tensor:
     """``y = x W^T + bias`` reading only the weight columns of inputs some row of ``x`` keeps.
 
     Args:
@@ -373,6 +377,10 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
             lets the next one start as its own last programs run (the same results; 3-13 µs less
             per 8B block on the H200, BENCHMARKS.md section 8). ``None`` (default): 2 on a GPU of
             compute capability 9.0 or more, else 0.
+        finish_kernel: ``True`` (default): a second, small launch turns the float32 sums into the
+            output (1.5-4 % faster per 8B block at 40-50 % on the H200 than the alternative);
+            ``False``: the last program of each output tile does it, counting the tiles in with an
+            atomic counter.
 
     Returns:
         ``[M, N]`` in ``out``'s dtype (default ``x.dtype``), accumulated in float32.
@@ -384,14 +392,15 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
     if _runs_reference(x):
         y = sparse_base_linear_reference(x, weight_t, bias, threshold)
         return y if out is None else out.copy_(y)
-    return _launch_base(x, [weight_t], bias, threshold, out, block_n, block_k, num_warps, mma, compact, pdl)
+    return _launch_base(x, [weight_t], bias, threshold, out, block_n, block_k, num_warps, mma, compact, pdl,
+                        finish_kernel)
 
 
 def sparse_base_linears(x: torch.Tensor, weights_t: Sequence[torch.Tensor],
                         biases: Optional[Sequence[Optional[torch.Tensor]]] = None, *,
                         threshold: Optional[float] = None, out: Optional[torch.Tensor] = None,
                         block_n: int = 64, block_k: int = 256, num_warps: int = 2, mma: bool = False,
-                        pdl: Optional[int] = None) -> tuple:
+                        pdl: Optional[int] = None, finish_kernel: bool = True) -> tuple:
     """:func:`sparse_base_linear` for up to three weights that read the same input (q/k/v, gate/up),
     in one launch: the same result as one call per weight, with the launch and the tail of two
     fewer kernels. The weights stay separate tensors (nothing is concatenated).
@@ -401,7 +410,7 @@ def sparse_base_linears(x: torch.Tensor, weights_t: Sequence[torch.Tensor],
         weights_t: one to three input-major ``[K, N_i]`` weights (:func:`input_major_weight`).
         biases: ``None`` or one ``[N_i]`` bias or ``None`` per weight.
         out: optional ``[M, sum N_i]`` output; the weights' outputs are its column ranges in order.
-        threshold, block_n, block_k, num_warps, mma, pdl: as :func:`sparse_base_linear`.
+        threshold, block_n, block_k, num_warps, mma, pdl, finish_kernel: as :func:`sparse_base_linear`.
 
     Returns:
         one ``[M, N_i]`` tensor per weight: column views of one ``[M, sum N_i]`` output.
@@ -427,11 +436,13 @@ def sparse_base_linears(x: torch.Tensor, weights_t: Sequence[torch.Tensor],
         y = torch.cat([sparse_base_linear_reference(x, w, b, threshold) for w, b in zip(weights_t, biases)], dim=1)
         y = y if out is None else out.copy_(y)
     else:
-        y = _launch_base(x, weights_t, bias, threshold, out, block_n, block_k, num_warps, mma, False, pdl)
+        y = _launch_base(x, weights_t, bias, threshold, out, block_n, block_k, num_warps, mma, False, pdl,
+                         finish_kernel)
     return tuple(y.split(sizes, dim=1))
 
 
-def _launch_base(x, weights_t, bias, threshold, out, block_n, block_k, num_warps, mma, compact, pdl):
+def _launch_base(x, weights_t, bias, threshold, out, block_n, block_k, num_warps, mma, compact, pdl,
+                 finish_kernel=False):
     thr, use_thr = _thr(threshold, x.dtype)
     for w in weights_t:
         if w.stride(1) != 1:
@@ -460,9 +471,13 @@ def _launch_base(x, weights_t, bias, threshold, out, block_n, block_k, num_warps
         m, n, k, x.stride(0), w0.stride(0), out.stride(0),
         w1, w2, sizes[0], sizes[1] if len(sizes) > 1 else 0, w1.stride(0), w2.stride(0),
         HAS_BIAS=bias is not None, THRESH=use_thr, GEMV=bm == 1, COMPACT=use_compact, SEG=seg, BM=bm, BN=block_n,
-        BK=block_k, DOT_PREC=_dot_prec(x), PDL=pdl, NG=len(weights_t), num_warps=num_warps,
-        **({"launch_pdl": True} if pdl else {}),
+        BK=block_k, DOT_PREC=_dot_prec(x), PDL=pdl, NG=len(weights_t), LAST_FINISHES=not finish_kernel,
+        num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
     )
+    if finish_kernel:
+        _kernel("finish_rows_kernel")[(_cdiv(n, 1024), m)](
+            ws.view(torch.int32), out, bias if bias is not None else out, n, out.stride(0), HAS_BIAS=bias is not None,
+            BLOCK=1024, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
     return out
 
 

@@ -60,6 +60,11 @@ def test_sparse_base_linear_matches_dense_reference(interpret, dtype, m, n, k):
     torch.testing.assert_close(A.sparse_base_linear(x, wt, bias, block_n=16, block_k=64), dense, **_tol(dtype))
     for mma in (True, False):  # one row through tl.dot (padded to 16 rows) or as a GEMV
         torch.testing.assert_close(A.sparse_base_linear(x, wt, bias, block_n=32, block_k=32, mma=mma), dense, **_tol(dtype))
+    # the sums turned into the output by the last program of each tile instead of a second launch
+    torch.testing.assert_close(A.sparse_base_linear(x, wt, bias, block_n=32, block_k=32, finish_kernel=False), got,
+                               atol=0, rtol=0)
+    for ws, counters in A._WORKSPACES.values():
+        assert not ws.any() and not counters.any()
     # the threshold fused in the kernel: the same as thresholding x first
     got_t = A.sparse_base_linear(x, wt, None, threshold=0.7, block_n=32, block_k=32)
     ref_t = A.sparse_base_linear_reference(x, wt, None, threshold=0.7)

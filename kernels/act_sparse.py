@@ -350,8 +350,8 @@ def _check_blocks(block_n: int, block_k: int, block_m: Optional[int] = None) -> 
 
 def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                        threshold: Optional[float] = None, out: Optional[torch.Tensor] = None,
-                       block_n: int = 64, block_k: int = 256, num_warps: int = 2,
-                       mma: bool = False, compact: bool = False, pdl: Optional[int] = None,
+                       block_n: int = 64, block_k: Optional[int] = None, num_warps: int = 2,
+                       mma: bool = False, compact: bool = True, pdl: Optional[int] = None,
                        finish_kernel: bool = True) -> torch.Tensor:
     """``y = x W^T + bias`` reading only the weight columns of inputs some row of ``x`` keeps.
 
@@ -365,13 +365,15 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
         out: optional ``[M, N]`` output.
         block_n, block_k, num_warps: the ``[block_k, block_n]`` weight tile of one program (powers
             of two, at least 16) and its warps. Memory is skipped per input whatever the tile.
+            ``block_k=None``: 128 for the compacted one-row walk, else 256.
         mma: one row through ``tl.dot`` too, padded to 16 rows; ``False`` (default, faster on the
             H200): one row runs as a GEMV (a multiply and a sum across lanes).
         compact: one row without MMA: first pack the row's kept inputs into lists of 1024-input
             segments (one small extra launch), then give each program ``block_k`` *kept* inputs, so
-            a program past the end of a list does nothing. ``False`` (default; 108 against 121 µs
-            per 8B block at 50 % on the H200, BENCHMARKS.md section 8): each program takes
-            ``block_k`` consecutive inputs and masks the dropped ones. Ignored for more rows.
+            a program past the end of a list does nothing (the default: 99.4 against 102.7 µs per
+            8B block at 50 % on the H200 with the finishing launch and PDL, BENCHMARKS.md section
+            8; slower without them). ``False``: each program takes ``block_k`` consecutive inputs
+            and masks the dropped ones. Ignored for more rows.
         pdl: programmatic dependent launch (Hopper and later): 0 off; 1 the launch may start
             before the kernel before it ends and waits for it inside; 2 the same, and this launch
             lets the next one start as its own last programs run (the same results; 3-13 µs less
@@ -386,6 +388,7 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
         ``[M, N]`` in ``out``'s dtype (default ``x.dtype``), accumulated in float32.
     """
     _check_base(x, weight_t, bias, out)
+    block_k = _base_block_k(block_k, x, mma, compact)
     _check_blocks(block_n, block_k)
     _thr(threshold, x.dtype)  # a bad threshold or pdl is refused on every path
     pdl = _pdl(pdl, x)
@@ -399,8 +402,8 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
 def sparse_base_linears(x: torch.Tensor, weights_t: Sequence[torch.Tensor],
                         biases: Optional[Sequence[Optional[torch.Tensor]]] = None, *,
                         threshold: Optional[float] = None, out: Optional[torch.Tensor] = None,
-                        block_n: int = 64, block_k: int = 256, num_warps: int = 2, mma: bool = False,
-                        pdl: Optional[int] = None, finish_kernel: bool = True) -> tuple:
+                        block_n: int = 64, block_k: Optional[int] = None, num_warps: int = 2, mma: bool = False,
+                        compact: bool = True, pdl: Optional[int] = None, finish_kernel: bool = True) -> tuple:
     """:func:`sparse_base_linear` for up to three weights that read the same input (q/k/v, gate/up),
     in one launch: the same result as one call per weight, with the launch and the tail of two
     fewer kernels. The weights stay separate tensors (nothing is concatenated).
@@ -410,7 +413,8 @@ def sparse_base_linears(x: torch.Tensor, weights_t: Sequence[torch.Tensor],
         weights_t: one to three input-major ``[K, N_i]`` weights (:func:`input_major_weight`).
         biases: ``None`` or one ``[N_i]`` bias or ``None`` per weight.
         out: optional ``[M, sum N_i]`` output; the weights' outputs are its column ranges in order.
-        threshold, block_n, block_k, num_warps, mma, pdl, finish_kernel: as :func:`sparse_base_linear`.
+        threshold, block_n, block_k, num_warps, mma, compact, pdl, finish_kernel: as
+            :func:`sparse_base_linear` (one kept-input list serves every weight).
 
     Returns:
         one ``[M, N_i]`` tensor per weight: column views of one ``[M, sum N_i]`` output.
@@ -426,6 +430,7 @@ def sparse_base_linears(x: torch.Tensor, weights_t: Sequence[torch.Tensor],
     sizes = [w.shape[1] if w.dim() == 2 else -1 for w in weights_t]
     for w, b in zip(weights_t, biases):
         _check_base(x, w, b, None)
+    block_k = _base_block_k(block_k, x, mma, compact)
     _check_blocks(block_n, block_k)
     _thr(threshold, x.dtype)
     pdl = _pdl(pdl, x)
@@ -436,9 +441,16 @@ def sparse_base_linears(x: torch.Tensor, weights_t: Sequence[torch.Tensor],
         y = torch.cat([sparse_base_linear_reference(x, w, b, threshold) for w, b in zip(weights_t, biases)], dim=1)
         y = y if out is None else out.copy_(y)
     else:
-        y = _launch_base(x, weights_t, bias, threshold, out, block_n, block_k, num_warps, mma, False, pdl,
+        y = _launch_base(x, weights_t, bias, threshold, out, block_n, block_k, num_warps, mma, compact, pdl,
                          finish_kernel)
     return tuple(y.split(sizes, dim=1))
+
+
+def _base_block_k(block_k: Optional[int], x: torch.Tensor, mma: bool, compact: bool) -> int:
+    """The default k-tile of the base GEMV: 128 for the compacted one-row walk, else 256."""
+    if block_k is not None:
+        return block_k
+    return 128 if compact and x.dim() == 2 and x.shape[0] == 1 and not mma else 256
 
 
 def _launch_base(x, weights_t, bias, threshold, out, block_n, block_k, num_warps, mma, compact, pdl,

@@ -509,7 +509,7 @@ def run_speed(args) -> dict:
             if not tag:
                 add("base, batch 1", 1, s, "sparse base kernel, no PDL", base_calls(x, {**bcfg, "pdl": 0}))
                 add("base, batch 1, grouped", 1, s, "sparse base kernel, q/k/v and gate/up in one launch each",
-                    grouped_calls(x, {k: v for k, v in bcfg.items() if k != "compact"}))
+                    grouped_calls(x, bcfg))
             add("1 delta, batch 1", 1, s, "sparse base + sparse delta" + tag,
                 [lambda L=L, x=x[n][:1], bcfg=bcfg, dcfg=d1cfg: A.sparse_delta_linear(
                     x, L["im"], rd1, out=A.sparse_base_linear(x, L["wt"], **bcfg), segments=seg1, **dcfg)

@@ -261,6 +261,12 @@ def _pdl(pdl: Optional[int], x: torch.Tensor) -> int:
             raise ValueError(f"pdl must be 0, 1, 2 or None, got {pdl!r}")
         if pdl and (_interpreting() or x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] < 9):
             raise ValueError("pdl needs a GPU of compute capability 9.0 or more (Hopper); pass pdl=0 or None")
+        if pdl:
+            from . import _act_sparse_triton as mod
+
+            if mod.gdc_wait is None:
+                raise ValueError("pdl needs triton >= 3.3 (triton.language.extra.cuda.gdc_wait): upgrade triton, "
+                                 "or pass pdl=0 or None")
         return pdl
     if _interpreting() or x.device.type != "cuda":
         return 0

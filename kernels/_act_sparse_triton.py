@@ -95,6 +95,16 @@ def _any(flags, axis: tl.constexpr):
 
 
 @triton.jit
+def _pdl_enter(PDL: tl.constexpr):
+    # launched early (PDL > 0): wait for the kernels before this one (its inputs, the workspaces) before
+    # any memory access; PDL == 2: and let the next launch begin as this one's last programs run
+    if PDL > 0:
+        gdc_wait()
+        if PDL == 2:
+            gdc_launch_dependents()
+
+
+@triton.jit
 def _kept_inputs(x_rows, row_ok, cols, kmask, thr, THRESH: tl.constexpr):
     # x tile [BM, BK] with dropped inputs zeroed, and whether any row keeps each input [BK]
     xt = tl.load(x_rows[:, None] + cols[None, :], mask=row_ok[:, None] & kmask[None, :], other=0.0)
@@ -147,10 +157,7 @@ def compact_inputs_kernel(x_ptr, idx_ptr, xv_ptr, cnt_ptr, thr, K, stride_xm,
                           SEG: tl.constexpr, THRESH: tl.constexpr, CH: tl.constexpr, PDL: tl.constexpr = 0):
     # program (s, m): the kept inputs of row m in [s*SEG, s*SEG + SEG), packed to the front of that
     # span of idx/xv (row m's span is [m*K, m*K + K)); their count in cnt[m, s]
-    if PDL > 0:
-        gdc_wait()
-        if PDL == 2:
-            gdc_launch_dependents()
+    _pdl_enter(PDL)
     s = tl.program_id(0)
     m = tl.program_id(1)
     x_row = x_ptr + m.to(tl.int64) * stride_xm
@@ -176,10 +183,7 @@ def sparse_base_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr = 0,
     NG: tl.constexpr = 1, LAST_FINISHES: tl.constexpr = True,
 ):
-    if PDL > 0:  # launched early: wait for the kernels before this one (x, the workspace) first
-        gdc_wait()
-        if PDL == 2:  # and let the next launch start as this one's last programs run
-            gdc_launch_dependents()
+    _pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -256,18 +260,10 @@ def finish_rows_kernel(wsi_ptr, out_ptr, bias_ptr, N, stride_om, HAS_BIAS: tl.co
     # kernel before it (the sums' atomic adds) has ended, so no counter is needed; the sums are still read
     # with atomic exchanges: plain loads here were seen to miss some of the adds on the H200 (1 800 of
     # 14 336 outputs wrong, intermittently), atomics on the same words never were
-    if PDL > 0:
-        gdc_wait()
-        if PDL == 2:
-            gdc_launch_dependents()
+    _pdl_enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    nm = offs < N
-    r = tl.program_id(1).to(tl.int64)
-    bits = tl.atomic_xchg(wsi_ptr + r * N + offs, tl.where(nm, 0, 0), mask=nm, sem="relaxed", scope="gpu")
-    acc = tl.where(nm, bits.to(tl.float32, bitcast=True), 0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs, mask=nm, other=0.0).to(tl.float32)
-    tl.store(out_ptr + r * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=nm)
+    row = tl.program_id(1) + tl.arange(0, 1)
+    _finish_rows(wsi_ptr, out_ptr, row, row >= 0, N, stride_om, offs, offs < N, bias_ptr, HAS_BIAS, False)
 
 
 @triton.jit
@@ -444,10 +440,7 @@ def sparse_delta_kernel(
     WORDS: tl.constexpr, COMPACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKI: tl.constexpr,
     MP: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr = 0,
 ):
-    if PDL > 0:  # launched early: wait for the kernels before this one (x, the segments, out) first
-        gdc_wait()
-        if PDL == 2:
-            gdc_launch_dependents()
+    _pdl_enter(PDL)
     P: tl.constexpr = 8 // BITS  # codes per byte (along the outputs)
     CMASK: tl.constexpr = (1 << BITS) - 1
     pid_n = tl.program_id(0)

@@ -254,28 +254,34 @@ def _kernel(name: str):
 _PDL_DEVICES: dict = {}
 
 
-def _pdl(pdl: Optional[int], x: torch.Tensor) -> int:
-    """The launch's programmatic-dependent-launch mode: ``pdl`` as given, or the default for ``x``'s device."""
-    if pdl is not None:
-        if pdl not in (0, 1, 2):
-            raise ValueError(f"pdl must be 0, 1, 2 or None, got {pdl!r}")
-        if pdl and (_interpreting() or x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] < 9):
-            raise ValueError("pdl needs a GPU of compute capability 9.0 or more (Hopper); pass pdl=0 or None")
-        if pdl:
-            from . import _act_sparse_triton as mod
-
-            if mod.gdc_wait is None:
-                raise ValueError("pdl needs triton >= 3.3 (triton.language.extra.cuda.gdc_wait): upgrade triton, "
-                                 "or pass pdl=0 or None")
-        return pdl
+def _pdl_supported(x: torch.Tensor) -> bool:
+    """Whether launches on ``x``'s device can use programmatic dependent launch (compiled, compute
+    capability 9.0+, a triton with grid dependency control); cached per device."""
     if _interpreting() or x.device.type != "cuda":
-        return 0
+        return False
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if index not in _PDL_DEVICES:
         from . import _act_sparse_triton as mod
 
-        _PDL_DEVICES[index] = 2 if mod.gdc_wait is not None and torch.cuda.get_device_capability(index)[0] >= 9 else 0
+        _PDL_DEVICES[index] = mod.gdc_wait is not None and torch.cuda.get_device_capability(index)[0] >= 9
     return _PDL_DEVICES[index]
+
+
+def _pdl(pdl: Optional[int], x: torch.Tensor) -> int:
+    """The launch's programmatic-dependent-launch mode: ``pdl`` as given, or the default for ``x``'s device."""
+    if pdl is None:
+        return 2 if _pdl_supported(x) else 0
+    if pdl not in (0, 1, 2):
+        raise ValueError(f"pdl must be 0, 1, 2 or None, got {pdl!r}")
+    if pdl and not _pdl_supported(x):
+        raise ValueError("pdl needs a GPU of compute capability 9.0 or more (Hopper) and triton >= 3.3 "
+                         "(triton.language.extra.cuda.gdc_wait): pass pdl=0 or None")
+    return pdl
+
+
+def _pdl_launch(pdl: int) -> dict:
+    """The launch option that goes with a kernel's ``PDL`` argument."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 def _runs_reference(x: torch.Tensor) -> bool:
@@ -331,7 +337,7 @@ def _compacted(x: torch.Tensor, thr: float, use_thr: bool, seg: int, pdl: int = 
     idx, xv, cnt = buf
     _kernel("compact_inputs_kernel")[(nseg, m)](x, idx, xv, cnt, thr, k, x.stride(0), SEG=seg, THRESH=use_thr,
                                                 CH=min(1024, _next_pow2(seg)), PDL=pdl, num_warps=4,
-                                                **({"launch_pdl": True} if pdl else {}))
+                                                **_pdl_launch(pdl))
     return buf
 
 
@@ -433,9 +439,9 @@ def sparse_base_linears(x: torch.Tensor, weights_t: Sequence[torch.Tensor],
         raise ValueError(f"got {len(biases)} biases for {len(weights_t)} weights: give one (or None) per weight")
     if any(b is not None for b in biases) and any(b is None for b in biases):
         raise ValueError("give a bias for every weight or for none (a zero bias where a layer has none)")
-    sizes = [w.shape[1] if w.dim() == 2 else -1 for w in weights_t]
     for w, b in zip(weights_t, biases):
         _check_base(x, w, b, None)
+    sizes = [w.shape[1] for w in weights_t]
     block_k = _base_block_k(block_k, x, mma, compact)
     _check_blocks(block_n, block_k)
     _thr(threshold, x.dtype)
@@ -460,7 +466,7 @@ def _base_block_k(block_k: Optional[int], x: torch.Tensor, mma: bool, compact: b
 
 
 def _launch_base(x, weights_t, bias, threshold, out, block_n, block_k, num_warps, mma, compact, pdl,
-                 finish_kernel=False):
+                 finish_kernel):
     thr, use_thr = _thr(threshold, x.dtype)
     for w in weights_t:
         if w.stride(1) != 1:
@@ -490,12 +496,12 @@ def _launch_base(x, weights_t, bias, threshold, out, block_n, block_k, num_warps
         w1, w2, sizes[0], sizes[1] if len(sizes) > 1 else 0, w1.stride(0), w2.stride(0),
         HAS_BIAS=bias is not None, THRESH=use_thr, GEMV=bm == 1, COMPACT=use_compact, SEG=seg, BM=bm, BN=block_n,
         BK=block_k, DOT_PREC=_dot_prec(x), PDL=pdl, NG=len(weights_t), LAST_FINISHES=not finish_kernel,
-        num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
+        num_warps=num_warps, **_pdl_launch(pdl),
     )
     if finish_kernel:
         _kernel("finish_rows_kernel")[(_cdiv(n, 1024), m)](
             ws.view(torch.int32), out, bias if bias is not None else out, n, out.stride(0), HAS_BIAS=bias is not None,
-            BLOCK=1024, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
+            BLOCK=1024, PDL=pdl, num_warps=4, **_pdl_launch(pdl))
     return out
 
 
@@ -588,7 +594,7 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
         BITS=deltas.bits, THRESH=use_thr, BLOCK_GROUP=block_group, GEMV=block_m == 1, WORDS=words,
         COMPACT=use_compact, BM=block_m,
         BN=block_n, BK=block_k, BKI=bki, MP=max(2, _next_pow2(m)), DOT_PREC=_dot_prec(x), PDL=pdl, num_warps=num_warps,
-        **({"launch_pdl": True} if pdl else {}),
+        **_pdl_launch(pdl),
     )
     return out
 

@@ -376,12 +376,17 @@ def test_fuzzed_files_load_identically_or_raise_format_error(saved, tmp_path):
                 tensors, modules, params = read_all(path)
             except DeltaZipFormatError:
                 outcomes["rejected"] += 1
+                if case % 4 == 0:  # a streamed read rejects it too
+                    with pytest.raises(DeltaZipFormatError):
+                        stream_all(path, piece_bytes=1 << 10)
             else:
                 assert modules == ref_modules and params == ref_params, f"case {case}: metadata changed silently"
                 assert tensors.keys() == ref_tensors.keys(), f"case {case}"
                 for name, t in tensors.items():
                     assert t.dtype == ref_tensors[name].dtype and torch.equal(t, ref_tensors[name]), f"case {case}: {name}"
                 outcomes["identical"] += 1
+                streamed, _, _ = stream_all(path, piece_bytes=1 << 10)
+                assert streamed.keys() == tensors.keys() and all(torch.equal(streamed[n], tensors[n]) for n in tensors)
             _, peak = tracemalloc.get_traced_memory()
             # decoding allocates the declared tensors and copies of the file, never what a header claims
             assert peak - base < 8 * (declared + len(original)) + (1 << 20), f"case {case}: allocated {peak - base}"
@@ -479,3 +484,87 @@ def test_rows_layout_round_trips_and_its_records_are_checked(tmp_path):
         (tmp_path / name).write_bytes(edit_dz(data, fn))
         with pytest.raises(DeltaZipFormatError, match=fragment):
             DeltaZipFile(tmp_path / name)
+
+
+# --------------------------------------------------------------------------- streamed reads
+def stream_all(path, **kw):
+    with DeltaZipFile(path) as dz:
+        got = {}
+        for piece in dz.stream_tensors(**kw):
+            got.update(piece)
+        return got, {n: r.to_json() for n, r in dz.modules.items()}, dict(dz.params)
+
+
+@pytest.mark.parametrize("piece_bytes", [1, 300, 1 << 30])  # one tensor a piece; a few; the whole file
+@pytest.mark.parametrize("threads", [1, 3])
+def test_streamed_pieces_equal_lazy_reads_in_file_order(saved, piece_bytes, threads):
+    folder, _ = saved
+    with DeltaZipFile(folder / DZ_FILENAME) as dz:
+        order = dz.in_file_order()
+        pieces = list(dz.stream_tensors(piece_bytes=piece_bytes, num_threads=threads, ahead=1))
+        assert [n for p in pieces for n in p] == order  # every tensor once, in file order
+        for p in pieces:  # a piece stays under its size unless it is one tensor
+            assert len(p) == 1 or sum(-(-dz.tensors[n].nbytes // 64) * 64 for n in p) <= piece_bytes
+            for name, t in p.items():
+                want = dz.get_tensor(name)
+                assert t.dtype == want.dtype and t.shape == want.shape and torch.equal(t, want), name
+        assert (len(pieces) == len(order)) == (piece_bytes == 1)
+        # a subset whose stored bytes are not contiguous is read run by run
+        some = order[::3]
+        got = {n: t for p in dz.stream_tensors(some, piece_bytes=1 << 20) for n, t in p.items()}
+        assert list(got) == some and all(torch.equal(got[n], dz.get_tensor(n)) for n in some)
+
+
+def test_streamed_reads_survive_short_reads(saved, monkeypatch):
+    """``preadv`` may return fewer bytes than asked, ending mid-buffer: the rest is read after them."""
+    folder, _ = saved
+    want, _, _ = read_all(folder / DZ_FILENAME)
+    real = os.preadv
+    calls = []
+
+    def short(fd, bufs, offset):
+        calls.append(len(bufs))
+        room = 7 + len(calls) % 5  # a few bytes a call, never at a buffer's end
+        take = []
+        for b in bufs:
+            if room <= 0:
+                break
+            v = memoryview(b)[:room]
+            take.append(v)
+            room -= len(v)
+        return real(fd, take, offset)
+
+    monkeypatch.setattr(os, "preadv", short)
+    got, _, _ = stream_all(folder / DZ_FILENAME, piece_bytes=1 << 12)
+    assert max(calls) > 1 and got.keys() == want.keys()
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_a_corrupt_piece_raises_and_closing_early_stops_the_reader(saved, tmp_path):
+    import threading
+
+    folder, _ = saved
+    data = bytearray((folder / DZ_FILENAME).read_bytes())
+    with DeltaZipFile(folder / DZ_FILENAME) as dz:
+        last = dz.in_file_order()[-1]
+        b, e = dz._spans[last]
+    data[e - 1] ^= 0xFF  # the last tensor's last byte: every piece before it is fine
+    (tmp_path / "bad.dz").write_bytes(bytes(data))
+    with DeltaZipFile(tmp_path / "bad.dz") as dz:
+        stream = dz.stream_tensors(piece_bytes=1)
+        first = next(stream)
+        assert list(first) == [dz.in_file_order()[0]]
+        with pytest.raises(DeltaZipFormatError, match=f"tensor {last!r}"):
+            for _ in stream:
+                pass
+        stream = dz.stream_tensors(piece_bytes=1)
+        next(stream)
+        stream.close()  # the consumer gave up: the reader and the pool are shut down, not left running
+    assert not [t for t in threading.enumerate() if t.name.startswith(("deltazip-read", "deltazip-load"))]
+    # a file cut short after it was opened (checked then): the read that comes up short names it
+    (tmp_path / "short.dz").write_bytes(bytes(data))
+    with DeltaZipFile(tmp_path / "short.dz") as dz:
+        os.truncate(tmp_path / "short.dz", b + 1)
+        with pytest.raises(DeltaZipFormatError, match="truncated"):
+            for _ in dz.stream_tensors(piece_bytes=1):
+                pass

@@ -13,6 +13,7 @@ import mmap
 import os
 import struct
 import zlib
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -232,6 +233,14 @@ def write_dz(
 def reader_threads(num_threads: Optional[int] = None) -> int:
     """Threads that read and decode a file's tensors: ``num_threads``, or up to 16 (one per core)."""
     return num_threads or min(16, os.cpu_count() or 1)
+
+
+_IOV_BATCH = 512  # buffers per preadv call (IOV_MAX is 1024 on Linux)
+
+
+def _aligned(n: int) -> int:
+    """Bytes a tensor of ``n`` bytes takes in a piece's buffer: every tensor starts 64-byte aligned."""
+    return -(-n // 64) * 64
 
 
 def _is_int(v) -> bool:
@@ -465,13 +474,20 @@ class DeltaZipFile:
         if rec is None:
             raise KeyError(f"{self.path}: no tensor {name!r} in this file")
         b, e = self._spans[name]
-        dtype = DTYPES[rec.dtype]
         out = torch.empty(rec.nbytes, dtype=torch.uint8, pin_memory=pin_memory and torch.cuda.is_available())
         if rec.nbytes == 0:
-            return out.view(dtype).reshape(rec.shape)
+            return out.view(DTYPES[rec.dtype]).reshape(rec.shape)
+        payload = self._pread(bytearray(e - b), b) if rec.encoding == "zstd" else self._pread(memoryview(out.numpy()), b)
+        return self._decoded(name, payload, out)
+
+    def _decoded(self, name: str, payload, out: torch.Tensor) -> torch.Tensor:
+        """Finish one tensor whose stored bytes were read: decode a zstd ``payload`` into ``out`` (raw payloads
+        were read into ``out`` itself), check its size and CRC-32, and view it with its dtype and shape."""
+        rec = self.tensors[name]
+        if rec.nbytes == 0:
+            return out.view(DTYPES[rec.dtype]).reshape(rec.shape)
         view = memoryview(out.numpy())
         if rec.encoding == "zstd":
-            payload = self._pread(bytearray(e - b), b)
             try:
                 params = zstandard.get_frame_parameters(payload)
             except zstandard.ZstdError as err:
@@ -486,12 +502,12 @@ class DeltaZipFile:
                 self._fail(f"tensor {name!r}: decoded {len(raw)} bytes, expected {rec.nbytes}")
             view[:] = raw
         else:
+            b, e = self._spans[name]
             if e - b != rec.nbytes:
                 self._fail(f"tensor {name!r}: decoded {e - b} bytes, expected {rec.nbytes}")
-            self._pread(view, b)
         if zlib.crc32(view) != rec.crc32:
             self._fail(f"tensor {name!r}: checksum mismatch, the data is corrupt; re-download or re-save the delta")
-        return out.view(dtype).reshape(rec.shape)
+        return out.view(DTYPES[rec.dtype]).reshape(rec.shape)
 
     def _pread(self, buf, offset: int):
         """Fill ``buf`` with the file's bytes from ``offset`` (thread-safe: no shared file position)."""
@@ -517,6 +533,111 @@ class DeltaZipFile:
         with ThreadPoolExecutor(max_workers=workers) as pool:
             got = pool.map(lambda n: self.get_tensor(n, pin_memory=pin_memory), names)
             return dict(zip(names, got))
+
+    def stream_tensors(self, names: Optional[Iterable[str]] = None, *, piece_bytes: int = 64 << 20,
+                       num_threads: Optional[int] = None, pin_memory: bool = False, ahead: int = 3):
+        """Yield the tensors (all, or ``names``) as ``{name: tensor}`` pieces of about ``piece_bytes`` decoded
+        bytes each, in file order, while the rest of the file is still being read.
+
+        One thread reads each piece with sequential ``preadv`` calls (the access pattern of a plain read
+        of the file): raw payloads straight into one buffer per piece, page-locked with ``pin_memory``
+        (CUDA only), compressed ones into a scratch buffer. A pool of ``num_threads`` decodes and checks
+        each tensor (zstd, size, CRC-32) while the next pieces are read, up to ``ahead`` pieces beyond the
+        one handed out. A piece's tensors are views of its buffer, so the buffer is freed (and, pinned,
+        reused by PyTorch's caching host allocator once its uploads are done) when they are dropped.
+
+        Raises :class:`DeltaZipFormatError` naming the first corrupt tensor, when its piece is reached;
+        closing the generator early stops the reads.
+        """
+        order = self.in_file_order(names)
+        pin = pin_memory and torch.cuda.is_available()
+        pieces, piece, size = [], [], 0
+        for n in order:
+            need = _aligned(self.tensors[n].nbytes)
+            if piece and size + need > piece_bytes:  # pieces stay under piece_bytes (one pinned size class)
+                pieces.append(piece)
+                piece, size = [], 0
+            piece.append(n)
+            size += need
+        if piece:
+            pieces.append(piece)
+        reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltazip-read")
+        pool = ThreadPoolExecutor(max_workers=reader_threads(num_threads), thread_name_prefix="deltazip-load")
+        pending: deque = deque()
+        todo = iter(pieces)
+
+        def submit_next():
+            nxt = next(todo, None)
+            if nxt is not None:
+                pending.append(reader.submit(self._read_piece, nxt, pin, pool))
+
+        try:
+            for _ in range(max(1, ahead + 1)):
+                submit_next()
+            while pending:
+                futures = pending.popleft().result()
+                submit_next()
+                yield {n: f.result() for n, f in futures.items()}
+        finally:
+            for f in pending:
+                f.cancel()
+            reader.shutdown(wait=True, cancel_futures=True)
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _read_piece(self, names: list, pin: bool, pool: ThreadPoolExecutor) -> dict:
+        """Read the stored bytes of ``names`` (in file order) with as few ``preadv`` calls as their spans
+        allow and queue each tensor's decode and check on ``pool``. Returns ``{name: future of the tensor}``."""
+        total = sum(_aligned(self.tensors[n].nbytes) for n in names)
+        block = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+        mv = memoryview(block.numpy()) if total else memoryview(b"")
+        outs, payloads, run, run_start, run_end, off = {}, {}, [], None, None, 0
+        for n in names:
+            rec = self.tensors[n]
+            b, e = self._spans[n]
+            outs[n] = block[off : off + rec.nbytes]
+            if rec.encoding == "zstd":
+                payloads[n] = target = bytearray(e - b)
+            else:
+                if e - b != rec.nbytes:
+                    self._fail(f"tensor {n!r}: decoded {e - b} bytes, expected {rec.nbytes}")
+                payloads[n], target = None, mv[off : off + rec.nbytes]
+            off += _aligned(rec.nbytes)
+            if e == b:
+                continue
+            if run and b != run_end:  # not contiguous with the run so far: read that run first
+                self._preadv(run, run_start)
+                run = []
+            if not run:
+                run_start = b
+            run.append(target)
+            run_end = e
+        if run:
+            self._preadv(run, run_start)
+        return {n: pool.submit(self._decoded, n, payloads[n], outs[n]) for n in names}
+
+    def _preadv(self, bufs: list, offset: int) -> None:
+        """Fill ``bufs`` one after another with the file's bytes from ``offset`` (a few large ``preadv`` calls)."""
+        fd = self._file.fileno()
+        views = [memoryview(b).cast("B") for b in bufs]
+        i = 0
+        while i < len(views):
+            batch = views[i : i + _IOV_BATCH]
+            want = sum(len(v) for v in batch)
+            got = os.preadv(fd, batch, offset)
+            if got <= 0:
+                self._fail(f"truncated: could not read {want} bytes at offset {offset}")
+            offset += got
+            if got == want:
+                i += len(batch)
+                continue
+            # a short read: drop the buffers it filled, keep reading into the rest of the one it stopped in
+            for v in batch:
+                if got >= len(v):
+                    got -= len(v)
+                    i += 1
+                else:
+                    views[i] = v[got:]
+                    break
 
     def verify(self, num_threads: Optional[int] = None) -> int:
         """Decode every stored tensor and check its size and CRC-32. Returns how many were checked.

@@ -41,7 +41,6 @@ import torch
 from ..delta import PackedModule, read_packed
 from ..errors import DeltaNotFoundError, DeltaZipError
 from ..format import DZ_FILENAME, DeltaHeader, DeltaZipFile
-from ..format.container import reader_threads
 from .layers import map_packed
 from .placement import DeltaPlacer, delta_nbytes
 
@@ -125,6 +124,9 @@ class DeltaCache:
         self.pipeline_loads: bool = False
         #: decoded bytes per piece of a pipelined load
         self.pipeline_piece_bytes: int = 64 << 20
+        #: pieces a pipelined load reads ahead of the one being placed
+        self.pipeline_ahead: int = 3
+        self._staging_ready = False
         #: decode a delta read from disk into page-locked host memory (CUDA only), so its uploads run
         #: asynchronously; ``False``: into pageable memory (no pinning cost on the read; each upload then
         #: waits for its copy). A prefetched host copy is pinned either way.
@@ -225,6 +227,8 @@ class DeltaCache:
                 )
             entry.last_used = next(self._clock)
             self._entries[entry.name] = entry
+            if not resident and entry.path is not None:
+                self._prepare_staging()
             if resident:
                 try:
                     self.ensure_resident([entry.name])
@@ -391,6 +395,17 @@ class DeltaCache:
         if ready is not None:
             torch.cuda.current_stream().wait_event(ready)
 
+    def _prepare_staging(self) -> None:
+        """Page-lock the host blocks a pipelined load reads into, once, ahead of the first cold load: they are
+        handed back to PyTorch's caching host allocator, which gives them to each piece (and to each later
+        load) again, so a cold start does not pay for pinning memory on its critical path."""
+        if self._staging_ready or not (self.pipeline_loads and self._pin_loads()):
+            return
+        blocks = [torch.empty(self.pipeline_piece_bytes, dtype=torch.uint8, pin_memory=True)
+                  for _ in range(self.pipeline_ahead + 2)]  # the pieces read ahead, the one placed, the one being read
+        del blocks
+        self._staging_ready = True
+
     def _pin_loads(self) -> bool:
         return self.placer.device.type == "cuda" and self.pinned_loads
 
@@ -409,58 +424,54 @@ class DeltaCache:
         return modules, params
 
     def _load_pipelined(self, e: CacheEntry, needed) -> tuple:
-        """Read a delta from its file and place it a piece at a time while the rest is still being read:
-        every tensor is queued at once on one pool of reader threads, in file order (the read, the CRC
-        check and zstd release the GIL), and each piece is placed as soon as its tensors are in, so the
-        file's read overlaps the uploads instead of preceding them. Returns ``(modules, params, nbytes, slot)``.
+        """Read a delta from its file and place it a piece at a time while the rest is still being read
+        (:meth:`DeltaZipFile.stream_tensors`: one thread reads the file sequentially, as a plain read
+        would, a pool decodes and checks each piece, and each module is placed as soon as its tensors are
+        in), so the file's read overlaps the checks and the uploads instead of preceding them. Returns
+        ``(modules, params, nbytes, slot)``.
 
-        Pieces are about :attr:`pipeline_piece_bytes` of decoded tensors, modules in file order (a
-        decoder layer or so each), the exactly stored parameters last. Each piece is checked against
-        the base before it is placed; a failure takes the partly placed delta out again.
+        Pieces are about :attr:`pipeline_piece_bytes` of decoded tensors in file order; the exactly stored
+        parameters are placed last. Each module is checked against the base before it is placed; a failure
+        takes the partly placed delta out again.
         """
         folder = Path(e.path)
         pin = self._pin_loads()
         with DeltaZipFile(folder / DZ_FILENAME) as dz:
             _check_same_delta(e, dz)
-            pieces, piece, size = [], [], 0
-            for mname, rec in dz.modules.items():
-                piece.append(mname)
-                size += sum(dz.tensors[t].nbytes for t in rec.tensors.values())
-                if size >= self.pipeline_piece_bytes:
-                    pieces.append(piece)
-                    piece, size = [], 0
-            if piece:
-                pieces.append(piece)
-            pieces.append(None)  # the parameters
             total = sum(rec.nbytes for rec in dz.tensors.values())
             self._make_room(needed=needed, incoming=total)
             slot = self._free_slot()
-
-            # every tensor of the file is queued at once on one pool, in file order (the disk stays busy and
-            # every thread has work), and each piece is placed as soon as its own tensors are in
-            order = dz.in_file_order()
-            modules, params = {}, {}
-            with ThreadPoolExecutor(max_workers=reader_threads(e.num_threads), thread_name_prefix="deltazip-load") as pool:
-                futures = {t: pool.submit(dz.get_tensor, t, pin_memory=pin) for t in order}
-                try:
-                    for names in pieces:
-                        if names is None:
-                            got_modules, got_params = {}, {p: futures[t].result() for p, t in dz.params.items()}
-                        else:
-                            got_modules = {m: PackedModule.from_record(dz.modules[m], {role: futures[t].result()
-                                                                                    for role, t in dz.modules[m].tensors.items()})
-                                           for m in names}
-                            got_params = {}
-                        modules.update(got_modules)
-                        params.update(got_params)
-                        if not e.validated:  # the parameters' check needs every module (vocabulary rows)
-                            self.placer.validate(got_modules if got_modules else modules, got_params, e.header, folder)
-                        self.placer.attach(slot, got_modules, got_params, e.header, name=e.name)
-                except BaseException:
-                    for f in futures.values():
-                        f.cancel()
-                    self.placer.detach(slot)
-                    raise
+            owners: dict = {}  # tensor -> the modules it belongs to
+            for mname, rec in dz.modules.items():
+                for t in set(rec.tensors.values()):
+                    owners.setdefault(t, []).append(mname)
+            missing = {m: len(set(rec.tensors.values())) for m, rec in dz.modules.items()}
+            got, modules = {}, {}
+            try:
+                for piece in dz.stream_tensors(piece_bytes=self.pipeline_piece_bytes, num_threads=e.num_threads,
+                                               pin_memory=pin, ahead=self.pipeline_ahead):
+                    got.update(piece)
+                    ready = {}
+                    for t in piece:
+                        for m in owners.get(t, ()):
+                            missing[m] -= 1
+                            if not missing[m]:
+                                ready[m] = PackedModule.from_record(
+                                    dz.modules[m], {role: got[name] for role, name in dz.modules[m].tensors.items()})
+                    if not ready:
+                        continue
+                    modules.update(ready)
+                    if not e.validated:
+                        self.placer.validate(ready, {}, e.header, folder)
+                    self.placer.attach(slot, ready, {}, e.header, name=e.name)
+                params = {p: got[t] for p, t in dz.params.items()}
+                if not e.validated:  # the parameters' check needs every module (vocabulary rows)
+                    self.placer.validate(modules, params, e.header, folder)
+                if params:
+                    self.placer.attach(slot, {}, params, e.header, name=e.name)
+            except BaseException:
+                self.placer.detach(slot)
+                raise
         e.validated = True
         return modules, params, delta_nbytes(modules, params), slot
 

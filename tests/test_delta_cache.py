@@ -214,3 +214,68 @@ def test_pipelined_load_of_a_delta_for_another_base_places_nothing(folders, tmp_
         logits(model, ["d1", None])
     assert model.resident_deltas == []
     assert model.cache.slot_of("d1") is None
+
+
+def test_a_pipelined_load_keeps_a_host_copy_only_for_the_host_tier(folders, reference, monkeypatch):
+    from hf_deltazip.delta import read_packed
+    from hf_deltazip.format import DZ_FILENAME, DeltaZipFile
+
+    plain = DeltaModel(copy.deepcopy(base_model("llama")))
+    plain.cache.pipeline_loads, plain.cache.pipeline_piece_bytes = True, 1
+    plain.load_delta(folders["d1"], delta_name="d1", resident=False)
+    assert torch.equal(logits(plain, ["d1", None]), logits(reference, ["d1", None]))
+    assert plain.cache.entry("d1").host is None  # nothing kept: each piece is let go once placed
+
+    tiered = DeltaModel(copy.deepcopy(base_model("llama")))
+    tiered.cache.pipeline_loads, tiered.cache.pipeline_piece_bytes = True, 1
+    tiered.configure_cache(max_resident=1, max_host_bytes=1 << 30)
+    for name in ("d1", "d2"):
+        tiered.load_delta(folders[name], delta_name=name, resident=False)
+    assert torch.equal(logits(tiered, ["d1", None]), logits(reference, ["d1", None]))
+    modules, params = tiered.cache.entry("d1").host  # the host tier holds the whole delta as the file has it
+    with DeltaZipFile(folders["d1"] / DZ_FILENAME) as dz:
+        want_modules, want_params = read_packed(dz, progress=False)
+    assert modules.keys() == want_modules.keys() and params.keys() == want_params.keys()
+    for n, p in want_modules.items():
+        assert all(torch.equal(modules[n].tensors()[r], t) for r, t in p.tensors().items())
+    assert all(torch.equal(params[n], t) for n, t in want_params.items())
+    assert torch.equal(logits(tiered, ["d2", None]), logits(reference, ["d2", None]))  # d1 evicted to the host tier
+
+    def no_reads(*a, **k):
+        raise AssertionError("d1 should come back from host memory, not from its file")
+
+    monkeypatch.setattr(DeltaZipFile, "stream_tensors", no_reads)
+    monkeypatch.setattr(DeltaZipFile, "get_tensor", no_reads)
+    assert torch.equal(logits(tiered, ["d1", None]), logits(reference, ["d1", None]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_pipelined_cuda_load_lets_go_of_its_pinned_pieces(folders, reference, monkeypatch):
+    """Every piece's pinned block is free again once its modules are on the GPU (so later pieces and later
+    loads reuse it), and the delta answers as the reference does."""
+    import gc
+    import weakref
+
+    from hf_deltazip.format import DeltaZipFile
+
+    seen = []
+    real = DeltaZipFile.stream_tensors
+
+    def stream(self, *a, **k):
+        for piece in real(self, *a, **k):
+            seen.extend(weakref.ref(t) for t in piece.values())
+            assert all(t.is_pinned() for t in piece.values() if t.numel())
+            yield piece
+
+    monkeypatch.setattr(DeltaZipFile, "stream_tensors", stream)
+    model = _kernel_model(folders, "cuda", torch.float32, monkeypatch)
+    model.cache.pipeline_loads, model.cache.pipeline_piece_bytes = True, 1 << 12
+    model.load_delta(folders["d3"], delta_name="d3", resident=False)
+    rows = ["d3", "d1"]
+    with torch.no_grad():
+        got = model(input_ids=IDS.cuda(), delta_names=rows).logits.float().cpu()
+    torch.cuda.synchronize()
+    gc.collect()
+    assert seen and all(r() is None for r in seen)
+    want = logits(reference, rows)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())

@@ -446,34 +446,50 @@ class DeltaCache:
                 for t in set(rec.tensors.values()):
                     owners.setdefault(t, []).append(mname)
             missing = {m: len(set(rec.tensors.values())) for m, rec in dz.modules.items()}
-            got, modules = {}, {}
+            uses = {t: len(ms) for t, ms in owners.items()}
+            # host copies are kept only for the host tier; otherwise each piece's (pinned) block is let go once
+            # its modules are placed, so the next pieces reuse it instead of page-locking new memory
+            keep = bool(self.max_host_bytes)
+            got, modules, embeddings, nbytes = {}, {}, {}, 0
             try:
                 for piece in dz.stream_tensors(piece_bytes=self.pipeline_piece_bytes, num_threads=e.num_threads,
                                                pin_memory=pin, ahead=self.pipeline_ahead):
                     got.update(piece)
+                    arrived = list(piece)
+                    del piece
                     ready = {}
-                    for t in piece:
+                    for t in arrived:
                         for m in owners.get(t, ()):
                             missing[m] -= 1
                             if not missing[m]:
                                 ready[m] = PackedModule.from_record(
                                     dz.modules[m], {role: got[name] for role, name in dz.modules[m].tensors.items()})
+                    for m in ready:
+                        for t in set(dz.modules[m].tensors.values()):
+                            uses[t] -= 1
+                            if not uses[t]:
+                                del got[t]
                     if not ready:
                         continue
-                    modules.update(ready)
+                    nbytes += delta_nbytes(ready, {})
+                    embeddings.update({m: p for m, p in ready.items() if p.kind == "embedding"})
+                    if keep:
+                        modules.update(ready)
                     if not e.validated:
                         self.placer.validate(ready, {}, e.header, folder)
                     self.placer.attach(slot, ready, {}, e.header, name=e.name)
+                    del ready
                 params = {p: got[t] for p, t in dz.params.items()}
-                if not e.validated:  # the parameters' check needs every module (vocabulary rows)
-                    self.placer.validate(modules, params, e.header, folder)
+                nbytes += delta_nbytes({}, params)
+                if not e.validated:  # the parameters' check needs the embeddings (vocabulary rows)
+                    self.placer.validate(embeddings, params, e.header, folder)
                 if params:
                     self.placer.attach(slot, {}, params, e.header, name=e.name)
             except BaseException:
                 self.placer.detach(slot)
                 raise
         e.validated = True
-        return modules, params, delta_nbytes(modules, params), slot
+        return modules, (params if keep else {}), nbytes, slot
 
     def _free_slot(self) -> int:
         used = {e.slot for e in self._entries.values() if e.slot is not None}

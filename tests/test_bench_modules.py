@@ -196,8 +196,8 @@ def test_decode_cold_start_times_every_load_mode_from_a_real_file(tmp_path):
         run = cold[mode]
         assert run["request_to_first_token_s"] > 0 and 0 < run["load_s"] <= run["request_to_first_token_s"]
         assert run["x_sequential_read"] == pytest.approx(run["request_to_first_token_s"] / cold["disk_sequential_read_s"])
-    # the headline is the cache's default mode: whole file, pinned
-    assert cold["request_to_first_token_s"] == cold["whole_file"]["request_to_first_token_s"]
+    # the headline is the cache's default mode: pipelined, pinned
+    assert cold["request_to_first_token_s"] == cold["pipelined"]["request_to_first_token_s"]
     assert cold["file_bytes"] > 0 and cold["bits"] == 4 and not list(tmp_path.glob("tmp*"))
     assert cold["read_and_decompress_streamed_s"] > 0
 

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from ..delta import PackedModule, read_packed
 from ..errors import DeltaNotFoundError, DeltaZipError
@@ -118,10 +119,11 @@ class DeltaCache:
         self._prefetcher: Optional[ThreadPoolExecutor] = None
         self._side_stream = None
         #: read a delta that is only on disk a piece at a time, placing each piece while the next is read
-        #: (``False``, the default: read the whole file with every decompression thread, then place it;
-        #: on an H200 that reached the first token of an 8B-shaped delta 1.5-1.9x sooner than the
-        #: pipelined load, BENCHMARKS.md section 5)
-        self.pipeline_loads: bool = False
+        #: (the default: one sequential reader, checks and uploads beside it; on an H200 an 8B-shaped
+        #: delta's first token came 1.1x the disk's plain read time after the request, against 1.4-1.5x
+        #: for ``False``, which reads the whole file with every decompression thread, then places it;
+        #: BENCHMARKS.md section 4, "Cold start")
+        self.pipeline_loads: bool = True
         #: decoded bytes per piece of a pipelined load
         self.pipeline_piece_bytes: int = 64 << 20
         #: pieces a pipelined load reads ahead of the one being placed
@@ -451,9 +453,12 @@ class DeltaCache:
             # its modules are placed, so the next pieces reuse it instead of page-locking new memory
             keep = bool(self.max_host_bytes)
             got, modules, embeddings, nbytes = {}, {}, {}, 0
+            # a tqdm bar in decoded bytes on a terminal, as a whole-file read shows
+            bar = tqdm(total=total, desc=f"loading {e.name}", unit="B", unit_scale=True, disable=None, leave=False)
             try:
                 for piece in dz.stream_tensors(piece_bytes=self.pipeline_piece_bytes, num_threads=e.num_threads,
                                                pin_memory=pin, ahead=self.pipeline_ahead):
+                    bar.update(sum(dz.tensors[t].nbytes for t in piece))
                     got.update(piece)
                     arrived = list(piece)
                     del piece
@@ -488,6 +493,8 @@ class DeltaCache:
             except BaseException:
                 self.placer.detach(slot)
                 raise
+            finally:
+                bar.close()
         e.validated = True
         return modules, (params if keep else {}), nbytes, slot
 

@@ -561,15 +561,19 @@ class DeltaZipFile:
             size += need
         if piece:
             pieces.append(piece)
+        spans = [(min(self._spans[n][0] for n in p), max(self._spans[n][1] for n in p)) for p in pieces]
+        if spans:  # the kernel's read-ahead window doubles for a sequential reader
+            self._advise(spans[0][0], spans[-1][1], "POSIX_FADV_SEQUENTIAL")
         reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltazip-read")
         pool = ThreadPoolExecutor(max_workers=reader_threads(num_threads), thread_name_prefix="deltazip-load")
         pending: deque = deque()
-        todo = iter(pieces)
+        todo = iter(enumerate(pieces))
 
         def submit_next():
-            nxt = next(todo, None)
+            i, nxt = next(todo, (None, None))
             if nxt is not None:
-                pending.append(reader.submit(self._read_piece, nxt, pin, pool))
+                after = spans[i + 1] if i + 1 < len(spans) else None
+                pending.append(reader.submit(self._read_piece, nxt, pin, pool, after))
 
         try:
             for _ in range(max(1, ahead + 1)):
@@ -584,9 +588,14 @@ class DeltaZipFile:
             reader.shutdown(wait=True, cancel_futures=True)
             pool.shutdown(wait=True, cancel_futures=True)
 
-    def _read_piece(self, names: list, pin: bool, pool: ThreadPoolExecutor) -> dict:
+    def _read_piece(self, names: list, pin: bool, pool: ThreadPoolExecutor, after: Optional[tuple] = None) -> dict:
         """Read the stored bytes of ``names`` (in file order) with as few ``preadv`` calls as their spans
-        allow and queue each tensor's decode and check on ``pool``. Returns ``{name: future of the tensor}``."""
+        allow and queue each tensor's decode and check on ``pool``. Returns ``{name: future of the tensor}``.
+
+        ``after``: the ``(start, end)`` byte span of the next piece, which the kernel is asked to start
+        reading now, so the disk stays busy while this thread waits for Python's lock between reads."""
+        if after is not None:
+            self._advise(after[0], after[1], "POSIX_FADV_WILLNEED")
         total = sum(_aligned(self.tensors[n].nbytes) for n in names)
         block = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
         mv = memoryview(block.numpy()) if total else memoryview(b"")
@@ -614,6 +623,16 @@ class DeltaZipFile:
         if run:
             self._preadv(run, run_start)
         return {n: pool.submit(self._decoded, n, payloads[n], outs[n]) for n in names}
+
+    def _advise(self, start: int, end: int, advice: str) -> None:
+        """A ``posix_fadvise`` hint for the file's bytes ``[start, end)``; nothing where the OS has none."""
+        flag = getattr(os, advice, None)
+        if flag is None or end <= start:
+            return
+        try:
+            os.posix_fadvise(self._file.fileno(), start, end - start, flag)
+        except OSError:
+            pass
 
     def _preadv(self, bufs: list, offset: int) -> None:
         """Fill ``bufs`` one after another with the file's bytes from ``offset`` (a few large ``preadv`` calls)."""

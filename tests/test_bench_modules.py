@@ -185,13 +185,14 @@ def test_decode_peft_baseline_runs_mixed_adapters_and_gives_the_base_back():
 
 
 def test_decode_cold_start_times_every_load_mode_from_a_real_file(tmp_path):
-    # the cold-start bench end to end on the CPU: a .dz file written, read back five ways (pipelined or
-    # whole, pinned or pageable host buffers, smaller pieces), each request answered, the temporary folder removed
+    # the cold-start bench end to end on the CPU: a .dz file written, read back six ways (pipelined or
+    # whole, pinned or pageable host buffers, smaller pieces, two readers), each request answered, the temporary folder removed
     out = tmp_path / "cold.json"
     assert decode.main(["--shape", "tiny", "--device", "cpu", "--cold-start-only", "--workdir", str(tmp_path),
                         "--bits", "4", "--group-size", "64", "--json", str(out)]) == 0
     cold = json.loads(out.read_text())["cold_start"]
-    modes = ("pipelined", "whole_file", "pipelined_pageable", "whole_file_pageable", "pipelined_16MB_pieces")
+    modes = ("pipelined", "whole_file", "pipelined_pageable", "whole_file_pageable", "pipelined_16MB_pieces",
+             "pipelined_2_readers")
     for mode in modes:
         run = cold[mode]
         assert run["request_to_first_token_s"] > 0 and 0 < run["load_s"] <= run["request_to_first_token_s"]
@@ -199,7 +200,7 @@ def test_decode_cold_start_times_every_load_mode_from_a_real_file(tmp_path):
     # the headline is the cache's default mode: pipelined, pinned
     assert cold["request_to_first_token_s"] == cold["pipelined"]["request_to_first_token_s"]
     assert cold["file_bytes"] > 0 and cold["bits"] == 4 and not list(tmp_path.glob("tmp*"))
-    assert cold["read_and_decompress_streamed_s"] > 0
+    assert cold["read_and_decompress_streamed_s"] > 0 and cold["read_and_decompress_streamed_2_readers_s"] > 0
 
 
 def test_budget_synthetic_finetune_changes_what_it_says():

@@ -509,6 +509,9 @@ def test_streamed_pieces_equal_lazy_reads_in_file_order(saved, piece_bytes, thre
                 want = dz.get_tensor(name)
                 assert t.dtype == want.dtype and t.shape == want.shape and torch.equal(t, want), name
         assert (len(pieces) == len(order)) == (piece_bytes == 1)
+        two = list(dz.stream_tensors(piece_bytes=piece_bytes, num_threads=threads, readers=2))
+        assert [list(p) for p in two] == [list(p) for p in pieces]  # two readers: the same pieces, in order
+        assert all(torch.equal(t, p[n]) for q, p in zip(two, pieces) for n, t in q.items())
         # a subset whose stored bytes are not contiguous is read run by run
         some = order[::3]
         got = {n: t for p in dz.stream_tensors(some, piece_bytes=1 << 20) for n, t in p.items()}

@@ -208,13 +208,14 @@ def sequential_read_GBps(path: Path) -> float:
 def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits: int = 4) -> dict:
     """Save one delta as a .dz folder, register it, evict it from the page cache, then time a request.
 
-    Five times: with the cache's pipelined loads (each piece of the file placed while the rest is read)
+    Six times: with the cache's pipelined loads (each piece of the file placed while the rest is read)
     and reading the whole file before placing it, each decoding into pinned and into pageable host
-    memory (``DeltaCache.pinned_loads``), and the pipelined load with 16 MB pieces; each against the
+    memory (``DeltaCache.pinned_loads``), and the pipelined load with 16 MB pieces and with the other number
+    of reader threads (one or two, ``DeltaCache.pipeline_readers``); each against the
     file's plain sequential read time with a cold page cache (``x_sequential_read``; the target is <= 1.2).
     The read alone is timed three ways: every tensor on its own thread (pinned and pageable, as the
     whole-file load reads) and streamed (one sequential reader, the checks beside it, as the pipelined
-    load reads).
+    load reads; and with two readers).
     """
     from ..config import DeltaZipConfig
     from ..delta import CompressedDelta
@@ -256,17 +257,28 @@ def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits
         for piece in f.stream_tensors(pin_memory=torch.cuda.is_available()):
             del piece
     read_streamed_s = time.perf_counter() - t
+    evict_from_page_cache([dz])  # the same with two pieces read at once
+    t = time.perf_counter()
+    with DeltaZipFile(dz) as f:
+        for piece in f.stream_tensors(pin_memory=torch.cuda.is_available(), readers=2):
+            del piece
+    read_streamed_2_s = time.perf_counter() - t
     device = next(dm.parameters()).device
     engine = DecodeEngine(dm, max_batch_size=4, max_length=prompt_len + 16)
     prompt = torch.randint(0, 1000, (prompt_len,)).tolist()
     engine.run([prompt], [warm_name], max_new_tokens=4)  # the engine is up and its kernels are compiled
     runs, default_mode, default_pin, default_piece = {}, dm.cache.pipeline_loads, dm.cache.pinned_loads, dm.cache.pipeline_piece_bytes
-    for mode, pipelined, pinned, piece in (("pipelined", True, True, default_piece), ("whole_file", False, True, None),
-                                           ("pipelined_pageable", True, False, default_piece),
-                                           ("whole_file_pageable", False, False, None),
-                                           ("pipelined_16MB_pieces", True, True, 16 << 20)):
+    default_readers = dm.cache.pipeline_readers
+    other_readers = 2 if default_readers == 1 else 1
+    for mode, pipelined, pinned, piece, readers in (
+            ("pipelined", True, True, default_piece, default_readers), ("whole_file", False, True, None, None),
+            (f"pipelined_{other_readers}_readers", True, True, default_piece, other_readers),
+            ("pipelined_pageable", True, False, default_piece, default_readers),
+            ("whole_file_pageable", False, False, None, None),
+            ("pipelined_16MB_pieces", True, True, 16 << 20, default_readers)):
         dm.cache.pipeline_loads, dm.cache.pinned_loads = pipelined, pinned
         dm.cache.pipeline_piece_bytes = piece or default_piece
+        dm.cache.pipeline_readers = readers or default_readers
         dm.load_delta(folder, delta_name="cold", resident=False)  # registered: header checked, nothing loaded
         how = evict_from_page_cache([dz])
         _sync()
@@ -289,10 +301,12 @@ def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits
                 engine.step()
         dm.delete_delta("cold")
     dm.cache.pipeline_loads, dm.cache.pinned_loads, dm.cache.pipeline_piece_bytes = default_mode, default_pin, default_piece
+    dm.cache.pipeline_readers = default_readers
     return {"file_bytes": size, "bits": bits, "save_s": save_s, "disk_sequential_read_GBps": disk,
             "disk_sequential_read_s": size / (disk * 1e9), "read_and_decompress_s": read_s,
             "read_and_decompress_GBps": size / read_s / 1e9,
             "read_and_decompress_unpinned_s": read_unpinned_s, "read_and_decompress_streamed_s": read_streamed_s,
+            "read_and_decompress_streamed_2_readers_s": read_streamed_2_s,
             "same_request_resident_s": warm,
             "request_to_first_token_s": runs[("pipelined" if default_mode else "whole_file")
                                              + ("" if default_pin else "_pageable")]["request_to_first_token_s"], **runs,

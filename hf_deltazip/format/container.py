@@ -535,7 +535,8 @@ class DeltaZipFile:
             return dict(zip(names, got))
 
     def stream_tensors(self, names: Optional[Iterable[str]] = None, *, piece_bytes: int = 64 << 20,
-                       num_threads: Optional[int] = None, pin_memory: bool = False, ahead: int = 3):
+                       num_threads: Optional[int] = None, pin_memory: bool = False, ahead: int = 3,
+                       readers: int = 1):
         """Yield the tensors (all, or ``names``) as ``{name: tensor}`` pieces of about ``piece_bytes`` decoded
         bytes each, in file order, while the rest of the file is still being read.
 
@@ -543,7 +544,8 @@ class DeltaZipFile:
         of the file): raw payloads straight into one buffer per piece, page-locked with ``pin_memory``
         (CUDA only), compressed ones into a scratch buffer. A pool of ``num_threads`` decodes and checks
         each tensor (zstd, size, CRC-32) while the next pieces are read, up to ``ahead`` pieces beyond the
-        one handed out. A piece's tensors are views of its buffer, so the buffer is freed (and, pinned,
+        one handed out. ``readers`` > 1 reads that many pieces at once (each still front to back), so the
+        disk has work while one reader waits for Python's lock. A piece's tensors are views of its buffer, so the buffer is freed (and, pinned,
         reused by PyTorch's caching host allocator once its uploads are done) when they are dropped.
 
         Raises :class:`DeltaZipFormatError` naming the first corrupt tensor, when its piece is reached;
@@ -564,7 +566,7 @@ class DeltaZipFile:
         spans = [(min(self._spans[n][0] for n in p), max(self._spans[n][1] for n in p)) for p in pieces]
         if spans:  # the kernel's read-ahead window doubles for a sequential reader
             self._advise(spans[0][0], spans[-1][1], "POSIX_FADV_SEQUENTIAL")
-        reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltazip-read")
+        reader = ThreadPoolExecutor(max_workers=max(1, readers), thread_name_prefix="deltazip-read")
         pool = ThreadPoolExecutor(max_workers=reader_threads(num_threads), thread_name_prefix="deltazip-load")
         pending: deque = deque()
         todo = iter(enumerate(pieces))

@@ -128,6 +128,8 @@ class DeltaCache:
         self.pipeline_piece_bytes: int = 64 << 20
         #: pieces a pipelined load reads ahead of the one being placed
         self.pipeline_ahead: int = 3
+        #: threads reading pieces of a pipelined load at once (each piece front to back)
+        self.pipeline_readers: int = 1
         self._staging_ready = False
         #: decode a delta read from disk into page-locked host memory (CUDA only), so its uploads run
         #: asynchronously; ``False``: into pageable memory (no pinning cost on the read; each upload then
@@ -404,7 +406,7 @@ class DeltaCache:
         if self._staging_ready or not (self.pipeline_loads and self._pin_loads()):
             return
         blocks = [torch.empty(self.pipeline_piece_bytes, dtype=torch.uint8, pin_memory=True)
-                  for _ in range(self.pipeline_ahead + 2)]  # the pieces read ahead, the one placed, the one being read
+                  for _ in range(self.pipeline_ahead + 1 + self.pipeline_readers)]  # read ahead, placed, being read
         del blocks
         self._staging_ready = True
 
@@ -457,7 +459,8 @@ class DeltaCache:
             bar = tqdm(total=total, desc=f"loading {e.name}", unit="B", unit_scale=True, disable=None, leave=False)
             try:
                 for piece in dz.stream_tensors(piece_bytes=self.pipeline_piece_bytes, num_threads=e.num_threads,
-                                               pin_memory=pin, ahead=self.pipeline_ahead):
+                                               pin_memory=pin, ahead=self.pipeline_ahead,
+                                               readers=self.pipeline_readers):
                     bar.update(sum(dz.tensors[t].nbytes for t in piece))
                     got.update(piece)
                     arrived = list(piece)

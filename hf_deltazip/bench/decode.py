@@ -254,7 +254,7 @@ def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits
     evict_from_page_cache([dz])  # the streamed reader of the pipelined load: one sequential reader, checks beside it
     t = time.perf_counter()
     with DeltaZipFile(dz) as f:
-        for piece in f.stream_tensors(pin_memory=torch.cuda.is_available()):
+        for piece in f.stream_tensors(pin_memory=torch.cuda.is_available(), readers=1):
             del piece
     read_streamed_s = time.perf_counter() - t
     evict_from_page_cache([dz])  # the same with two pieces read at once
@@ -272,7 +272,8 @@ def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits
     other_readers = 2 if default_readers == 1 else 1
     for mode, pipelined, pinned, piece, readers in (
             ("pipelined", True, True, default_piece, default_readers), ("whole_file", False, True, None, None),
-            (f"pipelined_{other_readers}_readers", True, True, default_piece, other_readers),
+            (f"pipelined_{other_readers}_reader" + ("s" if other_readers > 1 else ""), True, True, default_piece,
+             other_readers),
             ("pipelined_pageable", True, False, default_piece, default_readers),
             ("whole_file_pageable", False, False, None, None),
             ("pipelined_16MB_pieces", True, True, 16 << 20, default_readers)):

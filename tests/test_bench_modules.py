@@ -366,3 +366,13 @@ def test_cllm_recipe_bench_trains_every_schedule_and_seed_and_summarises(tmp_pat
     assert d["runs"][0]["losses"][0][2] == pytest.approx(0.0, abs=1e-5) and r["runs"][2]["losses"][0][2] > 1e-3
     with pytest.raises(SystemExit):
         cllm_recipe.main(["--seeds", "0"])  # neither --pair nor --tiny
+
+
+def test_decode_cold_start_takes_the_number_of_reader_threads(tmp_path):
+    out = tmp_path / "cold.json"
+    assert decode.main(["--shape", "tiny", "--device", "cpu", "--cold-start-only", "--workdir", str(tmp_path),
+                        "--bits", "2", "--group-size", "64", "--pipeline-readers", "4", "--json", str(out)]) == 0
+    cold = json.loads(out.read_text())["cold_start"]
+    assert cold["read_and_decompress_streamed_4_readers_s"] > 0 and cold["pipeline_readers"] == 4
+    assert cold["request_to_first_token_s"] == cold["pipelined"]["request_to_first_token_s"]
+    assert "pipelined_1_reader" in cold  # the comparison row: one reader

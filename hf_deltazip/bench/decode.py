@@ -23,6 +23,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -205,7 +206,8 @@ def sequential_read_GBps(path: Path) -> float:
     return n / (time.perf_counter() - t) / 1e9
 
 
-def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits: int = 4) -> dict:
+def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits: int = 4,
+               readers: Optional[int] = None) -> dict:
     """Save one delta as a .dz folder, register it, evict it from the page cache, then time a request.
 
     Six times: with the cache's pipelined loads (each piece of the file placed while the rest is read)
@@ -251,32 +253,35 @@ def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits
         tensors = f.read_tensors(pin_memory=False)
     read_unpinned_s = time.perf_counter() - t
     del tensors
-    evict_from_page_cache([dz])  # the streamed reader of the pipelined load: one sequential reader, checks beside it
-    t = time.perf_counter()
-    with DeltaZipFile(dz) as f:
-        for piece in f.stream_tensors(pin_memory=torch.cuda.is_available(), readers=1):
-            del piece
-    read_streamed_s = time.perf_counter() - t
-    evict_from_page_cache([dz])  # the same with two pieces read at once
-    t = time.perf_counter()
-    with DeltaZipFile(dz) as f:
-        for piece in f.stream_tensors(pin_memory=torch.cuda.is_available(), readers=2):
-            del piece
-    read_streamed_2_s = time.perf_counter() - t
+    # the streamed reader of the pipelined load (pieces read front to back, checks beside them) with 1, 2 and 4
+    # pieces read at once; the pinned blocks page-locked first, as the cache does when a cold delta is registered
+    if torch.cuda.is_available():
+        blocks = [torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True) for _ in range(8)]
+        del blocks
+    streamed = {}
+    for readers in (1, 2, 4):
+        evict_from_page_cache([dz])
+        t = time.perf_counter()
+        with DeltaZipFile(dz) as f:
+            for piece in f.stream_tensors(pin_memory=torch.cuda.is_available(), readers=readers, ahead=max(3, readers)):
+                del piece
+        streamed[readers] = time.perf_counter() - t
     device = next(dm.parameters()).device
     engine = DecodeEngine(dm, max_batch_size=4, max_length=prompt_len + 16)
     prompt = torch.randint(0, 1000, (prompt_len,)).tolist()
     engine.run([prompt], [warm_name], max_new_tokens=4)  # the engine is up and its kernels are compiled
     runs, default_mode, default_pin, default_piece = {}, dm.cache.pipeline_loads, dm.cache.pinned_loads, dm.cache.pipeline_piece_bytes
-    default_readers = dm.cache.pipeline_readers
-    other_readers = 2 if default_readers == 1 else 1
+    default_readers, default_ahead = dm.cache.pipeline_readers, dm.cache.pipeline_ahead
+    if readers is not None:  # --pipeline-readers: the cache's pipelined loads read with this many threads
+        dm.cache.pipeline_ahead = max(default_ahead, readers)
+    other_readers = 1 if (readers or default_readers) != 1 else 2
     for mode, pipelined, pinned, piece, readers in (
-            ("pipelined", True, True, default_piece, default_readers), ("whole_file", False, True, None, None),
+            ("pipelined", True, True, default_piece, readers or default_readers), ("whole_file", False, True, None, None),
             (f"pipelined_{other_readers}_reader" + ("s" if other_readers > 1 else ""), True, True, default_piece,
              other_readers),
-            ("pipelined_pageable", True, False, default_piece, default_readers),
+            ("pipelined_pageable", True, False, default_piece, readers or default_readers),
             ("whole_file_pageable", False, False, None, None),
-            ("pipelined_16MB_pieces", True, True, 16 << 20, default_readers)):
+            ("pipelined_16MB_pieces", True, True, 16 << 20, readers or default_readers)):
         dm.cache.pipeline_loads, dm.cache.pinned_loads = pipelined, pinned
         dm.cache.pipeline_piece_bytes = piece or default_piece
         dm.cache.pipeline_readers = readers or default_readers
@@ -302,12 +307,13 @@ def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits
                 engine.step()
         dm.delete_delta("cold")
     dm.cache.pipeline_loads, dm.cache.pinned_loads, dm.cache.pipeline_piece_bytes = default_mode, default_pin, default_piece
-    dm.cache.pipeline_readers = default_readers
+    dm.cache.pipeline_readers, dm.cache.pipeline_ahead = default_readers, default_ahead
     return {"file_bytes": size, "bits": bits, "save_s": save_s, "disk_sequential_read_GBps": disk,
             "disk_sequential_read_s": size / (disk * 1e9), "read_and_decompress_s": read_s,
             "read_and_decompress_GBps": size / read_s / 1e9,
-            "read_and_decompress_unpinned_s": read_unpinned_s, "read_and_decompress_streamed_s": read_streamed_s,
-            "read_and_decompress_streamed_2_readers_s": read_streamed_2_s,
+            "read_and_decompress_unpinned_s": read_unpinned_s, "read_and_decompress_streamed_s": streamed[1],
+            "read_and_decompress_streamed_2_readers_s": streamed[2],
+            "read_and_decompress_streamed_4_readers_s": streamed[4], "pipeline_readers": readers or default_readers,
             "same_request_resident_s": warm,
             "request_to_first_token_s": runs[("pipelined" if default_mode else "whole_file")
                                              + ("" if default_pin else "_pageable")]["request_to_first_token_s"], **runs,
@@ -332,6 +338,8 @@ def main(argv=None) -> int:
     p.add_argument("--cold-start", action="store_true")
     p.add_argument("--workdir", help="where the cold-start delta is written (a local disk)")
     p.add_argument("--cold-start-only", action="store_true", help="skip the decode measurements (implies --cold-start)")
+    p.add_argument("--pipeline-readers", type=int,
+                   help="cold start: reader threads of the cache's pipelined loads (default: DeltaCache.pipeline_readers)")
     p.add_argument("--peft", action="store_true",
                    help="also time transformers + PEFT generate with max(--deltas) LoRA adapters in one mixed batch")
     p.add_argument("--lora-rank", type=int, default=16, help="--peft: rank of each LoRA adapter (default 16)")
@@ -407,7 +415,8 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
         with tempfile.TemporaryDirectory(dir=args.workdir or os.environ.get("TMPDIR")) as d:
             result["cold_start"] = cold_start(dm, random_delta(base, args.bits, args.group_size, seed=999), Path(d),
-                                              args.prompt_len, warm_name=dm.deltas[0], bits=args.bits)
+                                              args.prompt_len, warm_name=dm.deltas[0], bits=args.bits,
+                                              readers=args.pipeline_readers)
         print("cold start:", json.dumps(result["cold_start"]), flush=True)
     print(json.dumps(result, indent=2))
     if args.json:

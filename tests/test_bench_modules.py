@@ -191,8 +191,8 @@ def test_decode_cold_start_times_every_load_mode_from_a_real_file(tmp_path):
     assert decode.main(["--shape", "tiny", "--device", "cpu", "--cold-start-only", "--workdir", str(tmp_path),
                         "--bits", "4", "--group-size", "64", "--json", str(out)]) == 0
     cold = json.loads(out.read_text())["cold_start"]
-    modes = ("pipelined", "whole_file", "pipelined_pageable", "whole_file_pageable", "pipelined_16MB_pieces",
-             "pipelined_1_reader")  # the cache reads with two threads by default; the bench times one too
+    modes = ("pipelined", "whole_file", "pipelined_pageable", "whole_file_pageable", "pipelined_64MB_pieces",
+             "pipelined_1_reader")  # the cache reads with four threads by default; the bench times one too
     for mode in modes:
         run = cold[mode]
         assert run["request_to_first_token_s"] > 0 and 0 < run["load_s"] <= run["request_to_first_token_s"]

@@ -212,12 +212,12 @@ def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits
 
     Six times: with the cache's pipelined loads (each piece of the file placed while the rest is read)
     and reading the whole file before placing it, each decoding into pinned and into pageable host
-    memory (``DeltaCache.pinned_loads``), and the pipelined load with 16 MB pieces and with the other number
-    of reader threads (one or two, ``DeltaCache.pipeline_readers``); each against the
-    file's plain sequential read time with a cold page cache (``x_sequential_read``; the target is <= 1.2).
-    The read alone is timed three ways: every tensor on its own thread (pinned and pageable, as the
-    whole-file load reads) and streamed (one sequential reader, the checks beside it, as the pipelined
-    load reads; and with two readers).
+    memory (``DeltaCache.pinned_loads``); the pipelined load also with other pieces (64 MB, or 16 MB
+    where 64 MB is the cache's setting) and with one reader thread (two where the setting is one); each
+    against the file's plain sequential read time with a cold page cache (``x_sequential_read``; the
+    target is <= 1.2). The read alone is timed five ways: every tensor on its own thread (pinned and
+    pageable, as the whole-file load reads) and streamed (pieces read front to back, the checks beside
+    them, as the pipelined load reads) with 1, 2 and 4 readers.
     """
     from ..config import DeltaZipConfig
     from ..delta import CompressedDelta
@@ -275,13 +275,14 @@ def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits
     if readers is not None:  # --pipeline-readers: the cache's pipelined loads read with this many threads
         dm.cache.pipeline_ahead = max(default_ahead, readers)
     other_readers = 1 if (readers or default_readers) != 1 else 2
+    other_piece = (64 << 20) if default_piece != (64 << 20) else (16 << 20)
     for mode, pipelined, pinned, piece, readers in (
             ("pipelined", True, True, default_piece, readers or default_readers), ("whole_file", False, True, None, None),
             (f"pipelined_{other_readers}_reader" + ("s" if other_readers > 1 else ""), True, True, default_piece,
              other_readers),
             ("pipelined_pageable", True, False, default_piece, readers or default_readers),
             ("whole_file_pageable", False, False, None, None),
-            ("pipelined_16MB_pieces", True, True, 16 << 20, readers or default_readers)):
+            (f"pipelined_{other_piece >> 20}MB_pieces", True, True, other_piece, readers or default_readers)):
         dm.cache.pipeline_loads, dm.cache.pinned_loads = pipelined, pinned
         dm.cache.pipeline_piece_bytes = piece or default_piece
         dm.cache.pipeline_readers = readers or default_readers

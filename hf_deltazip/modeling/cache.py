@@ -125,12 +125,13 @@ class DeltaCache:
         #: BENCHMARKS.md section 4, "Cold start")
         self.pipeline_loads: bool = True
         #: decoded bytes per piece of a pipelined load
-        self.pipeline_piece_bytes: int = 64 << 20
-        #: pieces a pipelined load reads ahead of the one being placed
-        self.pipeline_ahead: int = 3
-        #: threads reading pieces of a pipelined load at once (each piece front to back; on an H200 two
-        #: readers reached the first token of a cold 8B-shaped 2-bit delta in 0.97 s against 1.08 s for one)
-        self.pipeline_readers: int = 2
+        self.pipeline_piece_bytes: int = 16 << 20
+        #: pieces a pipelined load reads ahead of the one being placed (at least ``pipeline_readers``)
+        self.pipeline_ahead: int = 4
+        #: threads reading pieces of a pipelined load at once, each piece front to back (on an H200, four
+        #: readers of 16 MB pieces reached the first token of a cold 8B-shaped 2-bit delta 1.15x the disk's
+        #: plain read after the request, one reader of 64 MB pieces 1.26x; BENCHMARKS.md section 4)
+        self.pipeline_readers: int = 4
         self._staging_ready = False
         #: decode a delta read from disk into page-locked host memory (CUDA only), so its uploads run
         #: asynchronously; ``False``: into pageable memory (no pinning cost on the read; each upload then
@@ -407,7 +408,7 @@ class DeltaCache:
         if self._staging_ready or not (self.pipeline_loads and self._pin_loads()):
             return
         blocks = [torch.empty(self.pipeline_piece_bytes, dtype=torch.uint8, pin_memory=True)
-                  for _ in range(self.pipeline_ahead + 1 + self.pipeline_readers)]  # read ahead, placed, being read
+                  for _ in range(max(self.pipeline_ahead, self.pipeline_readers) + 1 + self.pipeline_readers)]
         del blocks
         self._staging_ready = True
 
@@ -460,7 +461,7 @@ class DeltaCache:
             bar = tqdm(total=total, desc=f"loading {e.name}", unit="B", unit_scale=True, disable=None, leave=False)
             try:
                 for piece in dz.stream_tensors(piece_bytes=self.pipeline_piece_bytes, num_threads=e.num_threads,
-                                               pin_memory=pin, ahead=self.pipeline_ahead,
+                                               pin_memory=pin, ahead=max(self.pipeline_ahead, self.pipeline_readers),
                                                readers=self.pipeline_readers):
                     bar.update(sum(dz.tensors[t].nbytes for t in piece))
                     got.update(piece)

@@ -119,10 +119,9 @@ class DeltaCache:
         self._prefetcher: Optional[ThreadPoolExecutor] = None
         self._side_stream = None
         #: read a delta that is only on disk a piece at a time, placing each piece while the next is read
-        #: (the default: one sequential reader, checks and uploads beside it; on an H200 an 8B-shaped
-        #: delta's first token came 1.1x the disk's plain read time after the request, against 1.4-1.5x
-        #: for ``False``, which reads the whole file with every decompression thread, then places it;
-        #: BENCHMARKS.md section 4, "Cold start")
+        #: (the default: pieces read front to back, checks and uploads beside them; on six H200 machines
+        #: an 8B-shaped delta's first token came 0.1-0.5 s sooner than with ``False``, which reads the
+        #: whole file with every decompression thread, then places it; BENCHMARKS.md section 4, "Cold start")
         self.pipeline_loads: bool = True
         #: decoded bytes per piece of a pipelined load
         self.pipeline_piece_bytes: int = 16 << 20

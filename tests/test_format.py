@@ -571,21 +571,3 @@ def test_a_corrupt_piece_raises_and_closing_early_stops_the_reader(saved, tmp_pa
         with pytest.raises(DeltaZipFormatError, match="truncated"):
             for _ in dz.stream_tensors(piece_bytes=1):
                 pass
-
-
-def test_a_streamed_read_asks_the_kernel_to_read_each_next_piece_ahead(saved, monkeypatch):
-    folder, _ = saved
-    advice = []
-    real = os.posix_fadvise
-
-    def record(fd, offset, length, flag):
-        advice.append((offset, length, flag))
-        return real(fd, offset, length, flag)
-
-    monkeypatch.setattr(os, "posix_fadvise", record)
-    with DeltaZipFile(folder / DZ_FILENAME) as dz:
-        pieces = list(dz.stream_tensors(piece_bytes=300, num_threads=2))
-        spans = [(min(dz._spans[n][0] for n in p), max(dz._spans[n][1] for n in p)) for p in pieces]
-    assert advice[0] == (spans[0][0], spans[-1][1] - spans[0][0], os.POSIX_FADV_SEQUENTIAL)
-    ahead = [(o, o + n) for o, n, f in advice if f == os.POSIX_FADV_WILLNEED]
-    assert ahead == spans[1:]  # every piece but the first is asked for while the one before it is read

@@ -545,8 +545,9 @@ class DeltaZipFile:
         (CUDA only), compressed ones into a scratch buffer. A pool of ``num_threads`` decodes and checks
         each tensor (zstd, size, CRC-32) while the next pieces are read, up to ``ahead`` pieces beyond the
         one handed out. ``readers`` > 1 reads that many pieces at once (each still front to back), so the
-        disk has work while one reader waits for Python's lock. A piece's tensors are views of its buffer, so the buffer is freed (and, pinned,
-        reused by PyTorch's caching host allocator once its uploads are done) when they are dropped.
+        disk has work while one reader waits for Python's lock. A piece's tensors are views of its buffer,
+        so the buffer is freed (and, pinned, reused by PyTorch's caching host allocator once its uploads are
+        done) when they are dropped.
 
         Raises :class:`DeltaZipFormatError` naming the first corrupt tensor, when its piece is reached;
         closing the generator early stops the reads.
@@ -563,19 +564,15 @@ class DeltaZipFile:
             size += need
         if piece:
             pieces.append(piece)
-        spans = [(min(self._spans[n][0] for n in p), max(self._spans[n][1] for n in p)) for p in pieces]
-        if spans:  # the kernel's read-ahead window doubles for a sequential reader
-            self._advise(spans[0][0], spans[-1][1], "POSIX_FADV_SEQUENTIAL")
         reader = ThreadPoolExecutor(max_workers=max(1, readers), thread_name_prefix="deltazip-read")
         pool = ThreadPoolExecutor(max_workers=reader_threads(num_threads), thread_name_prefix="deltazip-load")
         pending: deque = deque()
-        todo = iter(enumerate(pieces))
+        todo = iter(pieces)
 
         def submit_next():
-            i, nxt = next(todo, (None, None))
+            nxt = next(todo, None)
             if nxt is not None:
-                after = spans[i + 1] if i + 1 < len(spans) else None
-                pending.append(reader.submit(self._read_piece, nxt, pin, pool, after))
+                pending.append(reader.submit(self._read_piece, nxt, pin, pool))
 
         try:
             for _ in range(max(1, ahead + 1)):
@@ -590,14 +587,9 @@ class DeltaZipFile:
             reader.shutdown(wait=True, cancel_futures=True)
             pool.shutdown(wait=True, cancel_futures=True)
 
-    def _read_piece(self, names: list, pin: bool, pool: ThreadPoolExecutor, after: Optional[tuple] = None) -> dict:
+    def _read_piece(self, names: list, pin: bool, pool: ThreadPoolExecutor) -> dict:
         """Read the stored bytes of ``names`` (in file order) with as few ``preadv`` calls as their spans
-        allow and queue each tensor's decode and check on ``pool``. Returns ``{name: future of the tensor}``.
-
-        ``after``: the ``(start, end)`` byte span of the next piece, which the kernel is asked to start
-        reading now, so the disk stays busy while this thread waits for Python's lock between reads."""
-        if after is not None:
-            self._advise(after[0], after[1], "POSIX_FADV_WILLNEED")
+        allow and queue each tensor's decode and check on ``pool``. Returns ``{name: future of the tensor}``."""
         total = sum(_aligned(self.tensors[n].nbytes) for n in names)
         block = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
         mv = memoryview(block.numpy()) if total else memoryview(b"")
@@ -625,16 +617,6 @@ class DeltaZipFile:
         if run:
             self._preadv(run, run_start)
         return {n: pool.submit(self._decoded, n, payloads[n], outs[n]) for n in names}
-
-    def _advise(self, start: int, end: int, advice: str) -> None:
-        """A ``posix_fadvise`` hint for the file's bytes ``[start, end)``; nothing where the OS has none."""
-        flag = getattr(os, advice, None)
-        if flag is None or end <= start:
-            return
-        try:
-            os.posix_fadvise(self._file.fileno(), start, end - start, flag)
-        except OSError:
-            pass
 
     def _preadv(self, bufs: list, offset: int) -> None:
         """Fill ``bufs`` one after another with the file's bytes from ``offset`` (a few large ``preadv`` calls)."""

@@ -127,9 +127,10 @@ class DeltaCache:
         self.pipeline_piece_bytes: int = 16 << 20
         #: pieces a pipelined load reads ahead of the one being placed (at least ``pipeline_readers``)
         self.pipeline_ahead: int = 4
-        #: threads reading pieces of a pipelined load at once, each piece front to back (on an H200, four
+        #: threads reading pieces of a pipelined load at once, each piece front to back (on one H200, four
         #: readers of 16 MB pieces reached the first token of a cold 8B-shaped 2-bit delta 1.15x the disk's
-        #: plain read after the request, one reader of 64 MB pieces 1.26x; BENCHMARKS.md section 4)
+        #: plain read after the request, one reader of 64 MB pieces 1.26x, in a build that also gave the
+        #: kernel read-ahead hints, since removed; BENCHMARKS.md section 4)
         self.pipeline_readers: int = 4
         self._staging_ready = False
         #: decode a delta read from disk into page-locked host memory (CUDA only), so its uploads run

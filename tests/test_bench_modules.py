@@ -368,11 +368,22 @@ def test_cllm_recipe_bench_trains_every_schedule_and_seed_and_summarises(tmp_pat
         cllm_recipe.main(["--seeds", "0"])  # neither --pair nor --tiny
 
 
-def test_decode_cold_start_takes_the_number_of_reader_threads(tmp_path):
+def test_decode_cold_start_takes_the_number_of_reader_threads(tmp_path, monkeypatch):
+    from hf_deltazip.modeling.cache import DeltaCache
+
+    used = []  # the readers of each load the cache streamed
+    real = DeltaCache._load_pipelined
+
+    def load(self, *a, **k):
+        used.append(self.pipeline_readers)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(DeltaCache, "_load_pipelined", load)
     out = tmp_path / "cold.json"
     assert decode.main(["--shape", "tiny", "--device", "cpu", "--cold-start-only", "--workdir", str(tmp_path),
-                        "--bits", "2", "--group-size", "64", "--pipeline-readers", "4", "--json", str(out)]) == 0
+                        "--bits", "2", "--group-size", "64", "--pipeline-readers", "2", "--json", str(out)]) == 0
     cold = json.loads(out.read_text())["cold_start"]
-    assert cold["read_and_decompress_streamed_4_readers_s"] > 0 and cold["pipeline_readers"] == 4
+    assert cold["read_and_decompress_streamed_4_readers_s"] > 0 and cold["pipeline_readers"] == 2
     assert cold["request_to_first_token_s"] == cold["pipelined"]["request_to_first_token_s"]
     assert "pipelined_1_reader" in cold  # the comparison row: one reader
+    assert used == [2, 1, 2, 2]  # pipelined, one reader, pageable, other pieces: --pipeline-readers where not varied

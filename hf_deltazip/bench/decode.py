@@ -259,33 +259,31 @@ def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits
         blocks = [torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True) for _ in range(8)]
         del blocks
     streamed = {}
-    for readers in (1, 2, 4):
+    for n in (1, 2, 4):
         evict_from_page_cache([dz])
         t = time.perf_counter()
         with DeltaZipFile(dz) as f:
-            for piece in f.stream_tensors(pin_memory=torch.cuda.is_available(), readers=readers, ahead=max(3, readers)):
+            for piece in f.stream_tensors(pin_memory=torch.cuda.is_available(), readers=n):
                 del piece
-        streamed[readers] = time.perf_counter() - t
+        streamed[n] = time.perf_counter() - t
     device = next(dm.parameters()).device
     engine = DecodeEngine(dm, max_batch_size=4, max_length=prompt_len + 16)
     prompt = torch.randint(0, 1000, (prompt_len,)).tolist()
     engine.run([prompt], [warm_name], max_new_tokens=4)  # the engine is up and its kernels are compiled
     runs, default_mode, default_pin, default_piece = {}, dm.cache.pipeline_loads, dm.cache.pinned_loads, dm.cache.pipeline_piece_bytes
-    default_readers, default_ahead = dm.cache.pipeline_readers, dm.cache.pipeline_ahead
-    if readers is not None:  # --pipeline-readers: the cache's pipelined loads read with this many threads
-        dm.cache.pipeline_ahead = max(default_ahead, readers)
-    other_readers = 1 if (readers or default_readers) != 1 else 2
+    default_readers = dm.cache.pipeline_readers
+    readers = readers or default_readers  # --pipeline-readers: the cache's pipelined loads read with this many threads
+    other_readers = 1 if readers != 1 else 2
     other_piece = (64 << 20) if default_piece != (64 << 20) else (16 << 20)
-    for mode, pipelined, pinned, piece, readers in (
-            ("pipelined", True, True, default_piece, readers or default_readers), ("whole_file", False, True, None, None),
+    for mode, pipelined, pinned, piece, n_readers in (
+            ("pipelined", True, True, default_piece, readers), ("whole_file", False, True, default_piece, readers),
             (f"pipelined_{other_readers}_reader" + ("s" if other_readers > 1 else ""), True, True, default_piece,
              other_readers),
-            ("pipelined_pageable", True, False, default_piece, readers or default_readers),
-            ("whole_file_pageable", False, False, None, None),
-            (f"pipelined_{other_piece >> 20}MB_pieces", True, True, other_piece, readers or default_readers)):
+            ("pipelined_pageable", True, False, default_piece, readers),
+            ("whole_file_pageable", False, False, default_piece, readers),
+            (f"pipelined_{other_piece >> 20}MB_pieces", True, True, other_piece, readers)):
         dm.cache.pipeline_loads, dm.cache.pinned_loads = pipelined, pinned
-        dm.cache.pipeline_piece_bytes = piece or default_piece
-        dm.cache.pipeline_readers = readers or default_readers
+        dm.cache.pipeline_piece_bytes, dm.cache.pipeline_readers = piece, n_readers
         dm.load_delta(folder, delta_name="cold", resident=False)  # registered: header checked, nothing loaded
         how = evict_from_page_cache([dz])
         _sync()
@@ -308,13 +306,13 @@ def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits
                 engine.step()
         dm.delete_delta("cold")
     dm.cache.pipeline_loads, dm.cache.pinned_loads, dm.cache.pipeline_piece_bytes = default_mode, default_pin, default_piece
-    dm.cache.pipeline_readers, dm.cache.pipeline_ahead = default_readers, default_ahead
+    dm.cache.pipeline_readers = default_readers
     return {"file_bytes": size, "bits": bits, "save_s": save_s, "disk_sequential_read_GBps": disk,
             "disk_sequential_read_s": size / (disk * 1e9), "read_and_decompress_s": read_s,
             "read_and_decompress_GBps": size / read_s / 1e9,
             "read_and_decompress_unpinned_s": read_unpinned_s, "read_and_decompress_streamed_s": streamed[1],
             "read_and_decompress_streamed_2_readers_s": streamed[2],
-            "read_and_decompress_streamed_4_readers_s": streamed[4], "pipeline_readers": readers or default_readers,
+            "read_and_decompress_streamed_4_readers_s": streamed[4], "pipeline_readers": readers,
             "same_request_resident_s": warm,
             "request_to_first_token_s": runs[("pipelined" if default_mode else "whole_file")
                                              + ("" if default_pin else "_pageable")]["request_to_first_token_s"], **runs,

@@ -544,8 +544,8 @@ class DeltaZipFile:
         of the file): raw payloads straight into one buffer per piece, page-locked with ``pin_memory``
         (CUDA only), compressed ones into a scratch buffer. A pool of ``num_threads`` decodes and checks
         each tensor (zstd, size, CRC-32) while the next pieces are read, up to ``ahead`` pieces beyond the
-        one handed out. ``readers`` > 1 reads that many pieces at once (each still front to back), so the
-        disk has work while one reader waits for Python's lock. A piece's tensors are views of its buffer,
+        one handed out (at least ``readers``). ``readers`` > 1 reads that many pieces at once (each still
+        front to back), so the disk has work while one reader waits for Python's lock. A piece's tensors are views of its buffer,
         so the buffer is freed (and, pinned, reused by PyTorch's caching host allocator once its uploads are
         done) when they are dropped.
 
@@ -575,7 +575,7 @@ class DeltaZipFile:
                 pending.append(reader.submit(self._read_piece, nxt, pin, pool))
 
         try:
-            for _ in range(max(1, ahead + 1)):
+            for _ in range(max(ahead, readers) + 1):
                 submit_next()
             while pending:
                 futures = pending.popleft().result()

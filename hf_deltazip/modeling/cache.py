@@ -125,7 +125,7 @@ class DeltaCache:
         self.pipeline_loads: bool = True
         #: decoded bytes per piece of a pipelined load
         self.pipeline_piece_bytes: int = 16 << 20
-        #: pieces a pipelined load reads ahead of the one being placed (at least ``pipeline_readers``)
+        #: pieces a pipelined load reads ahead of the one being placed (``pipeline_readers`` if that is more)
         self.pipeline_ahead: int = 4
         #: threads reading pieces of a pipelined load at once, each piece front to back (on one H200, four
         #: readers of 16 MB pieces reached the first token of a cold 8B-shaped 2-bit delta 1.15x the disk's
@@ -408,7 +408,7 @@ class DeltaCache:
         if self._staging_ready or not (self.pipeline_loads and self._pin_loads()):
             return
         blocks = [torch.empty(self.pipeline_piece_bytes, dtype=torch.uint8, pin_memory=True)
-                  for _ in range(max(self.pipeline_ahead, self.pipeline_readers) + 1 + self.pipeline_readers)]
+                  for _ in range(max(self.pipeline_ahead, self.pipeline_readers) + 2)]  # read or queued, and placed
         del blocks
         self._staging_ready = True
 
@@ -461,8 +461,7 @@ class DeltaCache:
             bar = tqdm(total=total, desc=f"loading {e.name}", unit="B", unit_scale=True, disable=None, leave=False)
             try:
                 for piece in dz.stream_tensors(piece_bytes=self.pipeline_piece_bytes, num_threads=e.num_threads,
-                                               pin_memory=pin, ahead=max(self.pipeline_ahead, self.pipeline_readers),
-                                               readers=self.pipeline_readers):
+                                               pin_memory=pin, ahead=self.pipeline_ahead, readers=self.pipeline_readers):
                     bar.update(sum(dz.tensors[t].nbytes for t in piece))
                     got.update(piece)
                     arrived = list(piece)
@@ -482,7 +481,8 @@ class DeltaCache:
                     if not ready:
                         continue
                     nbytes += delta_nbytes(ready, {})
-                    embeddings.update({m: p for m, p in ready.items() if p.kind == "embedding"})
+                    if not e.validated:  # kept for the parameters' check only
+                        embeddings.update({m: p for m, p in ready.items() if p.kind == "embedding"})
                     if keep:
                         modules.update(ready)
                     if not e.validated:

@@ -191,12 +191,18 @@ def test_decode_cold_start_times_every_load_mode_from_a_real_file(tmp_path):
     assert decode.main(["--shape", "tiny", "--device", "cpu", "--cold-start-only", "--workdir", str(tmp_path),
                         "--bits", "4", "--group-size", "64", "--json", str(out)]) == 0
     cold = json.loads(out.read_text())["cold_start"]
-    modes = ("pipelined", "whole_file", "pipelined_pageable", "whole_file_pageable", "pipelined_64MB_pieces",
+    modes = ("pipelined", "whole_file", "pipelined_page_cache", "pipelined_direct", "pipelined_pageable",
+             "whole_file_pageable", "pipelined_64MB_pieces",
              "pipelined_1_reader")  # the cache reads with four threads by default; the bench times one too
     for mode in modes:
         run = cold[mode]
         assert run["request_to_first_token_s"] > 0 and 0 < run["load_s"] <= run["request_to_first_token_s"]
         assert run["x_sequential_read"] == pytest.approx(run["request_to_first_token_s"] / cold["disk_sequential_read_s"])
+        assert run["x_fastest_read"] == pytest.approx(run["request_to_first_token_s"] / cold["fastest_read_s"])
+    # the disk's floor: the quicker of the plain read through the page cache and the direct read
+    if cold["disk_direct_read_s"] is not None:
+        assert cold["fastest_read_s"] == pytest.approx(min(cold["disk_sequential_read_s"], cold["disk_direct_read_s"]))
+        assert cold["read_and_decompress_streamed_direct_4_readers_s"] > 0
     # the headline is the cache's default mode: pipelined, pinned
     assert cold["request_to_first_token_s"] == cold["pipelined"]["request_to_first_token_s"]
     assert cold["file_bytes"] > 0 and cold["bits"] == 4 and not list(tmp_path.glob("tmp*"))
@@ -371,11 +377,12 @@ def test_cllm_recipe_bench_trains_every_schedule_and_seed_and_summarises(tmp_pat
 def test_decode_cold_start_takes_the_number_of_reader_threads(tmp_path, monkeypatch):
     from hf_deltazip.modeling.cache import DeltaCache
 
-    used = []  # the readers of each load the cache streamed
+    used, direct = [], []  # the readers and the direct-read setting of each load the cache streamed
     real = DeltaCache._load_pipelined
 
     def load(self, *a, **k):
         used.append(self.pipeline_readers)
+        direct.append(self.pipeline_direct_io)
         return real(self, *a, **k)
 
     monkeypatch.setattr(DeltaCache, "_load_pipelined", load)
@@ -386,4 +393,6 @@ def test_decode_cold_start_takes_the_number_of_reader_threads(tmp_path, monkeypa
     assert cold["read_and_decompress_streamed_4_readers_s"] > 0 and cold["pipeline_readers"] == 2
     assert cold["request_to_first_token_s"] == cold["pipelined"]["request_to_first_token_s"]
     assert "pipelined_1_reader" in cold  # the comparison row: one reader
-    assert used == [2, 1, 2, 2]  # pipelined, one reader, pageable, other pieces: --pipeline-readers where not varied
+    # pipelined, page cache, direct, one reader, pageable, other pieces: --pipeline-readers where not varied
+    assert used == [2, 2, 2, 1, 2, 2]
+    assert direct == ["auto", False, True, "auto", "auto", "auto"]  # the cache's default, then each way alone

@@ -166,7 +166,9 @@ def test_prefetch_uploads_into_free_room_ahead_of_use(folders, reference, device
 
 
 @pytest.mark.parametrize("piece_bytes", [1, 1 << 30])  # one module per piece; the whole delta in one piece
-def test_pipelined_cold_load_equals_a_whole_file_load_and_a_warm_delta(folders, reference, piece_bytes, monkeypatch):
+@pytest.mark.parametrize("direct_io", [False, True])  # through the page cache; past it (O_DIRECT)
+def test_pipelined_cold_load_equals_a_whole_file_load_and_a_warm_delta(folders, reference, piece_bytes, direct_io,
+                                                                       monkeypatch):
     """A delta only on disk, read a piece at a time while earlier pieces are placed, answers exactly as
     the same delta read whole, and as one loaded up front."""
     import threading
@@ -183,7 +185,8 @@ def test_pipelined_cold_load_equals_a_whole_file_load_and_a_warm_delta(folders, 
     monkeypatch.setattr(DeltaZipFile, "_decoded", decoded)
     piped = DeltaModel(copy.deepcopy(base_model("llama")))
     assert piped.cache.pipeline_loads  # the default (first tokens sooner on the H200)
-    piped.cache.pipeline_piece_bytes = piece_bytes
+    assert piped.cache.pipeline_direct_io == "auto"  # the default: direct reads of a file not in the page cache
+    piped.cache.pipeline_piece_bytes, piped.cache.pipeline_direct_io = piece_bytes, direct_io
     whole = DeltaModel(copy.deepcopy(base_model("llama")))
     whole.cache.pipeline_loads = False
     for model in (piped, whole):
@@ -270,6 +273,7 @@ def test_a_pipelined_cuda_load_lets_go_of_its_pinned_pieces(folders, reference, 
     monkeypatch.setattr(DeltaZipFile, "stream_tensors", stream)
     model = _kernel_model(folders, "cuda", torch.float32, monkeypatch)
     model.cache.pipeline_loads, model.cache.pipeline_piece_bytes = True, 1 << 12
+    model.cache.pipeline_direct_io = True  # staged past the page cache, then into the pinned pieces
     model.load_delta(folders["d3"], delta_name="d3", resident=False)
     rows = ["d3", "d1"]
     with torch.no_grad():

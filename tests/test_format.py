@@ -497,11 +497,22 @@ def stream_all(path, **kw):
 
 @pytest.mark.parametrize("piece_bytes", [1, 300, 1 << 30])  # one tensor a piece; a few; the whole file
 @pytest.mark.parametrize("threads", [1, 3])
-def test_streamed_pieces_equal_lazy_reads_in_file_order(saved, piece_bytes, threads):
+@pytest.mark.parametrize("direct", [False, True])  # through the page cache; O_DIRECT reads of one block each
+def test_streamed_pieces_equal_lazy_reads_in_file_order(saved, piece_bytes, threads, direct, monkeypatch):
     folder, _ = saved
+    direct_reads = []
+    real_direct = DeltaZipFile._pread_direct
+    monkeypatch.setattr(DeltaZipFile, "_pread_direct",
+                        lambda self, fd, mv, off: direct_reads.append(len(mv)) or real_direct(self, fd, mv, off))
+    kw = dict(direct_io=True, io_bytes=4096) if direct else {}
     with DeltaZipFile(folder / DZ_FILENAME) as dz:
         order = dz.in_file_order()
-        pieces = list(dz.stream_tensors(piece_bytes=piece_bytes, num_threads=threads, ahead=1))
+        pieces = list(dz.stream_tensors(piece_bytes=piece_bytes, num_threads=threads, ahead=1, **kw))
+        if direct and hasattr(os, "O_DIRECT"):  # every stored byte came through direct reads of at most io_bytes
+            assert sum(direct_reads) >= os.path.getsize(folder / DZ_FILENAME) - dz._spans[order[0]][0]
+            assert max(direct_reads) <= 4096
+        else:
+            assert not direct_reads
         assert [n for p in pieces for n in p] == order  # every tensor once, in file order
         for p in pieces:  # a piece stays under its size unless it is one tensor
             assert len(p) == 1 or sum(-(-dz.tensors[n].nbytes // 64) * 64 for n in p) <= piece_bytes
@@ -509,12 +520,12 @@ def test_streamed_pieces_equal_lazy_reads_in_file_order(saved, piece_bytes, thre
                 want = dz.get_tensor(name)
                 assert t.dtype == want.dtype and t.shape == want.shape and torch.equal(t, want), name
         assert (len(pieces) == len(order)) == (piece_bytes == 1)
-        two = list(dz.stream_tensors(piece_bytes=piece_bytes, num_threads=threads, readers=2))
+        two = list(dz.stream_tensors(piece_bytes=piece_bytes, num_threads=threads, readers=2, **kw))
         assert [list(p) for p in two] == [list(p) for p in pieces]  # two readers: the same pieces, in order
         assert all(torch.equal(t, p[n]) for q, p in zip(two, pieces) for n, t in q.items())
         # a subset whose stored bytes are not contiguous is read run by run
         some = order[::3]
-        got = {n: t for p in dz.stream_tensors(some, piece_bytes=1 << 20) for n, t in p.items()}
+        got = {n: t for p in dz.stream_tensors(some, piece_bytes=1 << 20, **kw) for n, t in p.items()}
         assert list(got) == some and all(torch.equal(got[n], dz.get_tensor(n)) for n in some)
 
 
@@ -571,3 +582,105 @@ def test_a_corrupt_piece_raises_and_closing_early_stops_the_reader(saved, tmp_pa
         with pytest.raises(DeltaZipFormatError, match="truncated"):
             for _ in dz.stream_tensors(piece_bytes=1):
                 pass
+
+
+needs_direct = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this OS")
+
+
+@needs_direct
+def test_direct_reads_fall_back_to_the_page_cache_where_refused(saved, monkeypatch):
+    """A file system that refuses a direct read (EINVAL) gets the same tensors through the page cache."""
+    import errno
+    import fcntl
+
+    folder, _ = saved
+    want, _, _ = read_all(folder / DZ_FILENAME)
+    real, refused = os.preadv, []
+
+    def refuse_direct(fd, bufs, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "preadv", refuse_direct)
+    got, _, _ = stream_all(folder / DZ_FILENAME, piece_bytes=300, direct_io=True, io_bytes=4096, readers=2)
+    assert refused and got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    # any other error is the caller's to see
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, offset: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+    with pytest.raises(OSError, match="I/O error"):
+        stream_all(folder / DZ_FILENAME, direct_io=True)
+
+
+@needs_direct
+def test_auto_direct_reads_only_a_file_mostly_out_of_the_page_cache(saved, monkeypatch):
+    import hf_deltazip.format.container as container
+
+    folder, _ = saved
+    want, _, _ = read_all(folder / DZ_FILENAME)
+    opened = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda p, flags, *a: opened.append(flags) or real_open(p, flags, *a))
+    for cached, direct in ((0.0, True), (0.49, True), (0.5, False), (1.0, False), (None, False)):
+        opened.clear()
+        monkeypatch.setattr(container, "page_cache_fraction", lambda fd, size, c=cached: c)
+        got, _, _ = stream_all(folder / DZ_FILENAME, piece_bytes=300, direct_io="auto")
+        assert all(torch.equal(got[n], want[n]) for n in want)
+        assert any(f & os.O_DIRECT for f in opened) == direct, cached
+    with pytest.raises(ValueError, match="direct_io"):
+        stream_all(folder / DZ_FILENAME, direct_io="yes")
+    with pytest.raises(ValueError, match="io_bytes"):
+        stream_all(folder / DZ_FILENAME, direct_io=True, io_bytes=1000)
+
+
+@needs_direct
+def test_direct_reads_name_a_corrupt_tensor_and_a_file_cut_short(saved, tmp_path):
+    import threading
+
+    folder, _ = saved
+    data = bytearray((folder / DZ_FILENAME).read_bytes())
+    with DeltaZipFile(folder / DZ_FILENAME) as dz:
+        order = dz.in_file_order()
+        last = order[-1]
+        b, e = dz._spans[last]
+    data[e - 1] ^= 0xFF
+    (tmp_path / "bad.dz").write_bytes(bytes(data))
+    with DeltaZipFile(tmp_path / "bad.dz") as dz:
+        stream = dz.stream_tensors(piece_bytes=1, direct_io=True, io_bytes=4096)
+        assert list(next(stream)) == [order[0]]
+        with pytest.raises(DeltaZipFormatError, match=f"tensor {last!r}"):
+            for _ in stream:
+                pass
+        stream = dz.stream_tensors(piece_bytes=1, direct_io=True)
+        next(stream)
+        stream.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith(("deltazip-read", "deltazip-load", "deltazip-piece"))]
+    (tmp_path / "short.dz").write_bytes(bytes(data))
+    with DeltaZipFile(tmp_path / "short.dz") as dz:
+        os.truncate(tmp_path / "short.dz", b + 1)
+        with pytest.raises(DeltaZipFormatError, match="truncated"):
+            for _ in dz.stream_tensors(piece_bytes=1, direct_io=True, io_bytes=4096):
+                pass
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise on this OS")
+def test_page_cache_fraction_sees_a_file_leave_the_page_cache(tmp_path):
+    from hf_deltazip.format.container import page_cache_fraction
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        before = page_cache_fraction(fd, 1 << 20)
+        if before is None:
+            pytest.skip("this system does not report page cache residency")
+        assert before == 1.0  # just written
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        after = page_cache_fraction(fd, 1 << 20)
+        if after > 0.5:
+            pytest.skip("this file system kept the pages after POSIX_FADV_DONTNEED")
+        os.pread(fd, 4096, 0)
+        assert page_cache_fraction(fd, 1 << 20) > after  # reading brings pages back in
+    finally:
+        os.close(fd)

@@ -12,7 +12,8 @@ shapes with ``--shape 1b``) in bf16 on the GPU; each delta is random packed code
   file's pages evicted from the page cache, the time from a request naming it to that request's first
   token (read, decompress, upload into the kernel stack, prefill), on an engine already serving another
   delta. Also: bytes read, the file's plain sequential read speed with a cold cache (the disk's floor),
-  and the read+decompress rate.
+  the same read past the page cache (``O_DIRECT``, four 4 MB reads in flight; ``x_fastest_read`` is
+  against the quicker of the two), and the read+decompress rate.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import argparse
 import json
 import os
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -206,6 +209,42 @@ def sequential_read_GBps(path: Path) -> float:
     return n / (time.perf_counter() - t) / 1e9
 
 
+def direct_sequential_read_GBps(path: Path, threads: int = 4, io_bytes: int = 4 << 20) -> Optional[float]:
+    """The same read past the page cache (``O_DIRECT``), ``threads`` reads of ``io_bytes`` in flight at once,
+    into page-aligned buffers; ``None`` where the OS or file system refuses direct reads."""
+    import mmap
+
+    if not hasattr(os, "O_DIRECT"):
+        return None
+    evict_from_page_cache([path])
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return None
+    size = os.fstat(fd).st_size
+    bufs = [mmap.mmap(-1, io_bytes) for _ in range(threads)]  # page-aligned
+    offsets = iter(range(0, size, io_bytes))
+    lock = threading.Lock()
+
+    def read(buf):
+        while True:
+            with lock:
+                off = next(offsets, None)
+            if off is None:
+                return
+            os.preadv(fd, [buf], off)
+
+    try:
+        t = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(read, bufs))
+        return size / (time.perf_counter() - t) / 1e9
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits: int = 4,
                readers: Optional[int] = None) -> dict:
     """Save one delta as a .dz folder, register it, evict it from the page cache, then time a request.
@@ -240,6 +279,8 @@ def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits
     dz = folder / DZ_FILENAME
     size = dz.stat().st_size
     disk = sequential_read_GBps(dz)
+    direct = direct_sequential_read_GBps(dz)
+    fastest_read_s = size / (max(disk, direct or 0) * 1e9)  # the quicker of the two plain reads
     # read + decompress alone, cold
     evict_from_page_cache([dz])
     t = time.perf_counter()
@@ -259,31 +300,35 @@ def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits
         blocks = [torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True) for _ in range(8)]
         del blocks
     streamed = {}
-    for n in (1, 2, 4):
+    for n, how in ((1, False), (2, False), (4, False), (4, True)):
         evict_from_page_cache([dz])
         t = time.perf_counter()
         with DeltaZipFile(dz) as f:
-            for piece in f.stream_tensors(pin_memory=torch.cuda.is_available(), readers=n):
+            for piece in f.stream_tensors(pin_memory=torch.cuda.is_available(), readers=n, direct_io=how):
                 del piece
-        streamed[n] = time.perf_counter() - t
+        streamed[n, how] = time.perf_counter() - t
     device = next(dm.parameters()).device
     engine = DecodeEngine(dm, max_batch_size=4, max_length=prompt_len + 16)
     prompt = torch.randint(0, 1000, (prompt_len,)).tolist()
     engine.run([prompt], [warm_name], max_new_tokens=4)  # the engine is up and its kernels are compiled
     runs, default_mode, default_pin, default_piece = {}, dm.cache.pipeline_loads, dm.cache.pinned_loads, dm.cache.pipeline_piece_bytes
-    default_readers = dm.cache.pipeline_readers
+    default_readers, default_direct = dm.cache.pipeline_readers, dm.cache.pipeline_direct_io
     readers = readers or default_readers  # --pipeline-readers: the cache's pipelined loads read with this many threads
     other_readers = 1 if readers != 1 else 2
     other_piece = (64 << 20) if default_piece != (64 << 20) else (16 << 20)
-    for mode, pipelined, pinned, piece, n_readers in (
-            ("pipelined", True, True, default_piece, readers), ("whole_file", False, True, default_piece, readers),
+    for mode, pipelined, pinned, piece, n_readers, direct_io in (
+            ("pipelined", True, True, default_piece, readers, default_direct),
+            ("whole_file", False, True, default_piece, readers, default_direct),
+            ("pipelined_page_cache", True, True, default_piece, readers, False),
+            ("pipelined_direct", True, True, default_piece, readers, True),
             (f"pipelined_{other_readers}_reader" + ("s" if other_readers > 1 else ""), True, True, default_piece,
-             other_readers),
-            ("pipelined_pageable", True, False, default_piece, readers),
-            ("whole_file_pageable", False, False, default_piece, readers),
-            (f"pipelined_{other_piece >> 20}MB_pieces", True, True, other_piece, readers)):
+             other_readers, default_direct),
+            ("pipelined_pageable", True, False, default_piece, readers, default_direct),
+            ("whole_file_pageable", False, False, default_piece, readers, default_direct),
+            (f"pipelined_{other_piece >> 20}MB_pieces", True, True, other_piece, readers, default_direct)):
         dm.cache.pipeline_loads, dm.cache.pinned_loads = pipelined, pinned
         dm.cache.pipeline_piece_bytes, dm.cache.pipeline_readers = piece, n_readers
+        dm.cache.pipeline_direct_io = direct_io
         dm.load_delta(folder, delta_name="cold", resident=False)  # registered: header checked, nothing loaded
         how = evict_from_page_cache([dz])
         _sync()
@@ -296,7 +341,7 @@ def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits
         while engine.active:
             engine.step()
         runs[mode] = {"request_to_first_token_s": first, "load_s": load, "page_cache": how,
-                      "x_sequential_read": first / (size / (disk * 1e9))}
+                      "x_sequential_read": first / (size / (disk * 1e9)), "x_fastest_read": first / fastest_read_s}
         if mode == "pipelined":  # the same request once the delta is resident: what the cold start adds
             t0 = time.perf_counter()
             engine.add([prompt], ["cold"], max_new_tokens=4)
@@ -306,13 +351,16 @@ def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits
                 engine.step()
         dm.delete_delta("cold")
     dm.cache.pipeline_loads, dm.cache.pinned_loads, dm.cache.pipeline_piece_bytes = default_mode, default_pin, default_piece
-    dm.cache.pipeline_readers = default_readers
+    dm.cache.pipeline_readers, dm.cache.pipeline_direct_io = default_readers, default_direct
     return {"file_bytes": size, "bits": bits, "save_s": save_s, "disk_sequential_read_GBps": disk,
-            "disk_sequential_read_s": size / (disk * 1e9), "read_and_decompress_s": read_s,
+            "disk_sequential_read_s": size / (disk * 1e9), "disk_direct_read_GBps": direct,
+            "disk_direct_read_s": size / (direct * 1e9) if direct else None, "fastest_read_s": fastest_read_s,
+            "read_and_decompress_s": read_s,
             "read_and_decompress_GBps": size / read_s / 1e9,
-            "read_and_decompress_unpinned_s": read_unpinned_s, "read_and_decompress_streamed_s": streamed[1],
-            "read_and_decompress_streamed_2_readers_s": streamed[2],
-            "read_and_decompress_streamed_4_readers_s": streamed[4], "pipeline_readers": readers,
+            "read_and_decompress_unpinned_s": read_unpinned_s, "read_and_decompress_streamed_s": streamed[1, False],
+            "read_and_decompress_streamed_2_readers_s": streamed[2, False],
+            "read_and_decompress_streamed_4_readers_s": streamed[4, False],
+            "read_and_decompress_streamed_direct_4_readers_s": streamed[4, True], "pipeline_readers": readers,
             "same_request_resident_s": warm,
             "request_to_first_token_s": runs[("pipelined" if default_mode else "whole_file")
                                              + ("" if default_pin else "_pageable")]["request_to_first_token_s"], **runs,

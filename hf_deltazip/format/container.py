@@ -7,11 +7,16 @@ before it allocates or decodes anything, and raises :class:`DeltaZipFormatError`
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
+import logging
 import math
 import mmap
 import os
 import struct
+import sys
+import threading
 import zlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +31,8 @@ from ..errors import DeltaZipFormatError
 from ..fileio import atomic_write_bytes
 from ..packing import CODE_BITS, num_groups, packed_nbytes
 from .header import HEADER_TABLES, DeltaHeader, HeaderError
+
+logger = logging.getLogger(__name__)
 
 DZ_FORMAT_VERSION = 3  # 2 added the "rows" layout, 3 "lowrank"; a file is written as the oldest version its layouts allow
 SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)
@@ -243,6 +250,65 @@ def _aligned(n: int) -> int:
     return -(-n // 64) * 64
 
 
+#: offsets, lengths and buffer addresses of direct (``O_DIRECT``) reads are multiples of this
+DIRECT_ALIGN = 4096
+#: bytes of one direct read; ``readers`` of them are in flight at once (on the H200 machines' disk, four
+#: reads of 4 MB read a cold 1.83 GB file in 0.63 s where a plain buffered read took 0.78-0.96 s)
+DIRECT_IO_BYTES = 4 << 20
+#: gaps up to this many bytes between the tensors of one piece are read rather than skipped (direct reads)
+_DIRECT_GAP = 64 << 10
+
+
+def page_cache_fraction(fd: int, size: int) -> Optional[float]:
+    """The fraction of a file's pages now in the page cache (Linux ``mincore``), or ``None`` where that
+    cannot be told (another OS, a file system that does not say). Pages of a file the caller may not
+    write count as absent (the kernel reports only its own mappings then)."""
+    if not sys.platform.startswith("linux") or size <= 0:
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        mmap_, munmap, mincore = libc.mmap, libc.munmap, libc.mincore
+    except (OSError, AttributeError):
+        return None
+    mmap_.restype = ctypes.c_void_p
+    mmap_.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    addr = mmap_(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == ctypes.c_void_p(-1).value:
+        return None
+    try:
+        pages = -(-size // mmap.PAGESIZE)
+        vec = torch.empty(pages, dtype=torch.uint8)
+        if mincore(addr, size, vec.data_ptr()) != 0:
+            return None
+        return (vec & 1).sum().item() / pages
+    finally:
+        munmap(addr, size)
+
+
+class _StagingBuffers:
+    """Aligned host buffers that direct reads land in, reused within one stream (each is touched, and so
+    faulted in, once)."""
+
+    def __init__(self):
+        self._free: list = []
+        self._lock = threading.Lock()
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        raw = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8)
+        skip = -raw.data_ptr() % DIRECT_ALIGN
+        return raw[skip : skip + nbytes]
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -279,7 +345,7 @@ class DeltaZipFile:
         raise DeltaZipFormatError(self.path, problem)
 
     def _open(self) -> None:
-        size = os.fstat(self._file.fileno()).st_size
+        size = self._file_size = os.fstat(self._file.fileno()).st_size
         if size < 8:
             self._fail(f"truncated: {size} bytes, not even a header length; re-download or re-save the delta")
         self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
@@ -536,7 +602,7 @@ class DeltaZipFile:
 
     def stream_tensors(self, names: Optional[Iterable[str]] = None, *, piece_bytes: int = 64 << 20,
                        num_threads: Optional[int] = None, pin_memory: bool = False, ahead: int = 3,
-                       readers: int = 1):
+                       readers: int = 1, direct_io: Union[bool, str] = False, io_bytes: int = DIRECT_IO_BYTES):
         """Yield the tensors (all, or ``names``) as ``{name: tensor}`` pieces of about ``piece_bytes`` decoded
         bytes each, in file order, while the rest of the file is still being read.
 
@@ -549,11 +615,23 @@ class DeltaZipFile:
         so the buffer is freed (and, pinned, reused by PyTorch's caching host allocator once its uploads are
         done) when they are dropped.
 
+        ``direct_io``: read the stored bytes with ``O_DIRECT`` (Linux), past the page cache, in reads of
+        ``io_bytes`` of which ``readers`` are in flight at once, into reused aligned buffers that the pool
+        decodes or copies from (a cold file reads faster and more steadily so than through the page
+        cache); ``"auto"``: so when most of the file is not in the page cache (a file just written or read
+        is read from memory as usual). Where the OS or file system refuses direct reads, the file is read
+        as without.
+
         Raises :class:`DeltaZipFormatError` naming the first corrupt tensor, when its piece is reached;
         closing the generator early stops the reads.
         """
+        if direct_io not in (True, False, "auto"):
+            raise ValueError(f"direct_io must be True, False or 'auto', not {direct_io!r}")
+        if io_bytes <= 0 or io_bytes % DIRECT_ALIGN:
+            raise ValueError(f"io_bytes must be a positive multiple of {DIRECT_ALIGN}, not {io_bytes}")
         order = self.in_file_order(names)
         pin = pin_memory and torch.cuda.is_available()
+        direct_fd = self._open_direct(direct_io)
         pieces, piece, size = [], [], 0
         for n in order:
             need = _aligned(self.tensors[n].nbytes)
@@ -564,18 +642,28 @@ class DeltaZipFile:
             size += need
         if piece:
             pieces.append(piece)
-        reader = ThreadPoolExecutor(max_workers=max(1, readers), thread_name_prefix="deltazip-read")
         pool = ThreadPoolExecutor(max_workers=reader_threads(num_threads), thread_name_prefix="deltazip-load")
         pending: deque = deque()
         todo = iter(pieces)
+        if direct_fd is None:
+            reader = ThreadPoolExecutor(max_workers=max(1, readers), thread_name_prefix="deltazip-read")
+            io = None
+            read_piece = lambda piece: self._read_piece(piece, pin, pool)  # noqa: E731
+            depth = max(ahead, readers)
+        else:  # two threads lay out pieces and wait for their reads, which ``readers`` threads issue in file order
+            reader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="deltazip-piece")
+            io = ThreadPoolExecutor(max_workers=max(1, readers), thread_name_prefix="deltazip-read")
+            staging = _StagingBuffers()
+            read_piece = lambda piece: self._read_piece_direct(piece, pin, pool, io, direct_fd, staging, io_bytes)  # noqa: E731
+            depth = max(ahead, 2)
 
         def submit_next():
             nxt = next(todo, None)
             if nxt is not None:
-                pending.append(reader.submit(self._read_piece, nxt, pin, pool))
+                pending.append(reader.submit(read_piece, nxt))
 
         try:
-            for _ in range(max(ahead, readers) + 1):
+            for _ in range(depth + 1):
                 submit_next()
             while pending:
                 futures = pending.popleft().result()
@@ -585,7 +673,120 @@ class DeltaZipFile:
             for f in pending:
                 f.cancel()
             reader.shutdown(wait=True, cancel_futures=True)
+            if io is not None:
+                io.shutdown(wait=True, cancel_futures=True)
             pool.shutdown(wait=True, cancel_futures=True)
+            if direct_fd is not None:
+                os.close(direct_fd)
+
+    def _open_direct(self, direct_io) -> Optional[int]:
+        """A descriptor of the file opened with ``O_DIRECT`` when ``direct_io`` asks for direct reads and the
+        OS and file system allow them (``"auto"``: when most of the file is not in the page cache)."""
+        if not direct_io or not hasattr(os, "O_DIRECT"):
+            return None
+        if direct_io == "auto":
+            cached = page_cache_fraction(self._file.fileno(), self._file_size)
+            if cached is None or cached >= 0.5:
+                return None
+        try:
+            return os.open(self.path, os.O_RDONLY | os.O_DIRECT)
+        except OSError as err:
+            logger.debug("%s: no direct reads (%s); reading through the page cache", self.path, err)
+            return None
+
+    def _read_piece_direct(self, names: list, pin: bool, pool: ThreadPoolExecutor, io: ThreadPoolExecutor,
+                           fd: int, staging: _StagingBuffers, io_bytes: int) -> dict:
+        """Read the stored bytes of ``names`` (in file order) with direct reads of ``io_bytes`` on ``io`` into
+        an aligned staging buffer, then queue each tensor's decode (zstd) or copy (raw) into one buffer
+        per piece, and its check, on ``pool``. Returns ``{name: future of the tensor}``."""
+        A = DIRECT_ALIGN
+        runs = []  # [lo, hi) aligned file ranges, each read whole; gaps under _DIRECT_GAP are read through
+        for n in names:
+            b, e = self._spans[n]
+            if e == b:
+                continue
+            lo, hi = b - b % A, -(-e // A) * A
+            if runs and lo <= runs[-1][1] + _DIRECT_GAP:
+                runs[-1][1] = max(runs[-1][1], hi)
+            else:
+                runs.append([lo, hi])
+        where, pos = [], 0  # (file offset, staging offset) of each run
+        for lo, hi in runs:
+            where.append((lo, pos))
+            pos += hi - lo
+        buf = staging.acquire(pos) if pos else None
+        mv = memoryview(buf.numpy()) if pos else None
+        reads = []
+        for (lo, hi), (_, at) in zip(runs, where):
+            for off in range(lo, hi, io_bytes):
+                n = min(io_bytes, hi - off)
+                reads.append(io.submit(self._pread_direct, fd, mv[at + off - lo : at + off - lo + n], off))
+        try:
+            for f in reads:
+                f.result()
+        except BaseException:
+            for f in reads:
+                f.cancel()
+            raise
+        total = sum(_aligned(self.tensors[n].nbytes) for n in names)
+        block = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+        futures, off, left = {}, 0, [len(names)]
+        lock = threading.Lock()
+
+        def done(_):
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last and buf is not None:
+                staging.release(buf)
+
+        for n in names:
+            rec = self.tensors[n]
+            b, e = self._spans[n]
+            stored = None
+            if e > b:
+                i = max(k for k, (lo, _) in enumerate(runs) if lo <= b)
+                at = where[i][1] + b - runs[i][0]
+                stored = mv[at : at + e - b]
+            futures[n] = pool.submit(self._decoded_stored, n, stored, block[off : off + rec.nbytes])
+            futures[n].add_done_callback(done)
+            off += _aligned(rec.nbytes)
+        return futures
+
+    def _decoded_stored(self, name: str, stored, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`_decoded` for stored bytes held elsewhere: a raw tensor's are copied into ``out`` first."""
+        if self.tensors[name].encoding == "raw" and stored is not None:
+            out.copy_(torch.frombuffer(stored, dtype=torch.uint8))
+            stored = None
+        return self._decoded(name, stored, out)
+
+    def _pread_direct(self, fd: int, mv: memoryview, offset: int) -> None:
+        """Fill ``mv`` (aligned, a multiple of :data:`DIRECT_ALIGN` long) from ``offset`` with direct reads, up
+        to the end of the file; through the page cache where the file system refuses a direct read."""
+        done = 0
+        end = len(mv)
+        while done < end:
+            try:
+                got = os.preadv(fd, [mv[done:]], offset + done)
+            except OSError as err:
+                if err.errno != errno.EINVAL:
+                    raise
+                logger.debug("%s: a direct read was refused (%s); reading through the page cache", self.path, err)
+                fd_buffered = self._file.fileno()
+                while done < end:
+                    got = os.preadv(fd_buffered, [mv[done:]], offset + done)
+                    if got <= 0:
+                        break
+                    done += got
+                break
+            if got <= 0:
+                break
+            done += got
+            if got % DIRECT_ALIGN:  # a read that ends off a block boundary ended at the end of the file
+                break
+        need = min(len(mv), self._file_size - offset)
+        if done < need:
+            self._fail(f"truncated: could not read {need - done} bytes at offset {offset + done}")
 
     def _read_piece(self, names: list, pin: bool, pool: ThreadPoolExecutor) -> dict:
         """Read the stored bytes of ``names`` (in file order) with as few ``preadv`` calls as their spans

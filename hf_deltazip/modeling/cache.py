@@ -132,6 +132,11 @@ class DeltaCache:
         #: plain read after the request, one reader of 64 MB pieces 1.26x, in a build that also gave the
         #: kernel read-ahead hints, since removed; BENCHMARKS.md section 4)
         self.pipeline_readers: int = 4
+        #: read a cold delta's file past the page cache (``O_DIRECT``, Linux), ``pipeline_readers`` reads of
+        #: 4 MB in flight: ``"auto"`` (the default) when most of the file is not in the page cache, so a file
+        #: just downloaded or written is still read from memory; ``True``: always; ``False``: never. Where
+        #: the file system refuses direct reads the file is read through the page cache.
+        self.pipeline_direct_io = "auto"
         self._staging_ready = False
         #: decode a delta read from disk into page-locked host memory (CUDA only), so its uploads run
         #: asynchronously; ``False``: into pageable memory (no pinning cost on the read; each upload then
@@ -461,7 +466,8 @@ class DeltaCache:
             bar = tqdm(total=total, desc=f"loading {e.name}", unit="B", unit_scale=True, disable=None, leave=False)
             try:
                 for piece in dz.stream_tensors(piece_bytes=self.pipeline_piece_bytes, num_threads=e.num_threads,
-                                               pin_memory=pin, ahead=self.pipeline_ahead, readers=self.pipeline_readers):
+                                               pin_memory=pin, ahead=self.pipeline_ahead, readers=self.pipeline_readers,
+                                               direct_io=self.pipeline_direct_io):
                     bar.update(sum(dz.tensors[t].nbytes for t in piece))
                     got.update(piece)
                     arrived = list(piece)

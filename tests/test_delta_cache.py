@@ -185,7 +185,7 @@ def test_pipelined_cold_load_equals_a_whole_file_load_and_a_warm_delta(folders, 
     monkeypatch.setattr(DeltaZipFile, "_decoded", decoded)
     piped = DeltaModel(copy.deepcopy(base_model("llama")))
     assert piped.cache.pipeline_loads  # the default (first tokens sooner on the H200)
-    assert piped.cache.pipeline_direct_io == "auto"  # the default: direct reads of a file not in the page cache
+    assert piped.cache.pipeline_direct_io is False  # the default: through the page cache
     piped.cache.pipeline_piece_bytes, piped.cache.pipeline_direct_io = piece_bytes, direct_io
     whole = DeltaModel(copy.deepcopy(base_model("llama")))
     whole.cache.pipeline_loads = False

@@ -133,10 +133,12 @@ class DeltaCache:
         #: kernel read-ahead hints, since removed; BENCHMARKS.md section 4)
         self.pipeline_readers: int = 4
         #: read a cold delta's file past the page cache (``O_DIRECT``, Linux), ``pipeline_readers`` reads of
-        #: 4 MB in flight: ``"auto"`` (the default) when most of the file is not in the page cache, so a file
-        #: just downloaded or written is still read from memory; ``True``: always; ``False``: never. Where
-        #: the file system refuses direct reads the file is read through the page cache.
-        self.pipeline_direct_io = "auto"
+        #: 4 MB in flight: ``True``: always; ``"auto"``: when most of the file is not in the page cache (a
+        #: file just downloaded or written is still read from memory); ``False`` (the default): never. Where
+        #: the file system refuses direct reads the file is read through the page cache. Off by default:
+        #: on one H200 machine's disk direct reads read a cold file 1.3x faster than the page cache, on
+        #: another 0.3-0.5 s slower end to end (BENCHMARKS.md section 4, "Cold start").
+        self.pipeline_direct_io = False
         self._staging_ready = False
         #: decode a delta read from disk into page-locked host memory (CUDA only), so its uploads run
         #: asynchronously; ``False``: into pageable memory (no pinning cost on the read; each upload then

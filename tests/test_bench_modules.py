@@ -192,7 +192,7 @@ def test_decode_cold_start_times_every_load_mode_from_a_real_file(tmp_path):
     assert decode.main(["--shape", "tiny", "--device", "cpu", "--cold-start-only", "--workdir", str(tmp_path),
                         "--bits", "4", "--group-size", "64", "--json", str(out)]) == 0
     cold = json.loads(out.read_text())["cold_start"]
-    modes = ("pipelined", "whole_file", "pipelined_page_cache", "pipelined_direct", "pipelined_pageable",
+    modes = ("pipelined", "pipelined_no_overlap", "whole_file", "pipelined_page_cache", "pipelined_direct", "pipelined_pageable",
              "whole_file_pageable", "pipelined_64MB_pieces",
              "pipelined_1_reader")  # the cache reads with four threads by default; the bench times one too
     for mode in modes:
@@ -385,12 +385,15 @@ def test_cllm_recipe_bench_trains_every_schedule_and_seed_and_summarises(tmp_pat
 def test_decode_cold_start_takes_the_number_of_reader_threads(tmp_path, monkeypatch):
     from hf_deltazip.modeling.cache import DeltaCache
 
-    used, direct = [], []  # the readers and the direct-read setting of each load the cache streamed
+    used, direct, overlapped = [], [], []  # the readers, direct-read setting and thread of each streamed load
     real = DeltaCache._load_pipelined
 
     def load(self, *a, **k):
+        import threading
+
         used.append(self.pipeline_readers)
         direct.append(self.pipeline_direct_io)
+        overlapped.append(threading.current_thread().name == "deltazip-overlap")
         return real(self, *a, **k)
 
     monkeypatch.setattr(DeltaCache, "_load_pipelined", load)
@@ -401,7 +404,8 @@ def test_decode_cold_start_takes_the_number_of_reader_threads(tmp_path, monkeypa
     assert cold["read_and_decompress_streamed_4_readers_s"] > 0 and cold["pipeline_readers"] == 2
     assert cold["request_to_first_token_s"] == cold["pipelined"]["request_to_first_token_s"]
     assert "pipelined_1_reader" in cold  # the comparison row: one reader
-    # pipelined (3 repeats), page cache, direct, one reader, pageable, other pieces: --pipeline-readers where
-    # not varied
-    assert used == [2, 2, 2, 2, 2, 1, 2, 2]
-    assert direct == [False] * 3 + [False, True] + [False] * 3  # the cache's default (3 repeats), then each way
+    # pipelined (3 repeats), without overlap, page cache, direct, one reader, pageable, other pieces:
+    # --pipeline-readers where not varied
+    assert used == [2, 2, 2, 2, 2, 2, 1, 2, 2]
+    assert direct == [False] * 4 + [False, True] + [False] * 3  # the cache's default (3 repeats), then each way
+    assert overlapped == [True] * 3 + [False] + [True] * 5  # read beside the prefill, but for the row without

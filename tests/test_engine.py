@@ -275,3 +275,119 @@ def test_one_token_steps_of_a_grouped_query_model_attend_without_copying_keys_pe
     gpt2 = copy.deepcopy(base_model("gpt2"))
     assert not DecodeEngine(gpt2, max_batch_size=2, max_length=32).grouped_attention
     assert gpt2.config._attn_implementation == "sdpa"
+
+
+def test_a_cold_delta_is_read_while_its_prefill_runs_and_answers_the_same(delta_dirs, monkeypatch):
+    """A delta only on disk is read on a background thread while the prefill runs: each changed module
+    computes only once its own tensors are placed, some compute before the last piece is in, and the
+    tokens are those of the delta loaded up front."""
+    import threading
+    import time
+
+    from hf_deltazip.format import DeltaZipFile
+    from hf_deltazip.modeling import DeltaModule
+    from hf_deltazip.modeling.cache import DeltaCache
+
+    ps = prompts(2, seed=5)
+    ref = DeltaModel(copy.deepcopy(base_model("llama")))
+    for name in ("d1", "d2"):
+        ref.load_delta(delta_dirs[name], delta_name=name)
+    want = DecodeEngine(ref, max_batch_size=2, max_length=24).run(ps, ["d2", "d1"], max_new_tokens=5)
+
+    model = DeltaModel(copy.deepcopy(base_model("llama")))
+    model.load_delta(delta_dirs["d1"], delta_name="d1")  # every module it changes is wrapped already
+    model.load_delta(delta_dirs["d2"], delta_name="d2", resident=False)
+    model.cache.pipeline_piece_bytes = 1  # one tensor a piece
+    events, threads = [], set()
+    real_stream, real_load = DeltaZipFile.stream_tensors, DeltaCache._load_pipelined
+
+    def slow_stream(self, *a, **k):
+        for piece in real_stream(self, *a, **k):
+            time.sleep(0.002)  # a slow disk: the forward catches up with the reads
+            yield piece
+
+    def load(self, e, needed, slot=None, placed=None):
+        threads.add(threading.current_thread().name)
+
+        def spy(names):
+            events.append(("placed", tuple(names or ())))
+            placed(names)
+        return real_load(self, e, needed, slot=slot, placed=spy if placed else None)
+
+    monkeypatch.setattr(DeltaZipFile, "stream_tensors", slow_stream)
+    monkeypatch.setattr(DeltaCache, "_load_pipelined", load)
+    for name, mod in model.base_model.named_modules():
+        if isinstance(mod, DeltaModule):
+            mod.register_forward_hook(lambda m, a, out, n=name.replace(".base_layer", ""): events.append(("forward", n)))
+    engine = DecodeEngine(model, max_batch_size=2, max_length=24)
+    assert engine.run(ps, ["d2", "d1"], max_new_tokens=5) == want
+    assert threads == {"deltazip-overlap"} and model.cache.entry("d2").slot is not None
+    assert model.cache.entry("d2").holds == 0 and engine.stats.loads == 1
+    placed_at = {n: i for i, (kind, names) in enumerate(events) if kind == "placed" for n in names}
+    first_forward = {}
+    for i, (kind, n) in enumerate(events):
+        if kind == "forward":
+            first_forward.setdefault(n, i)
+    assert placed_at and all(first_forward[n] > placed_at[n] for n in placed_at)  # computed after its own tensors
+    last_placed = max(placed_at.values())
+    assert any(i < last_placed for n, i in first_forward.items()), "nothing computed while the file was read"
+
+
+def test_an_overlapped_load_that_fails_raises_its_error_and_leaves_nothing_held(delta_dirs, tmp_path):
+    import shutil
+
+    from hf_deltazip.errors import DeltaZipFormatError
+    from hf_deltazip.format import DZ_FILENAME, DeltaZipFile
+
+    bad = tmp_path / "bad"
+    shutil.copytree(delta_dirs["d2"], bad)
+    data = bytearray((bad / DZ_FILENAME).read_bytes())
+    with DeltaZipFile(bad / DZ_FILENAME) as dz:
+        last = dz.in_file_order()[-1]
+        _, end = dz._spans[last]
+    data[end - 1] ^= 0xFF  # the last tensor: the prefill has begun when it is read
+    (bad / DZ_FILENAME).write_bytes(bytes(data))
+    model = DeltaModel(copy.deepcopy(base_model("llama")))
+    model.load_delta(delta_dirs["d1"], delta_name="d1")
+    model.load_delta(bad, delta_name="bad", resident=False)
+    model.cache.pipeline_piece_bytes = 1
+    engine = DecodeEngine(model, max_batch_size=2, max_length=24)
+    with pytest.raises(DeltaZipFormatError, match=f"tensor {last!r}"):
+        engine.add(prompts(1), ["bad"], max_new_tokens=3)
+    assert model.cache.entry("bad").slot is None and model.cache.entry("bad").holds == 0
+    assert model.cache.entry("d1").holds == 0 and engine.active == 0
+    assert model.resident_deltas == ["d1"]
+    # the engine and the other delta are unharmed
+    ref = DeltaModel(copy.deepcopy(base_model("llama")))
+    ref.load_delta(delta_dirs["d1"], delta_name="d1")
+    ps = prompts(2, seed=9)
+    assert engine.run(ps, ["d1", None], max_new_tokens=4) == [alone(ref, p, 4, delta_names=[n]) for p, n in zip(ps, ["d1", None])]
+
+
+def test_overlap_falls_back_to_a_plain_load_where_it_cannot_overlap(delta_dirs, monkeypatch):
+    """The first delta of a model wraps its modules, which is not done under a running forward; with
+    overlap_loads off the load is plain too. Both answer as the delta loaded up front."""
+    import threading
+
+    from hf_deltazip.modeling.cache import DeltaCache
+
+    threads = []
+    real = DeltaCache._load_pipelined
+    monkeypatch.setattr(DeltaCache, "_load_pipelined",
+                        lambda self, *a, **k: threads.append(threading.current_thread().name) or real(self, *a, **k))
+    ref = DeltaModel(copy.deepcopy(base_model("llama")))
+    ref.load_delta(delta_dirs["d3"], delta_name="d3")
+    ps = prompts(2, seed=11)
+    want = [alone(ref, p, 4, delta_names=["d3"]) for p in ps]
+    first = DeltaModel(copy.deepcopy(base_model("llama")))
+    first.load_delta(delta_dirs["d3"], delta_name="d3", resident=False)
+    threads.clear()
+    assert DecodeEngine(first, max_batch_size=2, max_length=24).run(ps, ["d3", "d3"], max_new_tokens=4) == want
+    assert threads == [threading.current_thread().name]  # loaded on the engine's thread, before the prefill
+    off = DeltaModel(copy.deepcopy(base_model("llama")))
+    off.load_delta(delta_dirs["d1"], delta_name="d1")
+    off.load_delta(delta_dirs["d3"], delta_name="d3", resident=False)
+    off.cache.overlap_loads = False
+    threads.clear()
+    assert DecodeEngine(off, max_batch_size=2, max_length=24).run(ps, ["d3", "d3"], max_new_tokens=4) == want
+    assert threads == [threading.current_thread().name]

@@ -252,7 +252,8 @@ def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits
 
     The cache's own setting (the headline) is timed ``repeats`` times, each after a plain read of the file
     (both move from one read to the next on a shared disk; medians are reported, with every run), then the
-    other settings once each: pipelined loads (each piece of the file placed while the rest is read) and
+    other settings once each: pipelined loads (each piece of the file placed while the rest is read, the
+    request's prefill beside the read: ``DeltaCache.overlap_loads``; also without that overlap) and
     whole-file loads, decoding into pinned and into pageable host memory (``DeltaCache.pinned_loads``);
     the pipelined load also through the page cache and past it (``pipeline_direct_io``), with other pieces
     (64 MB, or 16 MB where 64 MB is the cache's setting) and with one reader thread (two where the setting
@@ -284,7 +285,6 @@ def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits
     size = dz.stat().st_size
     disk = sequential_read_GBps(dz)
     direct = direct_sequential_read_GBps(dz)
-    fastest_read_s = size / (max(disk, direct or 0) * 1e9)  # the quicker of the two plain reads
     # read + decompress alone, cold
     evict_from_page_cache([dz])
     t = time.perf_counter()
@@ -321,12 +321,14 @@ def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits
     other_readers = 1 if readers != 1 else 2
     other_piece = (64 << 20) if default_piece != (64 << 20) else (16 << 20)
 
-    def timed_load(pipelined, pinned, piece, n_readers, direct_io, then_warm=False):
+    default_overlap = dm.cache.overlap_loads
+
+    def timed_load(pipelined, pinned, piece, n_readers, direct_io, overlap=default_overlap, then_warm=False):
         """Register the delta, evict its file, time a request naming it; ``then_warm``: also the same request
         once the delta is resident (what the cold start adds)."""
         dm.cache.pipeline_loads, dm.cache.pinned_loads = pipelined, pinned
         dm.cache.pipeline_piece_bytes, dm.cache.pipeline_readers = piece, n_readers
-        dm.cache.pipeline_direct_io = direct_io
+        dm.cache.pipeline_direct_io, dm.cache.overlap_loads = direct_io, overlap
         dm.load_delta(folder, delta_name="cold", resident=False)  # registered: header checked, nothing loaded
         how = evict_from_page_cache([dz])
         _sync()
@@ -362,7 +364,7 @@ def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits
         loads.append(got["load_s"])
     disk = statistics.median(reads)
     disk_s = size / (disk * 1e9)
-    fastest_read_s = min(disk_s, fastest_read_s)
+    fastest_read_s = min(disk_s, size / (direct * 1e9)) if direct else disk_s  # the median plain read or a direct one
     first = statistics.median(firsts)
     headline = {"request_to_first_token_s": first, "load_s": statistics.median(loads), "page_cache": got["page_cache"],
                 "x_sequential_read": first / disk_s, "x_fastest_read": first / fastest_read_s,
@@ -370,8 +372,10 @@ def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits
                 # each load against the plain read just before it
                 "x_sequential_read_runs": [f / (size / (g * 1e9)) for f, g in zip(firsts, reads)]}
     runs["pipelined" if default_mode else "whole_file"] = headline
-    for mode, pipelined, pinned, piece, n_readers, direct_io in (
+    for mode, pipelined, pinned, piece, n_readers, direct_io, *overlap in (
             ("pipelined", True, True, default_piece, readers, default_direct),
+            # the prefill waits for the whole delta (as before the overlap)
+            ("pipelined_no_overlap", True, True, default_piece, readers, default_direct, not default_overlap),
             ("whole_file", False, True, default_piece, readers, default_direct),
             ("pipelined_page_cache", True, True, default_piece, readers, False),
             ("pipelined_direct", True, True, default_piece, readers, True),
@@ -382,11 +386,12 @@ def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits
             (f"pipelined_{other_piece >> 20}MB_pieces", True, True, other_piece, readers, default_direct)):
         if mode in runs:
             continue
-        got, _ = timed_load(pipelined, pinned, piece, n_readers, direct_io)
+        got, _ = timed_load(pipelined, pinned, piece, n_readers, direct_io, *overlap)
         runs[mode] = {**got, "x_sequential_read": got["request_to_first_token_s"] / disk_s,
                       "x_fastest_read": got["request_to_first_token_s"] / fastest_read_s}
     dm.cache.pipeline_loads, dm.cache.pinned_loads, dm.cache.pipeline_piece_bytes = default_mode, default_pin, default_piece
     dm.cache.pipeline_readers, dm.cache.pipeline_direct_io = default_readers, default_direct
+    dm.cache.overlap_loads = default_overlap
     return {"file_bytes": size, "bits": bits, "save_s": save_s, "disk_sequential_read_GBps": disk,
             "disk_sequential_read_s": disk_s, "disk_direct_read_GBps": direct,
             "disk_direct_read_s": size / (direct * 1e9) if direct else None, "fastest_read_s": fastest_read_s,

@@ -31,6 +31,7 @@ from __future__ import annotations
 import enum
 import itertools
 import threading
+from contextlib import contextmanager, nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +43,7 @@ from tqdm.auto import tqdm
 from ..delta import PackedModule, read_packed
 from ..errors import DeltaNotFoundError, DeltaZipError
 from ..format import DZ_FILENAME, DeltaHeader, DeltaZipFile
-from .layers import map_packed
+from .layers import DeltaModule, map_packed
 from .placement import DeltaPlacer, delta_nbytes
 
 __all__ = ["DeltaCache", "CacheEntry", "Residency", "CacheFullError", "DeltaInUseError"]
@@ -102,6 +103,39 @@ class CacheEntry:
         return Residency.HOST if self.host is not None else Residency.DISK
 
 
+class _LoadFailed(Exception):
+    """Raised in a forward pass that waited for an overlapped load that failed (its error is raised after)."""
+
+
+class _OverlappedLoad:
+    """What the forward pass of :meth:`DeltaCache.acquire_overlapped` waits for: one event per module of the
+    delta, and one (``None``) for its exactly stored parameters."""
+
+    def __init__(self, keys):
+        self.events = {k: threading.Event() for k in keys}
+        self.result, self.error = None, None
+
+    def placed(self, names) -> None:
+        for n in names if names is not None else [None]:
+            ev = self.events.get(n)
+            if ev is not None:
+                ev.set()
+
+    def fail(self, err: BaseException) -> None:
+        self.error = err
+
+    def finish(self) -> None:
+        for ev in self.events.values():
+            ev.set()
+
+    def hook(self, key):
+        def wait(module, args):
+            self.events[key].wait()
+            if self.error is not None:
+                raise _LoadFailed()
+        return wait
+
+
 class DeltaCache:
     """Residency of a model's deltas: budgets, LRU eviction, holds, a host tier and prefetching.
 
@@ -139,6 +173,9 @@ class DeltaCache:
         #: on one H200 machine's disk direct reads read a cold file 1.3x faster than the page cache, on
         #: another 0.3-0.5 s slower end to end (BENCHMARKS.md section 4, "Cold start").
         self.pipeline_direct_io = False
+        #: :meth:`acquire_overlapped` (the serving engine's prefill) reads a cold delta on a background
+        #: thread while the forward pass runs, each module waiting for its own tensors
+        self.overlap_loads: bool = True
         self._staging_ready = False
         #: decode a delta read from disk into page-locked host memory (CUDA only), so its uploads run
         #: asynchronously; ``False``: into pageable memory (no pinning cost on the read; each upload then
@@ -323,13 +360,129 @@ class DeltaCache:
                     except BaseException:
                         self.placer.detach(slot)
                         raise
-                e.slot, e.nbytes = slot, nbytes
-                if e.host_is_only_copy and _on_device(modules, params):
-                    e.host, e.host_is_only_copy = None, False  # given on the device: the stack holds it now
-                if e.host is None and self.max_host_bytes and e.path is not None:
-                    e.host = to_host(modules, params)
-                e.prefetched = False
-                self._trim_host(keep=needed)
+                self._placed(e, modules, params, nbytes, slot, needed)
+
+    def _placed(self, e: CacheEntry, modules, params, nbytes: int, slot: int, needed) -> None:
+        """Record that ``e`` is now resident in ``slot``."""
+        e.slot, e.nbytes = slot, nbytes
+        if e.host_is_only_copy and _on_device(modules, params):
+            e.host, e.host_is_only_copy = None, False  # given on the device: the stack holds it now
+        if e.host is None and self.max_host_bytes and e.path is not None:
+            e.host = to_host(modules, params)
+        e.prefetched = False
+        self._trim_host(keep=needed)
+
+    @contextmanager
+    def acquire_overlapped(self, names: Sequence):
+        """:meth:`acquire` for one forward pass that may begin before a delta read from disk is all in.
+
+        Yields one slot per name, the deltas held as after :meth:`acquire` (``release`` them when done; if the
+        block or the load fails, they are released here).
+        The first delta of ``names`` that is only on disk is read and placed a piece at a time on a
+        background thread (a pipelined load) while the block runs; each module that delta changes waits
+        for its own tensors before it computes, so a prefill's first layers compute while the file's last
+        pieces are read. Leaving the block waits for the load to end; if the load failed (a corrupt file,
+        another base), what it placed is taken out and its error raised. Without such a delta, or where
+        the delta would be the first to change a module (wrapping a module is not done under a running
+        forward), or with :attr:`overlap_loads` off, this is :meth:`acquire` with nothing in the
+        background.
+        """
+        with self.lock:
+            needed = list(dict.fromkeys(n for n in names if n is not None))
+            for n in needed:
+                self.entry(n)
+            plan = None
+            if self.overlap_loads:
+                cold = [n for n in needed if self._entries[n].slot is None and self._entries[n].host is None
+                        and self.pipeline_loads and self._entries[n].path is not None]
+                plan = self._overlap_plan(self._entries[cold[0]]) if cold else None
+            if plan is None:
+                slots = self.acquire(names)
+                try:
+                    yield slots
+                except BaseException:
+                    self.release(names)
+                    raise
+                return
+            e, waits, total = plan
+            if self.max_resident is not None and len(needed) > self.max_resident:
+                self.ensure_resident(needed)  # raises the budget's error
+            self.ensure_resident([n for n in needed if n != e.name])
+            e.last_used = next(self._clock)
+            self._make_room(needed=needed, incoming=total)
+            slot = self._free_slot()
+            load = _OverlappedLoad(waits.values())
+            stream = torch.cuda.current_stream(self.placer.device) if self.placer.device.type == "cuda" else None
+
+            def run():
+                try:  # the copies go onto the forward's stream, ahead of the work that waits for them
+                    with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                        load.result = self._load_pipelined(e, needed, slot=slot, placed=load.placed)
+                except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+                    load.fail(err)
+                finally:
+                    load.finish()
+
+            hooks = [w.register_forward_pre_hook(load.hook(key)) for w, key in waits.items()]
+            thread = threading.Thread(target=run, name="deltazip-overlap", daemon=True)
+            for n in names:
+                if n is not None:
+                    self._entries[n].holds += 1
+            thread.start()
+            failed = False
+            try:
+                yield [-1 if n is None else (slot if n == e.name else self._entries[n].slot) for n in names]
+            except _LoadFailed:
+                failed = True  # the load's own error is raised below
+            except BaseException:
+                failed = True
+                raise
+            finally:
+                thread.join()
+                for h in hooks:
+                    h.remove()
+                if load.error is None:  # resident, whatever became of the pass
+                    modules, params, nbytes, _ = load.result
+                    self._placed(e, modules, params, nbytes, slot, needed)
+                if failed or load.error is not None:
+                    self.release(names)
+            if load.error is not None:
+                raise load.error
+
+    def _overlap_plan(self, e: CacheEntry):
+        """``(entry, {wrapper: what it waits for}, decoded bytes)`` for an overlapped load of ``e``, or ``None``
+        where some module it changes has no wrapper yet."""
+        with DeltaZipFile(Path(e.path) / DZ_FILENAME) as dz:
+            _check_same_delta(e, dz)
+            total = sum(rec.nbytes for rec in dz.tensors.values())
+            kinds = {m: rec.kind for m, rec in dz.modules.items()}
+            owners = {p.rpartition(".")[0] for p in dz.params}
+        model = self.placer.base_model
+        waits = {}
+
+        def wrapper(name):
+            try:
+                mod = model.get_submodule(name)
+            except AttributeError:
+                return None
+            return mod if isinstance(mod, DeltaModule) else None
+
+        for m in kinds:
+            w = wrapper(m)
+            if w is None:
+                return None
+            waits[w] = m
+        special = self.placer.special_names()
+        if e.header.tied_embeddings and special.get("input") in kinds and special.get("output") not in kinds:
+            head = wrapper(special.get("output")) if special.get("output") else None
+            if head is not None:
+                waits[head] = special["input"]  # the tied head computes with the input embedding's delta
+        for o in owners:  # exactly stored parameters are placed last
+            w = wrapper(o)
+            if w is None:
+                return None
+            waits[w] = None
+        return e, waits, total
 
     # ------------------------------------------------------------------ prefetch
     def prefetch(self, names: Sequence, *, to_device: bool = True) -> Future:
@@ -436,7 +589,7 @@ class DeltaCache:
             e.validated = True
         return modules, params
 
-    def _load_pipelined(self, e: CacheEntry, needed) -> tuple:
+    def _load_pipelined(self, e: CacheEntry, needed, slot: Optional[int] = None, placed=None) -> tuple:
         """Read a delta from its file and place it a piece at a time while the rest is still being read
         (:meth:`DeltaZipFile.stream_tensors`: one thread reads the file sequentially, as a plain read
         would, a pool decodes and checks each piece, and each module is placed as soon as its tensors are
@@ -445,15 +598,18 @@ class DeltaCache:
 
         Pieces are about :attr:`pipeline_piece_bytes` of decoded tensors in file order; the exactly stored
         parameters are placed last. Each module is checked against the base before it is placed; a failure
-        takes the partly placed delta out again.
+        takes the partly placed delta out again. ``slot``: room already made and this slot chosen (an
+        overlapped load); ``placed(names)`` is called after each group of modules is placed (``None`` for
+        the parameters).
         """
         folder = Path(e.path)
         pin = self._pin_loads()
         with DeltaZipFile(folder / DZ_FILENAME) as dz:
             _check_same_delta(e, dz)
+            if slot is None:
+                self._make_room(needed=needed, incoming=sum(rec.nbytes for rec in dz.tensors.values()))
+                slot = self._free_slot()
             total = sum(rec.nbytes for rec in dz.tensors.values())
-            self._make_room(needed=needed, incoming=total)
-            slot = self._free_slot()
             owners: dict = {}  # tensor -> the modules it belongs to
             for mname, rec in dz.modules.items():
                 for t in set(rec.tensors.values()):
@@ -496,6 +652,8 @@ class DeltaCache:
                     if not e.validated:
                         self.placer.validate(ready, {}, e.header, folder)
                     self.placer.attach(slot, ready, {}, e.header, name=e.name)
+                    if placed is not None:
+                        placed(list(ready))
                     del ready
                 params = {p: got[t] for p, t in dz.params.items()}
                 nbytes += delta_nbytes({}, params)
@@ -503,6 +661,8 @@ class DeltaCache:
                     self.placer.validate(embeddings, params, e.header, folder)
                 if params:
                     self.placer.attach(slot, {}, params, e.header, name=e.name)
+                if placed is not None:
+                    placed(None)
             except BaseException:
                 self.placer.detach(slot)
                 raise

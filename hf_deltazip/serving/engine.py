@@ -664,32 +664,34 @@ class DecodeEngine:
         mask = torch.full((n, 1, width, width), self._neg, dtype=self.dtype, device=self.device)
         mask.masked_fill_(allowed[:, None], 0.0)
         t0 = time.perf_counter()
+        moved = False
         if self.delta_model is not None:  # held deltas stay resident (and keep their slots) until released
             cache = self.delta_model.cache
             moved = any(x is not None and cache.state(x) is not Residency.DEVICE for x in names)
-            slots = cache.acquire(names)
-            if moved:
-                if self.device.type == "cuda":  # uploads on a side stream count as loading, not prefill
-                    torch.cuda.synchronize(self.device)
-                self.stats.loads += 1
-                self.stats.load_s += time.perf_counter() - t0
-                t0 = time.perf_counter()
-        route = self.delta_model.router.use(BatchRouting.per_row(slots)) if self.delta_model is not None else nullcontext()
+            # a delta only on disk is read while the prefill runs, each layer waiting for its own tensors
+            acquired = cache.acquire_overlapped(names)
+        else:
+            acquired = nullcontext([-1] * n)
         self._cache.prefill = [None] * self._cache.layers
         try:
-            kwargs = {self._cache_kw: self._cache, "use_cache": True}
-            if self._keep_kw:
-                kwargs["logits_to_keep"] = 1
-            with torch.no_grad(), route:
-                out = self.lm(input_ids=ids, attention_mask=mask, position_ids=positions, **kwargs)
-            logits = out.logits[:, -1, :]
-            prefill = self._cache.prefill
-        except BaseException:
-            if self.delta_model is not None:
-                self.delta_model.cache.release(names)
-            raise
+            with acquired as slots:
+                route = (self.delta_model.router.use(BatchRouting.per_row(slots)) if self.delta_model is not None
+                         else nullcontext())
+                kwargs = {self._cache_kw: self._cache, "use_cache": True}
+                if self._keep_kw:
+                    kwargs["logits_to_keep"] = 1
+                with torch.no_grad(), route:  # a failure here releases the deltas (acquire_overlapped)
+                    out = self.lm(input_ids=ids, attention_mask=mask, position_ids=positions, **kwargs)
+                logits = out.logits[:, -1, :]
+                prefill = self._cache.prefill
         finally:
             self._cache.prefill = None
+        if moved:  # until the load ended; with a delta read beside the prefill, the prefill so far counts too
+            if self.device.type == "cuda":  # uploads on a side stream count as loading, not prefill
+                torch.cuda.synchronize(self.device)
+            self.stats.loads += 1
+            self.stats.load_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
         if any(kv is None for kv in prefill):
             raise DeltaZipError("the model did not hand every layer's keys to the cache: this architecture is not supported by DecodeEngine")
         self._ensure_cache(prefill)

@@ -391,3 +391,24 @@ def test_overlap_falls_back_to_a_plain_load_where_it_cannot_overlap(delta_dirs, 
     threads.clear()
     assert DecodeEngine(off, max_batch_size=2, max_length=24).run(ps, ["d3", "d3"], max_new_tokens=4) == want
     assert threads == [threading.current_thread().name]
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_overlapped_cold_load_on_the_gpu_answers_as_a_plain_one(delta_dirs, dtype):
+    """On the GPU the load thread's copies share the prefill's stream: the overlapped load gives the
+    tokens of the same load done before the prefill, captured steps included."""
+    def make(overlap):
+        m = DeltaModel(copy.deepcopy(base_model("llama")).to("cuda", dtype))
+        m.load_delta(delta_dirs["d1"], delta_name="d1")
+        m.load_delta(delta_dirs["d3"], delta_name="d3", resident=False)
+        m.cache.overlap_loads, m.cache.pipeline_piece_bytes = overlap, 1 << 10
+        return m
+
+    ps = prompts(3, seed=21)
+    names = ["d3", "d1", "d3"]
+    want = DecodeEngine(make(False), max_batch_size=3, max_length=32).run(ps, names, max_new_tokens=6)
+    model = make(True)
+    engine = DecodeEngine(model, max_batch_size=3, max_length=32)
+    assert engine.run(ps, names, max_new_tokens=6) == want
+    assert model.cache.entry("d3").slot is not None and engine.stats.loads == 1

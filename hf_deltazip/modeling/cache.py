@@ -161,17 +161,17 @@ class DeltaCache:
         self.pipeline_piece_bytes: int = 16 << 20
         #: pieces a pipelined load reads ahead of the one being placed (``pipeline_readers`` if that is more)
         self.pipeline_ahead: int = 4
-        #: threads reading pieces of a pipelined load at once, each piece front to back (on one H200, four
-        #: readers of 16 MB pieces reached the first token of a cold 8B-shaped 2-bit delta 1.15x the disk's
-        #: plain read after the request, one reader of 64 MB pieces 1.26x, in a build that also gave the
-        #: kernel read-ahead hints, since removed; BENCHMARKS.md section 4)
+        #: threads reading pieces of a pipelined load at once, each piece front to back (four readers of
+        #: 16 MB pieces, with the prefill beside the read: the first token of a cold 8B-shaped 2-bit delta
+        #: 0.985 s after the request, 1.05x the disk's plain read, medians of five on one H200;
+        #: BENCHMARKS.md section 4)
         self.pipeline_readers: int = 4
         #: read a cold delta's file past the page cache (``O_DIRECT``, Linux), ``pipeline_readers`` reads of
         #: 4 MB in flight: ``True``: always; ``"auto"``: when most of the file is not in the page cache (a
         #: file just downloaded or written is still read from memory); ``False`` (the default): never. Where
         #: the file system refuses direct reads the file is read through the page cache. Off by default:
-        #: on one H200 machine's disk direct reads read a cold file 1.3x faster than the page cache, on
-        #: another 0.3-0.5 s slower end to end (BENCHMARKS.md section 4, "Cold start").
+        #: on three H200 machines the direct load of a cold 8B-shaped delta came 0.1-0.8 s later than the
+        #: page cache's (BENCHMARKS.md section 4, "Cold start").
         self.pipeline_direct_io = False
         #: :meth:`acquire_overlapped` (the serving engine's prefill) reads a cold delta on a background
         #: thread while the forward pass runs, each module waiting for its own tensors

@@ -1,7 +1,8 @@
 """Serving many deltas: the static-cache :class:`DecodeEngine` and the thread-safe :class:`DeltaServer`.
 
 Both drive a :class:`~hf_deltazip.DeltaModel` through its public API only: ``model.cache``
-(:meth:`~hf_deltazip.modeling.DeltaCache.acquire` / ``release`` / ``fits`` / ``lock``), ``model.route``,
+(:meth:`~hf_deltazip.modeling.DeltaCache.acquire` / ``acquire_overlapped`` / ``release`` / ``fits`` /
+``lock``), ``model.route``,
 ``model.route_static``, ``model.layout_version`` and ``model.graph_safe()``.
 """
 

@@ -89,7 +89,8 @@ class EngineStats:
     Attributes:
         prefill_s: seconds in prefill (batched forward passes over new prompts), loads excluded.
         load_s: seconds waiting for the deltas of new requests to become resident (read, decompress,
-            upload) before their prefill could start.
+            upload) before their prefill could start; where a delta only on disk is read beside the
+            prefill (``DeltaCache.overlap_loads``), until the read ended, the prefill so far included.
         decode_s: seconds in decode steps.
         prefills, prefill_rows, prefill_tokens: prefill passes, requests admitted, padded prompt tokens.
         loads: admissions that had to bring at least one delta onto the device.

@@ -170,7 +170,7 @@ class DeltaCache:
         #: 4 MB in flight: ``True``: always; ``"auto"``: when most of the file is not in the page cache (a
         #: file just downloaded or written is still read from memory); ``False`` (the default): never. Where
         #: the file system refuses direct reads the file is read through the page cache. Off by default:
-        #: on three H200 machines the direct load of a cold 8B-shaped delta came 0.1-0.8 s later than the
+        #: on five H200 machines the direct load of a cold 8B-shaped delta came 0.1-0.8 s later than the
         #: page cache's (BENCHMARKS.md section 4, "Cold start").
         self.pipeline_direct_io = False
         #: :meth:`acquire_overlapped` (the serving engine's prefill) reads a cold delta on a background

@@ -283,3 +283,117 @@ def test_a_pipelined_cuda_load_lets_go_of_its_pinned_pieces(folders, reference, 
     assert seen and all(r() is None for r in seen)
     want = logits(reference, rows)
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
+
+
+def test_forward_and_generate_read_a_cold_delta_beside_their_first_pass(folders, reference, monkeypatch):
+    """``model(...)`` and ``generate`` with a delta only on disk load it on a background thread while the first
+    forward pass runs (each module waiting for its own tensors): the same logits and tokens as the delta loaded
+    up front, nothing left held; by name per row and as the active delta."""
+    from hf_deltazip.modeling.cache import DeltaCache
+
+    threads = []
+    real = DeltaCache._load_pipelined
+    monkeypatch.setattr(DeltaCache, "_load_pipelined",
+                        lambda self, *a, **k: threads.append(threading.current_thread().name) or real(self, *a, **k))
+    model = DeltaModel(copy.deepcopy(base_model("llama")))
+    model.load_delta(folders["d1"], delta_name="d1")  # every module the others change is wrapped already
+    for name in ("d2", "d3"):
+        model.load_delta(folders[name], delta_name=name, resident=False)
+    threads.clear()
+    assert torch.equal(logits(model, ["d2", None]), logits(reference, ["d2", None]))
+    assert threads == ["deltazip-overlap"] and model.cache.entry("d2").holds == 0
+    threads.clear()
+    kw = dict(attention_mask=torch.ones_like(IDS), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want = reference.generate(IDS, delta_names=["d3", "d1"], **kw)
+    assert torch.equal(model.generate(IDS, delta_names=["d3", "d1"], **kw), want)
+    assert threads == ["deltazip-overlap"] and all(model.cache.entry(n).holds == 0 for n in ("d1", "d3"))
+    # the active delta (no delta_names)
+    active = DeltaModel(copy.deepcopy(base_model("llama")))
+    active.load_delta(folders["d1"], delta_name="d1")
+    active.load_delta(folders["d2"], delta_name="d2", resident=False)
+    active.set_delta("d2")
+    assert active.cache.state("d2").value == "disk"
+    threads.clear()
+    with torch.no_grad():
+        got = active(input_ids=IDS).logits
+    assert torch.equal(got, logits(reference, ["d2", "d2"]))
+    assert threads == ["deltazip-overlap"] and active.cache.entry("d2").holds == 0
+
+
+def test_a_forward_whose_cold_delta_is_corrupt_raises_and_holds_nothing(folders, tmp_path):
+    from hf_deltazip.errors import DeltaZipFormatError
+    from hf_deltazip.format import DZ_FILENAME, DeltaZipFile
+
+    bad = tmp_path / "bad"
+    shutil.copytree(folders["d2"], bad)
+    data = bytearray((bad / DZ_FILENAME).read_bytes())
+    with DeltaZipFile(bad / DZ_FILENAME) as dz:
+        last = dz.in_file_order()[-1]
+        _, end = dz._spans[last]
+    data[end - 1] ^= 0xFF
+    (bad / DZ_FILENAME).write_bytes(bytes(data))
+    model = DeltaModel(copy.deepcopy(base_model("llama")))
+    model.load_delta(folders["d1"], delta_name="d1")
+    model.load_delta(bad, delta_name="bad", resident=False)
+    with pytest.raises(DeltaZipFormatError, match=f"tensor {last!r}"):
+        logits(model, ["bad", "d1"])
+    assert model.cache.entry("bad").slot is None and model.cache.entry("bad").holds == 0
+    assert model.cache.entry("d1").holds == 0 and model.resident_deltas == ["d1"]
+    assert torch.equal(logits(model, ["d1", None]), logits(reference_of(folders, "d1"), ["d1", None]))
+
+
+def reference_of(folders, name):
+    m = DeltaModel(copy.deepcopy(base_model("llama")))
+    m.load_delta(folders[name], delta_name=name)
+    return m
+
+
+def test_a_call_nested_in_an_overlapped_route_waits_for_that_load(folders, reference, monkeypatch):
+    """``model(...)`` inside ``model.route(...)`` naming the delta the outer block is still reading, and another
+    cold delta: the inner call waits for the outer load (no second load into its slot) and loads the other one
+    into a slot of its own."""
+    from hf_deltazip.modeling.cache import DeltaCache
+
+    loads = []
+    real = DeltaCache._load_pipelined
+    monkeypatch.setattr(DeltaCache, "_load_pipelined",
+                        lambda self, e, *a, **k: loads.append(e.name) or real(self, e, *a, **k))
+    model = DeltaModel(copy.deepcopy(base_model("llama")))
+    model.load_delta(folders["d1"], delta_name="d1")
+    for name in ("d2", "d3"):
+        model.load_delta(folders[name], delta_name=name, resident=False)
+    loads.clear()
+    with torch.no_grad(), model.route(["d2", None]):
+        outer = model.base_model(input_ids=IDS).logits
+        inner = model(input_ids=IDS, delta_names=["d2", "d3"]).logits
+    assert loads == ["d2", "d3"]  # one load each
+    assert torch.equal(outer, logits(reference, ["d2", None]))
+    assert torch.equal(inner, logits(reference, ["d2", "d3"]))
+    slots = {n: model.cache.slot_of(n) for n in ("d1", "d2", "d3")}
+    assert None not in slots.values() and len(set(slots.values())) == 3
+    assert all(model.cache.entry(n).holds == 0 for n in slots)
+    assert not model.cache._inflight
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cold_delta_read_beside_a_gpu_forward_and_generate_answers_as_preloaded(folders, dtype):
+    """On the GPU the load thread's copies share the forward's stream: the same logits and tokens as the delta
+    loaded before the call."""
+    def make(cold):
+        m = DeltaModel(copy.deepcopy(base_model("llama")).to("cuda", dtype))
+        m.load_delta(folders["d1"], delta_name="d1")
+        m.load_delta(folders["d2"], delta_name="d2", resident=not cold)
+        m.cache.pipeline_piece_bytes = 1 << 10
+        return m
+
+    ids = IDS.cuda()
+    ref = make(False)
+    with torch.no_grad():
+        want = ref(input_ids=ids, delta_names=["d2", "d1"]).logits.float()
+        got = make(True)(input_ids=ids, delta_names=["d2", "d1"]).logits.float()
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    cold = make(True)
+    assert torch.equal(cold.generate(ids, delta_names=["d2", "d1"], **kw), ref.generate(ids, delta_names=["d2", "d1"], **kw))
+    assert cold.cache.entry("d2").holds == 0 and cold.cache.slot_of("d2") is not None

@@ -114,6 +114,7 @@ class _OverlappedLoad:
     def __init__(self, keys):
         self.events = {k: threading.Event() for k in keys}
         self.result, self.error = None, None
+        self.slot, self.thread, self.finalize = None, None, None
 
     def placed(self, names) -> None:
         for n in names if names is not None else [None]:
@@ -177,6 +178,8 @@ class DeltaCache:
         #: thread while the forward pass runs, each module waiting for its own tensors
         self.overlap_loads: bool = True
         self._staging_ready = False
+        #: overlapped loads in flight (:meth:`acquire_overlapped`): name -> its load
+        self._inflight: dict = {}
         #: decode a delta read from disk into page-locked host memory (CUDA only), so its uploads run
         #: asynchronously; ``False``: into pageable memory (no pinning cost on the read; each upload then
         #: waits for its copy). A prefetched host copy is pinned either way.
@@ -345,6 +348,8 @@ class DeltaCache:
             for n in needed:
                 e = self.entry(n)
                 e.last_used = next(self._clock)
+                if n in self._inflight:  # read beside a forward pass further up this thread: let it end first
+                    self._end_overlapped(n)
                 if e.slot is not None:
                     self._wait_ready(e)
                     continue
@@ -394,7 +399,7 @@ class DeltaCache:
             plan = None
             if self.overlap_loads:
                 cold = [n for n in needed if self._entries[n].slot is None and self._entries[n].host is None
-                        and self.pipeline_loads and self._entries[n].path is not None]
+                        and self.pipeline_loads and self._entries[n].path is not None and n not in self._inflight]
                 plan = self._overlap_plan(self._entries[cold[0]]) if cold else None
             if plan is None:
                 slots = self.acquire(names)
@@ -408,10 +413,12 @@ class DeltaCache:
             if self.max_resident is not None and len(needed) > self.max_resident:
                 self.ensure_resident(needed)  # raises the budget's error
             self.ensure_resident([n for n in needed if n != e.name])
-            e.last_used = next(self._clock)
+            for n in needed:  # recency in the order of names, as ensure_resident stamps it
+                self._entries[n].last_used = next(self._clock)
             self._make_room(needed=needed, incoming=total)
             slot = self._free_slot()
             load = _OverlappedLoad(waits.values())
+            load.slot = slot
             stream = torch.cuda.current_stream(self.placer.device) if self.placer.device.type == "cuda" else None
 
             def run():
@@ -424,11 +431,13 @@ class DeltaCache:
                     load.finish()
 
             hooks = [w.register_forward_pre_hook(load.hook(key)) for w, key in waits.items()]
-            thread = threading.Thread(target=run, name="deltazip-overlap", daemon=True)
+            load.thread = threading.Thread(target=run, name="deltazip-overlap", daemon=True)
+            load.finalize = lambda: self._placed(e, *load.result[:3], slot, needed)
             for n in names:
                 if n is not None:
                     self._entries[n].holds += 1
-            thread.start()
+            self._inflight[e.name] = load
+            load.thread.start()
             failed = False
             try:
                 yield [-1 if n is None else (slot if n == e.name else self._entries[n].slot) for n in names]
@@ -438,16 +447,26 @@ class DeltaCache:
                 failed = True
                 raise
             finally:
-                thread.join()
                 for h in hooks:
                     h.remove()
-                if load.error is None:  # resident, whatever became of the pass
-                    modules, params, nbytes, _ = load.result
-                    self._placed(e, modules, params, nbytes, slot, needed)
+                if e.name in self._inflight:  # (a call nested in the block may have ended it already)
+                    try:
+                        self._end_overlapped(e.name)
+                    except BaseException:  # noqa: BLE001 - raised below
+                        pass
                 if failed or load.error is not None:
                     self.release(names)
             if load.error is not None:
                 raise load.error
+
+    def _end_overlapped(self, name: str) -> None:
+        """Wait for the overlapped load of ``name`` and record it as resident; raise its error if it failed."""
+        load = self._inflight[name]
+        load.thread.join()
+        del self._inflight[name]
+        if load.error is not None:
+            raise load.error
+        load.finalize()  # resident, whatever became of the pass
 
     def _overlap_plan(self, e: CacheEntry):
         """``(entry, {wrapper: what it waits for}, decoded bytes)`` for an overlapped load of ``e``, or ``None``
@@ -673,6 +692,7 @@ class DeltaCache:
 
     def _free_slot(self) -> int:
         used = {e.slot for e in self._entries.values() if e.slot is not None}
+        used |= {load.slot for load in self._inflight.values()}  # taken by loads still in flight
         slot = 0
         while slot in used:
             slot += 1

@@ -321,10 +321,42 @@ class DeltaModel(nn.Module):
 
     @contextmanager
     def _route(self, delta_names: Optional[Sequence]):
-        """``route`` without the row check: ``generate`` repeats rows (beams, several sequences a prompt)."""
+        """``route`` without the row check: ``generate`` repeats rows (beams, several sequences a prompt).
+
+        A delta only on disk is read beside the block's first forward pass, each module waiting for its own
+        tensors (:meth:`DeltaCache.acquire_overlapped`; ``cache.overlap_loads``), so a prompt's first layers
+        compute while the file's last pieces are read."""
         with self._cache.lock:
-            with self.router.use(self._routing_for(delta_names)):
-                yield
+            names = self._cold_route_names(delta_names)
+            if names is None:
+                with self.router.use(self._routing_for(delta_names)):
+                    yield
+                return
+            with self._cache.acquire_overlapped(names) as slots:
+                every = delta_names is None
+                routing = BatchRouting.every_row(slots[0]) if every else BatchRouting.per_row(slots)
+                with self.router.use(routing):
+                    yield
+            self._cache.release(names)  # the holds acquire_overlapped took (it releases them itself on failure)
+
+    def _cold_route_names(self, delta_names) -> Optional[list]:
+        """The names a call routes by, where one of them is a delta only on disk that a pipelined load could bring
+        in beside the forward pass; ``None`` otherwise (and wherever ``_routing_for`` has an error to raise)."""
+        cache = self._cache
+        if not (cache.overlap_loads and cache.pipeline_loads) or isinstance(delta_names, str):
+            return None
+        if delta_names is None:
+            if self._active is _UNSET and len(cache) > 1:
+                return None
+            names = [] if self.active_delta is None else [self.active_delta]
+        else:
+            names = list(delta_names)
+        known = set(cache.names)
+        if any(n is not None and n not in known for n in names):
+            return None  # _routing_for names the missing delta
+        cold = any(n is not None and cache.state(n) is Residency.DISK and cache.entry(n).path is not None
+                   for n in names)
+        return names if cold else None
 
     @contextmanager
     def route_static(self, device_rows: torch.Tensor):

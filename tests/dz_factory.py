@@ -51,3 +51,20 @@ def small_delta(seed=0) -> CompressedDelta:
         "extra": {"finetune_num_params": 24 * 40 + 36 * 40 + 40 * 36 + 50 * 40 + 40 + 36},
     }
     return CompressedDelta(config=DeltaZipConfig(bits=4, zstd_level=3), modules=modules, params=params, header=header)
+
+
+def copy_with_corrupt_last_tensor(folder, dest):
+    """A copy of the delta folder ``folder`` at ``dest`` whose last stored tensor (in file order) has a flipped
+    byte, so every piece read before it is fine. Returns that tensor's name."""
+    import shutil
+
+    from hf_deltazip.format import DZ_FILENAME, DeltaZipFile
+
+    shutil.copytree(folder, dest)
+    data = bytearray((dest / DZ_FILENAME).read_bytes())
+    with DeltaZipFile(dest / DZ_FILENAME) as dz:
+        last = dz.in_file_order()[-1]
+        _, end = dz._spans[last]
+    data[end - 1] ^= 0xFF
+    (dest / DZ_FILENAME).write_bytes(bytes(data))
+    return last

@@ -322,16 +322,11 @@ def test_forward_and_generate_read_a_cold_delta_beside_their_first_pass(folders,
 
 def test_a_forward_whose_cold_delta_is_corrupt_raises_and_holds_nothing(folders, tmp_path):
     from hf_deltazip.errors import DeltaZipFormatError
-    from hf_deltazip.format import DZ_FILENAME, DeltaZipFile
+
+    from dz_factory import copy_with_corrupt_last_tensor
 
     bad = tmp_path / "bad"
-    shutil.copytree(folders["d2"], bad)
-    data = bytearray((bad / DZ_FILENAME).read_bytes())
-    with DeltaZipFile(bad / DZ_FILENAME) as dz:
-        last = dz.in_file_order()[-1]
-        _, end = dz._spans[last]
-    data[end - 1] ^= 0xFF
-    (bad / DZ_FILENAME).write_bytes(bytes(data))
+    last = copy_with_corrupt_last_tensor(folders["d2"], bad)
     model = DeltaModel(copy.deepcopy(base_model("llama")))
     model.load_delta(folders["d1"], delta_name="d1")
     model.load_delta(bad, delta_name="bad", resident=False)

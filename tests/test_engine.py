@@ -334,19 +334,12 @@ def test_a_cold_delta_is_read_while_its_prefill_runs_and_answers_the_same(delta_
 
 
 def test_an_overlapped_load_that_fails_raises_its_error_and_leaves_nothing_held(delta_dirs, tmp_path):
-    import shutil
-
     from hf_deltazip.errors import DeltaZipFormatError
-    from hf_deltazip.format import DZ_FILENAME, DeltaZipFile
+
+    from dz_factory import copy_with_corrupt_last_tensor
 
     bad = tmp_path / "bad"
-    shutil.copytree(delta_dirs["d2"], bad)
-    data = bytearray((bad / DZ_FILENAME).read_bytes())
-    with DeltaZipFile(bad / DZ_FILENAME) as dz:
-        last = dz.in_file_order()[-1]
-        _, end = dz._spans[last]
-    data[end - 1] ^= 0xFF  # the last tensor: the prefill has begun when it is read
-    (bad / DZ_FILENAME).write_bytes(bytes(data))
+    last = copy_with_corrupt_last_tensor(delta_dirs["d2"], bad)  # the prefill has begun when it is read
     model = DeltaModel(copy.deepcopy(base_model("llama")))
     model.load_delta(delta_dirs["d1"], delta_name="d1")
     model.load_delta(bad, delta_name="bad", resident=False)

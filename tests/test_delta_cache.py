@@ -360,6 +360,7 @@ def test_a_call_nested_in_an_overlapped_route_waits_for_that_load(folders, refer
     loads.clear()
     with torch.no_grad(), model.route(["d2", None]):
         outer = model.base_model(input_ids=IDS).logits
+        assert not model.cache._inflight["d2"].handles  # each waiting hook removed itself once passed
         inner = model(input_ids=IDS, delta_names=["d2", "d3"]).logits
     assert loads == ["d2", "d3"]  # one load each
     assert torch.equal(outer, logits(reference, ["d2", None]))

@@ -315,20 +315,36 @@ def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits
     engine = DecodeEngine(dm, max_batch_size=4, max_length=prompt_len + 16)
     prompt = torch.randint(0, 1000, (prompt_len,)).tolist()
     engine.run([prompt], [warm_name], max_new_tokens=4)  # the engine is up and its kernels are compiled
-    runs, default_mode, default_pin, default_piece = {}, dm.cache.pipeline_loads, dm.cache.pinned_loads, dm.cache.pipeline_piece_bytes
-    default_readers, default_direct = dm.cache.pipeline_readers, dm.cache.pipeline_direct_io
-    readers = readers or default_readers  # --pipeline-readers: the cache's pipelined loads read with this many threads
+    # the cache's settings a load is timed with: its own (the headline), and each mode below changing some
+    knobs = ("pipeline_loads", "pinned_loads", "pipeline_piece_bytes", "pipeline_readers", "pipeline_direct_io",
+             "overlap_loads")
+    saved = {k: getattr(dm.cache, k) for k in knobs}
+    # --pipeline-readers: the cache's pipelined loads read with this many threads
+    default = {**saved, "pipeline_readers": readers or saved["pipeline_readers"]}
+    readers = default["pipeline_readers"]
     other_readers = 1 if readers != 1 else 2
-    other_piece = (64 << 20) if default_piece != (64 << 20) else (16 << 20)
+    other_piece = (64 << 20) if default["pipeline_piece_bytes"] != (64 << 20) else (16 << 20)
+    pipelined = dict(pipeline_loads=True, pinned_loads=True)
+    modes = {
+        "pipelined": pipelined,
+        "pipelined_no_overlap": {**pipelined, "overlap_loads": False},  # the prefill waits for the whole delta
+        "whole_file": dict(pipeline_loads=False, pinned_loads=True),
+        "pipelined_page_cache": {**pipelined, "pipeline_direct_io": False},
+        "pipelined_direct": {**pipelined, "pipeline_direct_io": True},
+        f"pipelined_{other_readers}_reader" + ("s" if other_readers > 1 else ""):
+            {**pipelined, "pipeline_readers": other_readers},
+        "pipelined_pageable": dict(pipeline_loads=True, pinned_loads=False),
+        "whole_file_pageable": dict(pipeline_loads=False, pinned_loads=False),
+        f"pipelined_{other_piece >> 20}MB_pieces": {**pipelined, "pipeline_piece_bytes": other_piece},
+    }
+    # the first mode that is the cache's own setting carries the headline
+    head_mode = next(m for m, c in modes.items() if all(default[k] == v for k, v in c.items()))
 
-    default_overlap = dm.cache.overlap_loads
-
-    def timed_load(pipelined, pinned, piece, n_readers, direct_io, overlap=default_overlap, then_warm=False):
-        """Register the delta, evict its file, time a request naming it; ``then_warm``: also the same request
-        once the delta is resident (what the cold start adds)."""
-        dm.cache.pipeline_loads, dm.cache.pinned_loads = pipelined, pinned
-        dm.cache.pipeline_piece_bytes, dm.cache.pipeline_readers = piece, n_readers
-        dm.cache.pipeline_direct_io, dm.cache.overlap_loads = direct_io, overlap
+    def timed_load(changes, then_warm=False):
+        """Register the delta with the cache's settings changed by ``changes``, evict its file, time a request
+        naming it; ``then_warm``: also the same request once the delta is resident (what the cold start adds)."""
+        for k, v in {**default, **changes}.items():
+            setattr(dm.cache, k, v)
         dm.load_delta(folder, delta_name="cold", resident=False)  # registered: header checked, nothing loaded
         how = evict_from_page_cache([dz])
         _sync()
@@ -351,47 +367,36 @@ def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits
         dm.delete_delta("cold")
         return {"request_to_first_token_s": first, "load_s": load, "page_cache": how}, warm
 
-    # the headline: the cache's default load and the disk's plain read, timed in turn ``repeats`` times (both
-    # move from one read to the next on a shared disk), reported as medians with every run
-    default = (default_mode, default_pin, default_piece, readers, default_direct)
-    firsts, loads, reads, warm = [], [], [disk], None
-    for r in range(repeats):
-        if r:
-            reads.append(sequential_read_GBps(dz))
-        got, w = timed_load(*default, then_warm=warm is None)
-        warm = warm if w is None else w
-        firsts.append(got["request_to_first_token_s"])
-        loads.append(got["load_s"])
-    disk = statistics.median(reads)
-    disk_s = size / (disk * 1e9)
-    fastest_read_s = min(disk_s, size / (direct * 1e9)) if direct else disk_s  # the median plain read or a direct one
-    first = statistics.median(firsts)
-    headline = {"request_to_first_token_s": first, "load_s": statistics.median(loads), "page_cache": got["page_cache"],
-                "x_sequential_read": first / disk_s, "x_fastest_read": first / fastest_read_s,
-                "runs_s": firsts, "disk_sequential_read_runs_s": [size / (g * 1e9) for g in reads],
-                # each load against the plain read just before it
-                "x_sequential_read_runs": [f / (size / (g * 1e9)) for f, g in zip(firsts, reads)]}
-    runs["pipelined" if default_mode else "whole_file"] = headline
-    for mode, pipelined, pinned, piece, n_readers, direct_io, *overlap in (
-            ("pipelined", True, True, default_piece, readers, default_direct),
-            # the prefill waits for the whole delta (as before the overlap)
-            ("pipelined_no_overlap", True, True, default_piece, readers, default_direct, not default_overlap),
-            ("whole_file", False, True, default_piece, readers, default_direct),
-            ("pipelined_page_cache", True, True, default_piece, readers, False),
-            ("pipelined_direct", True, True, default_piece, readers, True),
-            (f"pipelined_{other_readers}_reader" + ("s" if other_readers > 1 else ""), True, True, default_piece,
-             other_readers, default_direct),
-            ("pipelined_pageable", True, False, default_piece, readers, default_direct),
-            ("whole_file_pageable", False, False, default_piece, readers, default_direct),
-            (f"pipelined_{other_piece >> 20}MB_pieces", True, True, other_piece, readers, default_direct)):
-        if mode in runs:
-            continue
-        got, _ = timed_load(pipelined, pinned, piece, n_readers, direct_io, *overlap)
-        runs[mode] = {**got, "x_sequential_read": got["request_to_first_token_s"] / disk_s,
-                      "x_fastest_read": got["request_to_first_token_s"] / fastest_read_s}
-    dm.cache.pipeline_loads, dm.cache.pinned_loads, dm.cache.pipeline_piece_bytes = default_mode, default_pin, default_piece
-    dm.cache.pipeline_readers, dm.cache.pipeline_direct_io = default_readers, default_direct
-    dm.cache.overlap_loads = default_overlap
+    runs = {}
+    try:
+        # the headline: the cache's default load and the disk's plain read, timed in turn ``repeats`` times
+        # (both move from one read to the next on a shared disk), reported as medians with every run
+        firsts, loads, reads, warm = [], [], [disk], None
+        for r in range(repeats):
+            if r:
+                reads.append(sequential_read_GBps(dz))
+            got, w = timed_load({}, then_warm=warm is None)
+            warm = warm if w is None else w
+            firsts.append(got["request_to_first_token_s"])
+            loads.append(got["load_s"])
+        disk = statistics.median(reads)
+        disk_s = size / (disk * 1e9)
+        fastest_read_s = min(disk_s, size / (direct * 1e9)) if direct else disk_s  # the median plain read or a direct one
+        first = statistics.median(firsts)
+        runs[head_mode] = {"request_to_first_token_s": first, "load_s": statistics.median(loads),
+                           "page_cache": got["page_cache"], "x_sequential_read": first / disk_s,
+                           "x_fastest_read": first / fastest_read_s, "runs_s": firsts,
+                           "disk_sequential_read_runs_s": [size / (g * 1e9) for g in reads],
+                           # each load against the plain read just before it
+                           "x_sequential_read_runs": [f / (size / (g * 1e9)) for f, g in zip(firsts, reads)]}
+        for mode, changes in modes.items():
+            if mode not in runs:
+                got, _ = timed_load(changes)
+                runs[mode] = {**got, "x_sequential_read": got["request_to_first_token_s"] / disk_s,
+                              "x_fastest_read": got["request_to_first_token_s"] / fastest_read_s}
+    finally:
+        for k, v in saved.items():
+            setattr(dm.cache, k, v)
     return {"file_bytes": size, "bits": bits, "save_s": save_s, "disk_sequential_read_GBps": disk,
             "disk_sequential_read_s": disk_s, "disk_direct_read_GBps": direct,
             "disk_direct_read_s": size / (direct * 1e9) if direct else None, "fastest_read_s": fastest_read_s,
@@ -402,8 +407,7 @@ def cold_start(dm, modules, workdir: Path, prompt_len: int, warm_name: str, bits
             "read_and_decompress_streamed_4_readers_s": streamed[4, False],
             "read_and_decompress_streamed_direct_4_readers_s": streamed[4, True], "pipeline_readers": readers,
             "same_request_resident_s": warm,
-            "request_to_first_token_s": runs[("pipelined" if default_mode else "whole_file")
-                                             + ("" if default_pin else "_pageable")]["request_to_first_token_s"], **runs,
+            "request_to_first_token_s": runs[head_mode]["request_to_first_token_s"], **runs,
             "captures": engine.captures, "device": str(device)}
 
 

@@ -709,14 +709,14 @@ class DeltaZipFile:
                 runs[-1][1] = max(runs[-1][1], hi)
             else:
                 runs.append([lo, hi])
-        where, pos = [], 0  # (file offset, staging offset) of each run
+        at_of, pos = [], 0  # where each run starts in the staging buffer
         for lo, hi in runs:
-            where.append((lo, pos))
+            at_of.append(pos)
             pos += hi - lo
         buf = staging.acquire(pos) if pos else None
         mv = memoryview(buf.numpy()) if pos else None
         reads = []
-        for (lo, hi), (_, at) in zip(runs, where):
+        for (lo, hi), at in zip(runs, at_of):
             for off in range(lo, hi, io_bytes):
                 n = min(io_bytes, hi - off)
                 reads.append(io.submit(self._pread_direct, fd, mv[at + off - lo : at + off - lo + n], off))
@@ -745,7 +745,7 @@ class DeltaZipFile:
             stored = None
             if e > b:
                 i = max(k for k, (lo, _) in enumerate(runs) if lo <= b)
-                at = where[i][1] + b - runs[i][0]
+                at = at_of[i] + b - runs[i][0]
                 stored = mv[at : at + e - b]
             futures[n] = pool.submit(self._decoded_stored, n, stored, block[off : off + rec.nbytes])
             futures[n].add_done_callback(done)
@@ -762,28 +762,20 @@ class DeltaZipFile:
     def _pread_direct(self, fd: int, mv: memoryview, offset: int) -> None:
         """Fill ``mv`` (aligned, a multiple of :data:`DIRECT_ALIGN` long) from ``offset`` with direct reads, up
         to the end of the file; through the page cache where the file system refuses a direct read."""
+        need = min(len(mv), self._file_size - offset)  # the last block of the file is read short
         done = 0
-        end = len(mv)
-        while done < end:
+        while done < need:
             try:
                 got = os.preadv(fd, [mv[done:]], offset + done)
             except OSError as err:
                 if err.errno != errno.EINVAL:
                     raise
                 logger.debug("%s: a direct read was refused (%s); reading through the page cache", self.path, err)
-                fd_buffered = self._file.fileno()
-                while done < end:
-                    got = os.preadv(fd_buffered, [mv[done:]], offset + done)
-                    if got <= 0:
-                        break
-                    done += got
-                break
+                self._pread(mv[done:need], offset + done)
+                return
             if got <= 0:
                 break
             done += got
-            if got % DIRECT_ALIGN:  # a read that ends off a block boundary ended at the end of the file
-                break
-        need = min(len(mv), self._file_size - offset)
         if done < need:
             self._fail(f"truncated: could not read {need - done} bytes at offset {offset + done}")
 

@@ -108,13 +108,14 @@ class _LoadFailed(Exception):
 
 
 class _OverlappedLoad:
-    """What the forward pass of :meth:`DeltaCache.acquire_overlapped` waits for: one event per module of the
-    delta, and one (``None``) for its exactly stored parameters."""
+    """A load of :meth:`DeltaCache.acquire_overlapped` into ``slot`` and what the forward pass waits for: one event
+    per module of the delta, and one (``None``) for its exactly stored parameters."""
 
-    def __init__(self, keys):
-        self.events = {k: threading.Event() for k in keys}
-        self.result, self.error = None, None
-        self.slot, self.thread, self.finalize = None, None, None
+    def __init__(self, slot: int):
+        self.slot = slot
+        self.events: dict = {}
+        self.handles: dict = {}  # module -> its waiting pre-hook, removed once passed
+        self.result, self.error, self.thread, self.finalize = None, None, None, None
 
     def placed(self, names) -> None:
         for n in names if names is not None else [None]:
@@ -129,12 +130,24 @@ class _OverlappedLoad:
         for ev in self.events.values():
             ev.set()
 
-    def hook(self, key):
-        def wait(module, args):
-            self.events[key].wait()
+    def wait_in(self, module, key) -> None:
+        """Make ``module``'s forward wait for ``key`` (a module's name, ``None`` for the parameters) to be placed.
+        The hook removes itself once passed (later passes, a whole ``generate``, run without it); PyTorch runs the
+        hooks from a copy of its list, so that is safe from inside the hook."""
+        event = self.events.setdefault(key, threading.Event())
+
+        def wait(mod, args):
+            event.wait()
             if self.error is not None:
                 raise _LoadFailed()
-        return wait
+            self.handles.pop(mod).remove()
+
+        self.handles[module] = module.register_forward_pre_hook(wait)
+
+    def unhook(self) -> None:
+        for h in self.handles.values():
+            h.remove()
+        self.handles.clear()
 
 
 class DeltaCache:
@@ -340,11 +353,7 @@ class DeltaCache:
         """Put the deltas ``names`` on the device (evicting others as the budget requires)."""
         with self.lock:
             needed = list(dict.fromkeys(names))
-            if self.max_resident is not None and len(needed) > self.max_resident:
-                raise CacheFullError(
-                    f"this batch needs {len(needed)} deltas but at most {self.max_resident} may be resident: "
-                    "raise max_resident with configure_cache() or split the batch"
-                )
+            self._check_count(needed)
             for n in needed:
                 e = self.entry(n)
                 e.last_used = next(self._clock)
@@ -366,6 +375,25 @@ class DeltaCache:
                         self.placer.detach(slot)
                         raise
                 self._placed(e, modules, params, nbytes, slot, needed)
+
+    def _check_count(self, needed: list) -> None:
+        if self.max_resident is not None and len(needed) > self.max_resident:
+            raise CacheFullError(
+                f"this batch needs {len(needed)} deltas but at most {self.max_resident} may be resident: "
+                "raise max_resident with configure_cache() or split the batch"
+            )
+
+    def _cold(self, names: Sequence) -> list:
+        """The known deltas of ``names`` that a pipelined load would read from disk (no copy on the device or in
+        host memory, no load of them in flight), in order, once each."""
+        if not self.pipeline_loads:
+            return []
+        out = []
+        for n in dict.fromkeys(n for n in names if n is not None):
+            e = self._entries.get(n)
+            if e is not None and e.slot is None and e.host is None and e.path is not None and n not in self._inflight:
+                out.append(n)
+        return out
 
     def _placed(self, e: CacheEntry, modules, params, nbytes: int, slot: int, needed) -> None:
         """Record that ``e`` is now resident in ``slot``."""
@@ -396,11 +424,8 @@ class DeltaCache:
             needed = list(dict.fromkeys(n for n in names if n is not None))
             for n in needed:
                 self.entry(n)
-            plan = None
-            if self.overlap_loads:
-                cold = [n for n in needed if self._entries[n].slot is None and self._entries[n].host is None
-                        and self.pipeline_loads and self._entries[n].path is not None and n not in self._inflight]
-                plan = self._overlap_plan(self._entries[cold[0]]) if cold else None
+            cold = self._cold(needed) if self.overlap_loads else []
+            plan = self._overlap_plan(self._entries[cold[0]]) if cold else None
             if plan is None:
                 slots = self.acquire(names)
                 try:
@@ -410,15 +435,13 @@ class DeltaCache:
                     raise
                 return
             e, waits, total = plan
-            if self.max_resident is not None and len(needed) > self.max_resident:
-                self.ensure_resident(needed)  # raises the budget's error
+            self._check_count(needed)
             self.ensure_resident([n for n in needed if n != e.name])
             for n in needed:  # recency in the order of names, as ensure_resident stamps it
                 self._entries[n].last_used = next(self._clock)
             self._make_room(needed=needed, incoming=total)
             slot = self._free_slot()
-            load = _OverlappedLoad(waits.values())
-            load.slot = slot
+            load = _OverlappedLoad(slot)
             stream = torch.cuda.current_stream(self.placer.device) if self.placer.device.type == "cuda" else None
 
             def run():
@@ -430,7 +453,8 @@ class DeltaCache:
                 finally:
                     load.finish()
 
-            hooks = [w.register_forward_pre_hook(load.hook(key)) for w, key in waits.items()]
+            for w, key in waits.items():
+                load.wait_in(w, key)
             load.thread = threading.Thread(target=run, name="deltazip-overlap", daemon=True)
             load.finalize = lambda: self._placed(e, *load.result[:3], slot, needed)
             for n in names:
@@ -447,8 +471,7 @@ class DeltaCache:
                 failed = True
                 raise
             finally:
-                for h in hooks:
-                    h.remove()
+                load.unhook()
                 if e.name in self._inflight:  # (a call nested in the block may have ended it already)
                     try:
                         self._end_overlapped(e.name)
@@ -625,10 +648,10 @@ class DeltaCache:
         pin = self._pin_loads()
         with DeltaZipFile(folder / DZ_FILENAME) as dz:
             _check_same_delta(e, dz)
-            if slot is None:
-                self._make_room(needed=needed, incoming=sum(rec.nbytes for rec in dz.tensors.values()))
-                slot = self._free_slot()
             total = sum(rec.nbytes for rec in dz.tensors.values())
+            if slot is None:
+                self._make_room(needed=needed, incoming=total)
+                slot = self._free_slot()
             owners: dict = {}  # tensor -> the modules it belongs to
             for mname, rec in dz.modules.items():
                 for t in set(rec.tensors.values()):

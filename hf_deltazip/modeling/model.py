@@ -343,7 +343,7 @@ class DeltaModel(nn.Module):
         """The names a call routes by, where one of them is a delta only on disk that a pipelined load could bring
         in beside the forward pass; ``None`` otherwise (and wherever ``_routing_for`` has an error to raise)."""
         cache = self._cache
-        if not (cache.overlap_loads and cache.pipeline_loads) or isinstance(delta_names, str):
+        if not cache.overlap_loads or isinstance(delta_names, str):
             return None
         if delta_names is None:
             if self._active is _UNSET and len(cache) > 1:
@@ -351,12 +351,9 @@ class DeltaModel(nn.Module):
             names = [] if self.active_delta is None else [self.active_delta]
         else:
             names = list(delta_names)
-        known = set(cache.names)
-        if any(n is not None and n not in known for n in names):
+        if any(n is not None and n not in cache for n in names):
             return None  # _routing_for names the missing delta
-        cold = any(n is not None and cache.state(n) is Residency.DISK and cache.entry(n).path is not None
-                   for n in names)
-        return names if cold else None
+        return names if cache._cold(names) else None
 
     @contextmanager
     def route_static(self, device_rows: torch.Tensor):

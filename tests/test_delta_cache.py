@@ -393,3 +393,21 @@ def test_a_cold_delta_read_beside_a_gpu_forward_and_generate_answers_as_preloade
     cold = make(True)
     assert torch.equal(cold.generate(ids, delta_names=["d2", "d1"], **kw), ref.generate(ids, delta_names=["d2", "d1"], **kw))
     assert cold.cache.entry("d2").holds == 0 and cold.cache.slot_of("d2") is not None
+
+
+def test_cold_deltas_are_those_only_on_disk(folders):
+    """``cold_deltas`` names what a pipelined load would read from disk: each delta whose state is "disk", in the
+    order given, once; none with pipelined loads off; an unknown name is not its business."""
+    model = DeltaModel(copy.deepcopy(base_model("llama")))
+    model.configure_cache(max_resident=1, max_host_bytes=1 << 30)
+    model.load_delta(folders["d1"], delta_name="d1")
+    for name in ("d2", "d3"):
+        model.load_delta(folders[name], delta_name=name, resident=False)
+    cache = model.cache
+    logits(model, ["d2", None])  # d2 comes in, d1 goes to the host tier
+    states = {n: cache.state(n).value for n in ("d1", "d2", "d3")}
+    assert states == {"d1": "host", "d2": "device", "d3": "disk"}
+    names = ["d3", None, "d1", "d2", "d3", "nope"]
+    assert cache.cold_deltas(names) == [n for n in dict.fromkeys(names) if n in states and states[n] == "disk"]
+    cache.pipeline_loads = False
+    assert cache.cold_deltas(names) == []

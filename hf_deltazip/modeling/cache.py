@@ -383,7 +383,7 @@ class DeltaCache:
                 "raise max_resident with configure_cache() or split the batch"
             )
 
-    def _cold(self, names: Sequence) -> list:
+    def cold_deltas(self, names: Sequence) -> list:
         """The known deltas of ``names`` that a pipelined load would read from disk (no copy on the device or in
         host memory, no load of them in flight), in order, once each."""
         if not self.pipeline_loads:
@@ -424,7 +424,7 @@ class DeltaCache:
             needed = list(dict.fromkeys(n for n in names if n is not None))
             for n in needed:
                 self.entry(n)
-            cold = self._cold(needed) if self.overlap_loads else []
+            cold = self.cold_deltas(needed) if self.overlap_loads else []
             plan = self._overlap_plan(self._entries[cold[0]]) if cold else None
             if plan is None:
                 slots = self.acquire(names)

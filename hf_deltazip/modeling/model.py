@@ -353,7 +353,7 @@ class DeltaModel(nn.Module):
             names = list(delta_names)
         if any(n is not None and n not in cache for n in names):
             return None  # _routing_for names the missing delta
-        return names if cache._cold(names) else None
+        return names if cache.cold_deltas(names) else None
 
     @contextmanager
     def route_static(self, device_rows: torch.Tensor):

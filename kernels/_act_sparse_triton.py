@@ -43,7 +43,9 @@ through ``tl.dot``, eight small MMAs per tile, were measured and dropped: 1.3-6x
 each step's codes taken apart as ``[BKI, word, slot]`` and summed over inputs inside each lane; the sum
 across lanes happens once per tile instead of once per slot (measured 1.8x faster on the H200). The same
 walk for the base GEMV was slower than one step (its loads are no longer all in flight at once) and is
-not offered.
+not offered. The compacted walk (``COMPACT``) instead adds each step's sum over its inputs into a
+``[word, slot]`` accumulator: fewer registers, so more programs per SM, which paid once the codes were
+taken apart with one shift per word instead of one per code (``_codes_f32``; BENCHMARKS.md section 8).
 
 ``BLOCK_GROUP`` (delta kernel): the k-tile lies in one quantization group, so the tile reads one scale
 row and one zero row and computes ``s * (x.codes - z * sum(x))``; otherwise every element is
@@ -306,22 +308,37 @@ def _delta_row_words(x_row, cols, kmask, thr, q32_base, s_base, z_base, RW, N, G
 
 
 @triton.jit
-def _codes_f32(words, shifts, CMASK: tl.constexpr):
-    # int32 words [R, W] taken apart into their codes [R, W, 32 / BITS] as float32, without an int->float
-    # conversion: OR-ed into the mantissa of 2**23 a code reads as 2**23 + code
-    return (((words[:, :, None] >> shifts) & CMASK) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+def _codes_f32(words, BITS: tl.constexpr, CMASK: tl.constexpr):
+    # int32 words [R, W] taken apart into [R, W, 32 / BITS] float32 values code_j * 2**(BITS * (j % H)), H = 16 / BITS
+    # the codes of a 16-bit half (code j at bits BITS * j): each half's codes are masked where they lie (one
+    # shift per word brings the upper half down, none per code) and OR-ed into the mantissa of 2**23, where
+    # they read as 2**23 + value (every value < 2**16: exact) without an int->float conversion;
+    # _code_unscale undoes the powers of two once per tile
+    H: tl.constexpr = 16 // BITS
+    halves = tl.join(words, words >> 16)  # [R, W, 2]; the sign bits the shift brings in are masked off
+    masks = CMASK << (tl.arange(0, H) * BITS)
+    v = ((halves[:, :, :, None] & masks[None, None, None, :]) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return tl.reshape(v, (v.shape[0], v.shape[1], 2 * H))
 
 
 @triton.jit
-def _add_group_tile(acc, xsum, k0, s_base, z_base, N, GS, wcol, ws_row, P32: tl.constexpr):
-    # one row's sums over a tile inside one group, acc [BKI, W, P32] (x . codes) and xsum [BKI], into the
-    # workspace: s * (x.c - z * sum(x)) per output (output of word w, slot j: w * P32 + j)
+def _code_unscale(BITS: tl.constexpr):
+    # [32 / BITS]: 2**-(BITS * (j % H)), what turns _codes_f32's values back into codes
+    H: tl.constexpr = 16 // BITS
+    return tl.exp2(-((tl.arange(0, 2 * H) % H) * BITS).to(tl.float32))
+
+
+@triton.jit
+def _add_group_tile(acc, xsum, k0, s_base, z_base, N, GS, wcol, ws_row, P32: tl.constexpr, BITS: tl.constexpr):
+    # one row's sums over a tile inside one group, acc [BKI, W, P32] (x . _codes_f32 values) and xsum [BKI],
+    # into the workspace: s * (x.c - z * sum(x)) per output (output of word w, slot j: w * P32 + j)
     n3 = wcol[:, None] * P32 + tl.arange(0, P32)[None, :]
     nm = n3 < N
     g = k0 // GS
     sc = tl.load(s_base + g * N + n3, mask=nm, other=0.0).to(tl.float32)
     zf = tl.load(z_base + g * N + n3, mask=nm, other=0).to(tl.float32)
-    part = sc * (tl.reduce(acc, 0, _add) - zf * tl.reduce(xsum, 0, _add))
+    xc = tl.reduce(acc, 0, _add) * _code_unscale(BITS)[None, :]
+    part = sc * (xc - zf * tl.reduce(xsum, 0, _add))
     tl.atomic_add(ws_row + n3, part, mask=nm, sem="relaxed", scope="gpu")
 
 
@@ -333,7 +350,6 @@ def _delta_row_words_loop(x_row, k0, K, thr, q32_base, s_base, z_base, RW, N, GS
     # step as [BKI, W, 32/BITS] (word, slot), summed over k inside each lane; one reduction at the end,
     # then s * (x.c - z * sum(x)) per output (output of word w, slot j: w * (32/BITS) + j)
     P32: tl.constexpr = 32 // BITS
-    shifts = (tl.arange(0, P32) * BITS)[None, None, :]
     acc = tl.full([BKI, W, P32], 0.0, tl.float32)
     xsum = tl.full([BKI], 0.0, tl.float32)
     kept = tl.full([BKI], 0, tl.int32)
@@ -342,13 +358,13 @@ def _delta_row_words_loop(x_row, k0, K, thr, q32_base, s_base, z_base, RW, N, GS
         xv, keep = _kept_input_row(x_row, c, c < K, thr, THRESH)
         words = tl.load(q32_base + c.to(tl.int64)[:, None] * RW + wcol[None, :],
                         mask=keep[:, None] & (wcol < RW)[None, :], other=0, eviction_policy="evict_first")
-        cm = _codes_f32(words, shifts, CMASK)
+        cm = _codes_f32(words, BITS, CMASK)
         xf = xv.to(tl.float32)
         acc += xf[:, None, None] * cm
         xsum += xf
         kept += keep.to(tl.int32)
     if tl.reduce(kept, 0, _add) > 0:  # a group no input of the row keeps: its scales are never read
-        _add_group_tile(acc, xsum, k0, s_base, z_base, N, GS, wcol, ws_row, P32)
+        _add_group_tile(acc, xsum, k0, s_base, z_base, N, GS, wcol, ws_row, P32, BITS)
 
 
 @triton.jit
@@ -367,22 +383,23 @@ def _kept_words(idx_row, xv_row, j0, kept, q32_base, RW, wcol, BKI: tl.constexpr
 @triton.jit
 def _delta_row_words_compact(idx_row, xv_row, kept, k0, q32_base, s_base, z_base, RW, N, GS, wcol, ws_row,
                              BITS: tl.constexpr, CMASK: tl.constexpr, BKI: tl.constexpr, W: tl.constexpr):
-    # as _delta_row_words_loop, over the tile's compacted kept inputs only: ceil(kept / BKI) steps
+    # as _delta_row_words_loop, over the tile's compacted kept inputs only: ceil(kept / BKI) steps, each
+    # step's sum over its inputs added at once (a [W, P32] accumulator instead of [BKI, W, P32]: fewer
+    # registers, more programs per SM; 541 against 600 us per 8B block with 8 deltas at 40 % on the H200)
     P32: tl.constexpr = 32 // BITS
-    shifts = (tl.arange(0, P32) * BITS)[None, None, :]
-    acc = tl.full([BKI, W, P32], 0.0, tl.float32)
-    xsum = tl.full([BKI], 0.0, tl.float32)
+    acc = tl.full([W, P32], 0.0, tl.float32)
+    xsum = tl.full([1], 0.0, tl.float32)
     # each step issues the next step's loads before it decodes its own codes (software pipelining by hand)
     xn, wn = _kept_words(idx_row, xv_row, 0, kept, q32_base, RW, wcol, BKI)
     for kk in range(0, kept, BKI):
         xf = xn.to(tl.float32)
         words = wn
         xn, wn = _kept_words(idx_row, xv_row, kk + BKI, kept, q32_base, RW, wcol, BKI)
-        cm = _codes_f32(words, shifts, CMASK)
-        acc += xf[:, None, None] * cm
-        xsum += xf
+        cm = _codes_f32(words, BITS, CMASK)
+        acc += tl.reduce(xf[:, None, None] * cm, 0, _add)
+        xsum += tl.reduce(xf, 0, _add)
     if kept > 0:
-        _add_group_tile(acc, xsum, k0, s_base, z_base, N, GS, wcol, ws_row, P32)
+        _add_group_tile(acc[None, :, :], xsum, k0, s_base, z_base, N, GS, wcol, ws_row, P32, BITS)
 
 
 @triton.jit

@@ -309,28 +309,38 @@ def _delta_row_words(x_row, cols, kmask, thr, q32_base, s_base, z_base, RW, N, G
 
 @triton.jit
 def _codes_f32(words, BITS: tl.constexpr, CMASK: tl.constexpr):
-    # int32 words [R, W] taken apart into [R, W, 32 / BITS] float32 values code_j * 2**(BITS * (j % H)), H = 16 / BITS
-    # the codes of a 16-bit half (code j at bits BITS * j): each half's codes are masked where they lie (one
-    # shift per word brings the upper half down, none per code) and OR-ed into the mantissa of 2**23, where
-    # they read as 2**23 + value (every value < 2**16: exact) without an int->float conversion;
-    # _code_unscale undoes the powers of two once per tile
+    # int32 words [R, W] taken apart into [R, W, 32 / BITS] float32 values code_j * 2**(BITS * (j % H) - 149),
+    # H = 16 / BITS the codes of a 16-bit half (code j at bits BITS * j): each half's codes are masked where
+    # they lie (one shift per word brings the upper half down, none per code), and the masked bits, below
+    # 2**16, read as a float32 denormal: exact, with no int->float conversion and no subtraction. The
+    # products use _x_scaled(x) so that they are normal floats again; _code_unscale undoes both
+    # scalings once per tile. (GPU float32 multiply-adds keep denormal operands unless compiled to flush
+    # them; Triton does not, and the compiled tests would catch it.)
     H: tl.constexpr = 16 // BITS
     halves = tl.join(words, words >> 16)  # [R, W, 2]; the sign bits the shift brings in are masked off
     masks = CMASK << (tl.arange(0, H) * BITS)
-    v = ((halves[:, :, :, None] & masks[None, None, None, :]) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    v = (halves[:, :, :, None] & masks[None, None, None, :]).to(tl.float32, bitcast=True)
     return tl.reshape(v, (v.shape[0], v.shape[1], 2 * H))
 
 
 @triton.jit
+def _x_scaled(xf):
+    # x * 2**64 (exact; finite for |x| < 2**64): brings the products with _codes_f32 values, x * code * 2**-85
+    # and more, back to normal floats (for |x * code| >= 2**-41; smaller products add less than 2**-64 each)
+    return xf * 18446744073709551616.0
+
+
+@triton.jit
 def _code_unscale(BITS: tl.constexpr):
-    # [32 / BITS]: 2**-(BITS * (j % H)), what turns _codes_f32's values back into codes
+    # [32 / BITS]: 2**(149 - 64 - BITS * (j % H)), what turns sums of _x_scaled(x) * _codes_f32 values back
+    # into sums of x * code
     H: tl.constexpr = 16 // BITS
-    return tl.exp2(-((tl.arange(0, 2 * H) % H) * BITS).to(tl.float32))
+    return tl.exp2((85 - (tl.arange(0, 2 * H) % H) * BITS).to(tl.float32))
 
 
 @triton.jit
 def _add_group_tile(acc, xsum, k0, s_base, z_base, N, GS, wcol, ws_row, P32: tl.constexpr, BITS: tl.constexpr):
-    # one row's sums over a tile inside one group, acc [BKI, W, P32] (x . _codes_f32 values) and xsum [BKI],
+    # one row's sums over a tile inside one group, acc [BKI, W, P32] (_x_scaled(x) . _codes_f32 values) and xsum [BKI],
     # into the workspace: s * (x.c - z * sum(x)) per output (output of word w, slot j: w * P32 + j)
     n3 = wcol[:, None] * P32 + tl.arange(0, P32)[None, :]
     nm = n3 < N
@@ -360,7 +370,7 @@ def _delta_row_words_loop(x_row, k0, K, thr, q32_base, s_base, z_base, RW, N, GS
                         mask=keep[:, None] & (wcol < RW)[None, :], other=0, eviction_policy="evict_first")
         cm = _codes_f32(words, BITS, CMASK)
         xf = xv.to(tl.float32)
-        acc += xf[:, None, None] * cm
+        acc += _x_scaled(xf)[:, None, None] * cm
         xsum += xf
         kept += keep.to(tl.int32)
     if tl.reduce(kept, 0, _add) > 0:  # a group no input of the row keeps: its scales are never read
@@ -396,7 +406,7 @@ def _delta_row_words_compact(idx_row, xv_row, kept, k0, q32_base, s_base, z_base
         words = wn
         xn, wn = _kept_words(idx_row, xv_row, kk + BKI, kept, q32_base, RW, wcol, BKI)
         cm = _codes_f32(words, BITS, CMASK)
-        acc += tl.reduce(xf[:, None, None] * cm, 0, _add)
+        acc += tl.reduce(_x_scaled(xf)[:, None, None] * cm, 0, _add)
         xsum += tl.reduce(xf, 0, _add)
     if kept > 0:
         _add_group_tile(acc[None, :, :], xsum, k0, s_base, z_base, N, GS, wcol, ws_row, P32, BITS)

@@ -518,7 +518,8 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
     reading only the delta columns its own rows keep.
 
     Args:
-        x: ``[M, K]`` activations (float16 / bfloat16 / float32).
+        x: ``[M, K]`` activations (float16 / bfloat16 / float32; magnitudes below ``2**64``: the one-row walks
+            multiply ``x`` by ``2**64`` so that their products with codes read as float32 denormals are normal).
         deltas: the layer's deltas in the input-major layout (:func:`input_major_deltas`).
         row_delta: int32 / int64 ``[M]`` in ``[-1, U)``: each row's delta (``-1``: none, the row of
             ``out`` is left as it is). Rows with an id of ``U`` or more are left as they are too;

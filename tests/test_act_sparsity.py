@@ -272,6 +272,25 @@ def test_compacted_kept_inputs_give_the_masked_walks_result_and_read_nothing_dro
         assert not ws.any() and not counters.any()
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_delta_walks_keep_precision_for_tiny_and_huge_inputs(interpret, bits):
+    # the word walks take codes apart as float32 denormals and scale x by 2**64: inputs from 1e-9 to 1e15
+    # (float32) give the reference's sums to float32 rounding, none lost to underflow or overflow
+    gen = torch.Generator().manual_seed(bits)
+    n, k = 64, 64
+    stack = random_delta_stack(2, n, k, bits=bits, group_size=32, scale_range=(0.01, 0.03), generator=gen)
+    deltas = A.input_major_deltas(stack)
+    mags = torch.tensor([1e-9, 1e-3, 1.0, 1e5, 1e15])
+    x = torch.randn(len(mags), k, generator=gen) * mags[:, None]
+    row_delta = torch.tensor([0, 1, 0, 1, 0])
+    want = A.sparse_delta_linear_reference(x, deltas, row_delta)
+    for kw in (dict(inner_k=8), dict(inner_k=16, compact=False)):
+        got = A.sparse_delta_linear(x, deltas, row_delta, block_n=32, block_k=32, **kw)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got / mags[:, None], want / mags[:, None], atol=1e-5, rtol=1e-4,
+                                   msg=lambda e, kw=kw: f"{kw}: {e}")
+
+
 @pytest.mark.parametrize("planar", [False, True])
 def test_input_major_deltas_hold_the_same_delta(planar):
     gen = torch.Generator().manual_seed(5)
@@ -519,6 +538,14 @@ def test_compiled_kernels_match_references_on_gpu(monkeypatch, dtype):
     torch.testing.assert_close(got.float(), want.float(), atol=6e-2, rtol=2e-2)
     # programmatic dependent launch (on by default on Hopper) and the grouped base launch: the same sums up
     # to the order of the float32 atomic adds (one rounding of the output)
+    # the word walks read codes as float32 denormals and scale x by 2**64: compiled, no flush to zero, no
+    # overflow; rows from 1e-6 to 1e15 (float16: 1e3) against the reference, row by row relative to its size
+    mags = torch.tensor([1e-6, 1e-3, 1.0, 1e15 if dtype == torch.bfloat16 else 1e3] * 2, device="cuda")
+    xm = (x.float() * mags[:, None]).to(dtype)
+    got_m = A.sparse_delta_linear(xm, deltas, rd)
+    want_m = A.sparse_delta_linear_reference(xm, deltas, rd)
+    assert torch.isfinite(got_m.float()).all()
+    torch.testing.assert_close(got_m.float() / mags[:, None], want_m.float() / mags[:, None], atol=6e-2, rtol=2e-2)
     same = dict(atol=1e-2, rtol=1e-2)
     if torch.cuda.get_device_capability()[0] >= 9:
         for pdl in (0, 1, 2):

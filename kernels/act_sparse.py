@@ -71,9 +71,10 @@ _BITS = (2, 4, 8)
 #: rows one base program handles (a decode step at batch 1-16); more rows keep fewer zero columns
 SPARSE_BASE_MAX_ROWS = 16
 #: launch defaults of :func:`sparse_delta_linear` as ``(block_n, num_warps, inner_k)``: for a call of
-#: at least :data:`SPARSE_DELTA_MIXED_ROWS` rows (a mixed batch, one row per delta) and for fewer rows
-#: (batch 1 on one delta); the fastest compacted walks of the H200 sweeps (BENCHMARKS.md section 8)
-SPARSE_DELTA_DEFAULTS = {"mixed": (512, 2, 8), "few": (128, 1, 16)}
+#: at least :data:`SPARSE_DELTA_MIXED_ROWS` rows (a mixed batch, one row per delta; 2-bit deltas their own)
+#: and for fewer rows (batch 1 on one delta); the fastest compacted walks of the H200 sweeps (BENCHMARKS.md
+#: section 8)
+SPARSE_DELTA_DEFAULTS = {"mixed": (512, 2, 8), "mixed_2bit": (1024, 4, 8), "few": (128, 1, 16)}
 SPARSE_DELTA_MIXED_ROWS = 4
 #: inputs per kept-input list of the compacted base GEMV (lists are built in parallel, one per segment)
 _BASE_SEGMENT = 1024
@@ -534,7 +535,7 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
             multiplied together with ``tl.dot`` (a segment of one row padded to 16).
         block_n, block_k, num_warps: the ``[block_k, block_n]`` tile of one program (powers of two,
             at least 16; ``block_k`` 0: the group size up to 128, so a tile reads one scale row).
-            ``None``: the fastest on the H200 for the call's rows (:data:`SPARSE_DELTA_DEFAULTS`).
+            ``None``: the fastest on the H200 for the call's rows and bits (:data:`SPARSE_DELTA_DEFAULTS`).
         inner_k: one-row GEMV on codes read as int32 words with the tile inside one group: walk the
             tile in steps of ``inner_k`` inputs (a power of two up to ``block_k``; ``None``: as
             ``block_n``), the sum over inputs kept inside each lane and reduced once per tile; 0:
@@ -550,7 +551,8 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
     """
     _check_delta(x, deltas, row_delta, out)
     m, k = x.shape
-    d_bn, d_nw, d_ik = SPARSE_DELTA_DEFAULTS["mixed" if m >= SPARSE_DELTA_MIXED_ROWS else "few"]
+    kind = "few" if m < SPARSE_DELTA_MIXED_ROWS else "mixed_2bit" if deltas.bits == 2 else "mixed"
+    d_bn, d_nw, d_ik = SPARSE_DELTA_DEFAULTS[kind]
     block_n = d_bn if block_n is None else block_n
     num_warps = d_nw if num_warps is None else num_warps
     inner_k = d_ik if inner_k is None else inner_k

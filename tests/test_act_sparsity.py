@@ -538,6 +538,12 @@ def test_compiled_kernels_match_references_on_gpu(monkeypatch, dtype):
     torch.testing.assert_close(got.float(), want.float(), atol=6e-2, rtol=2e-2)
     # programmatic dependent launch (on by default on Hopper) and the grouped base launch: the same sums up
     # to the order of the float32 atomic adds (one rounding of the output)
+    # 2-bit deltas (their own default tiles for a mixed batch)
+    d2 = A.input_major_deltas(prepare_stack(random_delta_stack(4, n, k, bits=2, group_size=128, device="cuda",
+                                                               generator=gen, scale_range=(0.01, 0.03))))
+    torch.testing.assert_close(A.sparse_delta_linear(x, d2, rd, out=base.clone(), threshold=0.6).float(),
+                               A.sparse_delta_linear_reference(x, d2, rd, out=base, threshold=0.6).float(),
+                               atol=6e-2, rtol=2e-2)
     # the word walks read codes as float32 denormals and scale x by 2**64: compiled, no flush to zero, no
     # overflow; rows from 1e-6 to 1e15 (float16: 1e3) against the reference, row by row relative to its size
     mags = torch.tensor([1e-6, 1e-3, 1.0, 1e15 if dtype == torch.bfloat16 else 1e3] * 2, device="cuda")

@@ -361,6 +361,7 @@ def test_overlap_falls_back_to_a_plain_load_where_it_cannot_overlap(delta_dirs, 
     """The first delta of a model wraps its modules, which is not done under a running forward; with
     overlap_loads off the load is plain too. Both answer as the delta loaded up front."""
     import threading
+    import time
 
     from hf_deltazip.modeling.cache import DeltaCache
 
@@ -382,8 +383,16 @@ def test_overlap_falls_back_to_a_plain_load_where_it_cannot_overlap(delta_dirs, 
     off.load_delta(delta_dirs["d3"], delta_name="d3", resident=False)
     off.cache.overlap_loads = False
     threads.clear()
-    assert DecodeEngine(off, max_batch_size=2, max_length=24).run(ps, ["d3", "d3"], max_new_tokens=4) == want
+
+    def slow_prefill(mod, args, kwargs):  # a prefill (several tokens a row) that takes 0.3 s
+        if kwargs["input_ids"].shape[1] > 1:
+            time.sleep(0.3)
+    off.base_model.register_forward_pre_hook(slow_prefill, with_kwargs=True)
+    engine = DecodeEngine(off, max_batch_size=2, max_length=24)
+    assert engine.run(ps, ["d3", "d3"], max_new_tokens=4) == want
     assert threads == [threading.current_thread().name]
+    # a load done before the prefill counts as loading, the prefill as prefill
+    assert engine.stats.loads == 1 and engine.stats.load_s < 0.3 <= engine.stats.prefill_s
 
 
 @cuda

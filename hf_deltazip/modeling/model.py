@@ -288,18 +288,19 @@ class DeltaModel(nn.Module):
         self._jacobi_gates.clear()
 
     # ------------------------------------------------------------------ routing
-    def _routing_for(self, delta_names: Optional[Sequence]) -> BatchRouting:
+    def _route_names(self, delta_names: Optional[Sequence]) -> tuple:
+        """``(names, every)``: the delta names a call routes by (one per row, or the active delta, if any, for
+        every row), raising where the call names none clearly."""
         if delta_names is None:
             if self._active is _UNSET and len(self._cache) > 1:
                 raise DeltaZipError(
                     f"{len(self._cache)} deltas are loaded ({self.deltas}) and none is active: pass delta_names=[...] "
                     "(one name per row, None for the base) or choose one with set_delta(name)"
                 )
-            name = self.active_delta
-            return BatchRouting.base() if name is None else BatchRouting.every_row(self._cache.slots_for([name])[0])
+            return ([] if self.active_delta is None else [self.active_delta]), True
         if isinstance(delta_names, str):
             raise DeltaZipError("delta_names takes one name per batch row (a list), e.g. ['chat', None]")
-        return BatchRouting.per_row(self._cache.slots_for(list(delta_names)))
+        return list(delta_names), False
 
     @contextmanager
     def route(self, delta_names: Optional[Sequence]):
@@ -326,34 +327,18 @@ class DeltaModel(nn.Module):
         A delta only on disk is read beside the block's first forward pass, each module waiting for its own
         tensors (:meth:`DeltaCache.acquire_overlapped`; ``cache.overlap_loads``), so a prompt's first layers
         compute while the file's last pieces are read."""
-        with self._cache.lock:
-            names = self._cold_route_names(delta_names)
-            if names is None:
-                with self.router.use(self._routing_for(delta_names)):
+        cache = self._cache
+        with cache.lock:
+            names, every = self._route_names(delta_names)
+            # (a name the cache does not know: slots_for raises naming it)
+            if not (cache.overlap_loads and all(n is None or n in cache for n in names) and cache.cold_deltas(names)):
+                with self.router.use(_routing(cache.slots_for(names), every)):
                     yield
                 return
-            with self._cache.acquire_overlapped(names) as slots:
-                every = delta_names is None
-                routing = BatchRouting.every_row(slots[0]) if every else BatchRouting.per_row(slots)
-                with self.router.use(routing):
+            with cache.acquire_overlapped(names) as slots:
+                with self.router.use(_routing(slots, every)):
                     yield
-            self._cache.release(names)  # the holds acquire_overlapped took (it releases them itself on failure)
-
-    def _cold_route_names(self, delta_names) -> Optional[list]:
-        """The names a call routes by, where one of them is a delta only on disk that a pipelined load could bring
-        in beside the forward pass; ``None`` otherwise (and wherever ``_routing_for`` has an error to raise)."""
-        cache = self._cache
-        if not cache.overlap_loads or isinstance(delta_names, str):
-            return None
-        if delta_names is None:
-            if self._active is _UNSET and len(cache) > 1:
-                return None
-            names = [] if self.active_delta is None else [self.active_delta]
-        else:
-            names = list(delta_names)
-        if any(n is not None and n not in cache for n in names):
-            return None  # _routing_for names the missing delta
-        return names if cache.cold_deltas(names) else None
+            cache.release(names)  # the holds acquire_overlapped took (it releases them itself on failure)
 
     @contextmanager
     def route_static(self, device_rows: torch.Tensor):
@@ -621,6 +606,13 @@ def _folder_name(name: str) -> str:
             "model.merge_and_unload(name) or load it again under another name"
         )
     return name
+
+
+def _routing(slots: list, every: bool) -> BatchRouting:
+    """The routing of a call: one slot for every row (none: the base alone), or one slot per row."""
+    if every:
+        return BatchRouting.base() if not slots else BatchRouting.every_row(slots[0])
+    return BatchRouting.per_row(slots)
 
 
 def _check_rows(delta_names, args, kwargs):

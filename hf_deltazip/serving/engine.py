@@ -90,7 +90,8 @@ class EngineStats:
         prefill_s: seconds in prefill (batched forward passes over new prompts), loads excluded.
         load_s: seconds waiting for the deltas of new requests to become resident (read, decompress,
             upload) before their prefill could start; where a delta only on disk is read beside the
-            prefill (``DeltaCache.overlap_loads``), until the read ended, the prefill so far included.
+            prefill (``DeltaCache.overlap_loads``), until the read ended, the prefill so far included
+            (the rest of that prefill counts as prefill).
         decode_s: seconds in decode steps.
         prefills, prefill_rows, prefill_tokens: prefill passes, requests admitted, padded prompt tokens.
         loads: admissions that had to bring at least one delta onto the device.
@@ -639,6 +640,20 @@ class DecodeEngine:
     def _model_lock(self):
         return self.delta_model.cache.lock if self.delta_model is not None else nullcontext()
 
+    def _loading(self, names) -> bool:
+        """Whether a delta of ``names`` is still being read (beside the prefill, ``DeltaCache.acquire_overlapped``)."""
+        cache = self.delta_model.cache
+        return any(x is not None and cache.state(x) is not Residency.DEVICE for x in names)
+
+    def _count_load(self, t0: float) -> float:
+        """Count an admission's load from ``t0`` to now (its uploads done); returns now."""
+        if self.device.type == "cuda":  # uploads on a side stream count as loading, not prefill
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.stats.loads += 1
+        self.stats.load_s += now - t0
+        return now
+
     def _admit(self, prompts, names, news, eos, sample, seed, block=0) -> list:
         n = len(prompts)
         width = max(len(p) for p in prompts)
@@ -668,7 +683,7 @@ class DecodeEngine:
         moved = False
         if self.delta_model is not None:  # held deltas stay resident (and keep their slots) until released
             cache = self.delta_model.cache
-            moved = any(x is not None and cache.state(x) is not Residency.DEVICE for x in names)
+            moved = self._loading(names)
             # a delta only on disk is read while the prefill runs, each layer waiting for its own tensors
             acquired = cache.acquire_overlapped(names)
         else:
@@ -676,6 +691,9 @@ class DecodeEngine:
         self._cache.prefill = [None] * self._cache.layers
         try:
             with acquired as slots:
+                if moved and not self._loading(names):  # loaded before the prefill: the load ends here
+                    t0 = self._count_load(t0)
+                    moved = False
                 route = (self.delta_model.router.use(BatchRouting.per_row(slots)) if self.delta_model is not None
                          else nullcontext())
                 kwargs = {self._cache_kw: self._cache, "use_cache": True}
@@ -687,12 +705,8 @@ class DecodeEngine:
                 prefill = self._cache.prefill
         finally:
             self._cache.prefill = None
-        if moved:  # until the load ended; with a delta read beside the prefill, the prefill so far counts too
-            if self.device.type == "cuda":  # uploads on a side stream count as loading, not prefill
-                torch.cuda.synchronize(self.device)
-            self.stats.loads += 1
-            self.stats.load_s += time.perf_counter() - t0
-            t0 = time.perf_counter()
+        if moved:  # a delta read beside the prefill: until the read ended, the prefill included
+            t0 = self._count_load(t0)
         if any(kv is None for kv in prefill):
             raise DeltaZipError("the model did not hand every layer's keys to the cache: this architecture is not supported by DecodeEngine")
         self._ensure_cache(prefill)

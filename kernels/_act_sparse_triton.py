@@ -156,24 +156,42 @@ def _kept_input_row(x_row, cols, kmask, thr, THRESH: tl.constexpr):
 
 @triton.jit(do_not_specialize=["K"])
 def compact_inputs_kernel(x_ptr, idx_ptr, xv_ptr, cnt_ptr, thr, K, stride_xm,
-                          SEG: tl.constexpr, THRESH: tl.constexpr, CH: tl.constexpr, PDL: tl.constexpr = 0):
+                          SEG: tl.constexpr, THRESH: tl.constexpr, CH: tl.constexpr, PDL: tl.constexpr = 0,
+                          at_ptr=None, zp_ptr=None, RT=0, LISTS: tl.constexpr = True, LR: tl.constexpr = False,
+                          RP: tl.constexpr = 16, LCH: tl.constexpr = 64):
     # program (s, m): the kept inputs of row m in [s*SEG, s*SEG + SEG), packed to the front of that
-    # span of idx/xv (row m's span is [m*K, m*K + K)); their count in cnt[m, s]
+    # span of idx/xv (row m's span is [m*K, m*K + K)); their count in cnt[m, s] (LISTS). LR: and the
+    # segment's share of z = A x_dropped, the dropped inputs through the [K, RT] input-major A^T of the
+    # low-rank compensation, into zp[m, s, :] (each program its own slot: no atomics, nothing to zero)
     _pdl_enter(PDL)
     s = tl.program_id(0)
     m = tl.program_id(1)
     x_row = x_ptr + m.to(tl.int64) * stride_xm
-    out0 = m.to(tl.int64) * K + s * SEG
-    n = tl.full([], 0, tl.int32)
-    for c0 in range(0, SEG, CH):
-        cols = s * SEG + c0 + tl.arange(0, CH)
-        xv, keep = _kept_input_row(x_row, cols, (cols < K) & (c0 + tl.arange(0, CH) < SEG), thr, THRESH)
-        k32 = keep.to(tl.int32)
-        pos = n + tl.associative_scan(k32, 0, _add) - 1
-        tl.store(idx_ptr + out0 + pos, cols, mask=keep)
-        tl.store(xv_ptr + out0 + pos, xv, mask=keep)
-        n += tl.reduce(k32, 0, _add)
-    tl.store(cnt_ptr + m * tl.num_programs(0) + s, n)
+    if LISTS:
+        out0 = m.to(tl.int64) * K + s * SEG
+        n = tl.full([], 0, tl.int32)
+        for c0 in range(0, SEG, CH):
+            cols = s * SEG + c0 + tl.arange(0, CH)
+            xv, keep = _kept_input_row(x_row, cols, (cols < K) & (c0 + tl.arange(0, CH) < SEG), thr, THRESH)
+            k32 = keep.to(tl.int32)
+            pos = n + tl.associative_scan(k32, 0, _add) - 1
+            tl.store(idx_ptr + out0 + pos, cols, mask=keep)
+            tl.store(xv_ptr + out0 + pos, xv, mask=keep)
+            n += tl.reduce(k32, 0, _add)
+        tl.store(cnt_ptr + m * tl.num_programs(0) + s, n)
+    if LR:
+        rr = tl.arange(0, RP)
+        rmask = rr < RT
+        z = tl.full([RP], 0.0, tl.float32)
+        for c0 in range(0, SEG, LCH):
+            cols = s * SEG + c0 + tl.arange(0, LCH)
+            km = (cols < K) & (c0 + tl.arange(0, LCH) < SEG)
+            xf = tl.load(x_row + cols, mask=km, other=0.0).to(tl.float32)
+            dropped = tl.where(tl.abs(xf) > thr, 0.0, xf)  # what _kept_input_row zeroes
+            a = tl.load(at_ptr + cols.to(tl.int64)[:, None] * RT + rr[None, :], mask=km[:, None] & rmask[None, :],
+                        other=0.0)
+            z += tl.reduce(dropped[:, None] * a.to(tl.float32), 0, _add)
+        tl.store(zp_ptr + (m.to(tl.int64) * tl.num_programs(0) + s) * RT + rr, z, mask=rmask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -256,14 +274,31 @@ def sparse_base_kernel(
 
 
 @triton.jit
+def _low_rank_part(b_ptr, zp_ptr, r, offs, nm, NSEG, RT, R, z0, RB: tl.constexpr, SP: tl.constexpr):
+    # [BLOCK] outputs' B[offs, :] . z[z0 : z0 + R], z summed over the row's NSEG segment slots
+    jj = tl.arange(0, RB)
+    jm = jj < R
+    ss = tl.arange(0, SP)
+    zt = tl.load(zp_ptr + (r * NSEG + ss.to(tl.int64))[:, None] * RT + z0 + jj[None, :],
+                 mask=(ss < NSEG)[:, None] & jm[None, :], other=0.0)
+    z = tl.reduce(zt, 0, _add)
+    bt = tl.load(b_ptr + offs.to(tl.int64)[:, None] * R + jj[None, :], mask=nm[:, None] & jm[None, :], other=0.0)
+    return tl.reduce(bt.to(tl.float32) * z[None, :], 1, _add)
+
+
+@triton.jit
 def finish_rows_kernel(wsi_ptr, out_ptr, bias_ptr, N, stride_om, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
-                       PDL: tl.constexpr = 0):
+                       PDL: tl.constexpr = 0, b_ptr=None, zp_ptr=None, NSEG=1, RT=0, R=0, N0=0, N1=0,
+                       LR: tl.constexpr = False, NG: tl.constexpr = 1, RB: tl.constexpr = 16,
+                       SP: tl.constexpr = 16):
     # program (n-block, row): out = workspace (+ bias) in out's dtype, the workspace zeroed again. The
     # kernel before it (the sums' atomic adds) has ended, so no counter is needed; the sums are still read
     # with atomic exchanges: plain loads here were seen to miss some of the adds on the H200 (1 800 of
     # 14 336 outputs wrong, intermittently), atomics on the same words never were
     # (not _finish_rows: its acq_rel exchanges on a [1, BLOCK] tile made this launch ~3 us slower, 99.5 -> 121.7
     # us per 8B block at 50 % on the H200; after a kernel boundary relaxed exchanges suffice)
+    # LR: plus the low-rank compensation B z of the weight each output belongs to (NG weights side by side:
+    # outputs [0, N0) the first, [N0, N0 + N1) the second, the rest the third; z of weight g at g * R)
     _pdl_enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     nm = offs < N
@@ -272,6 +307,13 @@ def finish_rows_kernel(wsi_ptr, out_ptr, bias_ptr, N, stride_om, HAS_BIAS: tl.co
     acc = tl.where(nm, bits.to(tl.float32, bitcast=True), 0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs, mask=nm, other=0.0).to(tl.float32)
+    if LR:
+        lr = _low_rank_part(b_ptr, zp_ptr, r, offs, nm, NSEG, RT, R, 0, RB, SP)
+        if NG > 1:
+            lr = tl.where(offs >= N0, _low_rank_part(b_ptr, zp_ptr, r, offs, nm, NSEG, RT, R, R, RB, SP), lr)
+        if NG > 2:
+            lr = tl.where(offs >= N0 + N1, _low_rank_part(b_ptr, zp_ptr, r, offs, nm, NSEG, RT, R, 2 * R, RB, SP), lr)
+        acc += lr
     tl.store(out_ptr + r * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=nm)
 
 

@@ -55,6 +55,7 @@ __all__ = [
     "InputMajorDeltas",
     "input_major_weight",
     "input_major_deltas",
+    "input_major_low_rank",
     "sparsify_input",
     "sparse_base_linear",
     "sparse_base_linears",
@@ -159,13 +160,64 @@ def input_major_deltas(stack: DeltaStack) -> InputMajorDeltas:
 
 # --------------------------------------------------------------------------- references
 def sparse_base_linear_reference(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                                 threshold: Optional[float] = None) -> torch.Tensor:
-    """What :func:`sparse_base_linear` computes: ``sparsify(x) @ weight_t + bias`` in float32."""
+                                 threshold: Optional[float] = None, lowrank: Optional[tuple] = None) -> torch.Tensor:
+    """What :func:`sparse_base_linear` computes: ``sparsify(x) @ weight_t + bias`` in float32, plus
+    ``(x - sparsify(x)) A^T B^T`` with ``lowrank = (A^T, B)``."""
     _check_base(x, weight_t, bias, None)
-    y = sparsify_input(x, threshold).float() @ weight_t.float()
+    _check_lowrank(lowrank, x, [weight_t.shape[1]], True)
+    xs = sparsify_input(x, threshold)
+    y = xs.float() @ weight_t.float()
     if bias is not None:
         y = y + bias.float()
+    if lowrank is not None:
+        at, b = lowrank
+        y = y + ((x.float() - xs.float()) @ at.float()) @ b.float().t()
     return y.to(x.dtype)
+
+
+def input_major_low_rank(factors: Sequence[tuple]) -> tuple:
+    """The ``lowrank=`` argument of :func:`sparse_base_linear` / :func:`sparse_base_linears` from one
+    ``(A [r, K], B [N_i, r])`` pair per weight (``B @ A`` approximating the weight ``[N_i, K]``, e.g.
+    ``hf_deltazip.modeling.activation_sparsity.low_rank_factors``; one rank for all): ``(A^T [K, r * n],
+    B [sum N_i, r])``, contiguous, in the factors' dtype."""
+    factors = list(factors)
+    if not factors:
+        raise ValueError("give one (A, B) pair per weight")
+    ranks = {a.shape[0] for a, _ in factors} | {b.shape[1] for _, b in factors}
+    if len(ranks) != 1 or any(a.shape[1] != factors[0][0].shape[1] for a, _ in factors):
+        raise ValueError(f"every (A [r, K], B [N, r]) pair needs the same r and K, got "
+                         f"{[(tuple(a.shape), tuple(b.shape)) for a, b in factors]}")
+    return (torch.cat([a for a, _ in factors]).t().contiguous(), torch.cat([b for _, b in factors]).contiguous())
+
+
+def _split_lowrank(lowrank: Optional[tuple], sizes: Sequence[int]) -> list:
+    """Per weight ``(A^T [K, r], B [N_i, r])`` of a grouped ``lowrank`` (``None`` each without)."""
+    if lowrank is None:
+        return [None] * len(sizes)
+    at, b = lowrank
+    r = b.shape[1]
+    bs = b.split(list(sizes))
+    return [(at[:, i * r:(i + 1) * r], bs[i]) for i in range(len(sizes))]
+
+
+def _check_lowrank(lowrank, x, sizes: Sequence[int], finish_kernel: bool) -> None:
+    if lowrank is None:
+        return
+    if not isinstance(lowrank, (tuple, list)) or len(lowrank) != 2:
+        raise ValueError("lowrank must be (A^T [K, r * weights], B [N, r]) from input_major_low_rank(...)")
+    at, b = lowrank
+    k, n = x.shape[1], sum(sizes)
+    for t in (at, b):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.device != x.device or not t.dtype.is_floating_point:
+            raise ValueError("lowrank's A^T and B must be 2-D float tensors on x's device")
+    r = b.shape[1]
+    if tuple(at.shape) != (k, r * len(sizes)) or tuple(b.shape) != (n, r):
+        raise ValueError(f"lowrank shapes {tuple(at.shape)} and {tuple(b.shape)} do not fit {len(sizes)} weight(s) "
+                         f"[{k} -> {list(sizes)}]: want A^T [{k}, {len(sizes)} * r] and B [{n}, r]")
+    if not 1 <= r <= 64:
+        raise ValueError(f"the low-rank compensation's rank must be 1 to 64 in the kernel, got {r}")
+    if not finish_kernel:
+        raise ValueError("lowrank needs the finishing launch: leave finish_kernel=True")
 
 
 def sparse_delta_linear_reference(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: torch.Tensor,
@@ -324,9 +376,12 @@ def _workspace(device: torch.device, m: int, n: int, counters: int) -> tuple[tor
 _COMPACT: dict = {}
 
 
-def _compacted(x: torch.Tensor, thr: float, use_thr: bool, seg: int, pdl: int = 0) -> tuple:
+def _compacted(x: torch.Tensor, thr: float, use_thr: bool, seg: int, pdl: int = 0, lists: bool = True,
+               lowrank: Optional[tuple] = None) -> tuple:
     """Launch :func:`compact_inputs_kernel` on ``x``: per row and per segment of ``seg`` inputs, the
-    kept inputs' indices and values packed to the segment's front, and their counts ``[M, cdiv(K, seg)]``."""
+    kept inputs' indices and values packed to the front of the segment, and their counts ``[M, cdiv(K, seg)]``
+    (``lists``); with ``lowrank`` (``(A^T [K, RT], B)``) also each segment's share of ``z = x_dropped A^T``,
+    ``[M, cdiv(K, seg), RT]`` float32. Returns ``(idx, xv, cnt, z_parts)`` (``z_parts`` ``None`` without)."""
     m, k = x.shape
     nseg = _cdiv(k, seg)
     key = (x.device.type, x.device.index, m, k, seg, x.dtype)
@@ -336,10 +391,19 @@ def _compacted(x: torch.Tensor, thr: float, use_thr: bool, seg: int, pdl: int = 
                                torch.zeros((m, k), dtype=x.dtype, device=x.device),
                                torch.zeros((m, nseg), dtype=torch.int32, device=x.device))
     idx, xv, cnt = buf
+    zp, lr = None, {}
+    if lowrank is not None:
+        at = lowrank[0]
+        zkey = ("z", x.device.type, x.device.index, m, nseg, at.shape[1])
+        zp = _COMPACT.get(zkey)
+        if zp is None:
+            zp = _COMPACT[zkey] = torch.zeros((m, nseg, at.shape[1]), dtype=torch.float32, device=x.device)
+        lr = dict(at_ptr=at, zp_ptr=zp, RT=at.shape[1], LR=True, RP=max(16, _next_pow2(at.shape[1])),
+                  LCH=max(16, min(128, 4096 // max(16, _next_pow2(at.shape[1])))))
     _kernel("compact_inputs_kernel")[(nseg, m)](x, idx, xv, cnt, thr, k, x.stride(0), SEG=seg, THRESH=use_thr,
-                                                CH=min(1024, _next_pow2(seg)), PDL=pdl, num_warps=4,
-                                                **_pdl_launch(pdl))
-    return buf
+                                                CH=min(1024, _next_pow2(seg)), PDL=pdl, LISTS=lists, num_warps=4,
+                                                **lr, **_pdl_launch(pdl))
+    return idx, xv, cnt, zp
 
 
 def _inner_k(inner_k: int, block_k: int) -> int:
@@ -365,7 +429,7 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
                        threshold: Optional[float] = None, out: Optional[torch.Tensor] = None,
                        block_n: int = 64, block_k: Optional[int] = None, num_warps: int = 2,
                        mma: bool = False, compact: bool = True, pdl: Optional[int] = None,
-                       finish_kernel: bool = True) -> torch.Tensor:
+                       finish_kernel: bool = True, lowrank: Optional[tuple] = None) -> torch.Tensor:
     """``y = x W^T + bias`` reading only the weight columns of inputs some row of ``x`` keeps.
 
     Args:
@@ -396,6 +460,10 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
             output (1.5-4 % faster per 8B block at 40-50 % on the H200 than the alternative);
             ``False``: the last program of each output tile does it, counting the tiles in with an
             atomic counter.
+        lowrank: ``None``, or the low-rank compensation of the dropped inputs as ``(A^T, B)`` from
+            :func:`input_major_low_rank`: ``y += (x - sparsify(x)) A^T B^T``, ``A^T`` ``[K, r]`` and ``B``
+            ``[N, r]`` (``r`` at most 64). ``A`` is read once per call by the kernel that packs the kept
+            inputs, ``B`` by the finishing launch (``finish_kernel`` must stay ``True``).
 
     Returns:
         ``[M, N]`` in ``out``'s dtype (default ``x.dtype``), accumulated in float32.
@@ -405,18 +473,20 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
     _check_blocks(block_n, block_k)
     _thr(threshold, x.dtype)  # a bad threshold or pdl is refused on every path
     pdl = _pdl(pdl, x)
+    _check_lowrank(lowrank, x, [weight_t.shape[1]], finish_kernel)
     if _runs_reference(x):
-        y = sparse_base_linear_reference(x, weight_t, bias, threshold)
+        y = sparse_base_linear_reference(x, weight_t, bias, threshold, lowrank)
         return y if out is None else out.copy_(y)
     return _launch_base(x, [weight_t], bias, threshold, out, block_n, block_k, num_warps, mma, compact, pdl,
-                        finish_kernel)
+                        finish_kernel, lowrank)
 
 
 def sparse_base_linears(x: torch.Tensor, weights_t: Sequence[torch.Tensor],
                         biases: Optional[Sequence[Optional[torch.Tensor]]] = None, *,
                         threshold: Optional[float] = None, out: Optional[torch.Tensor] = None,
                         block_n: int = 64, block_k: Optional[int] = None, num_warps: int = 2, mma: bool = False,
-                        compact: bool = True, pdl: Optional[int] = None, finish_kernel: bool = True) -> tuple:
+                        compact: bool = True, pdl: Optional[int] = None, finish_kernel: bool = True,
+                        lowrank: Optional[tuple] = None) -> tuple:
     """:func:`sparse_base_linear` for up to three weights that read the same input (q/k/v, gate/up),
     in one launch: the same result as one call per weight, with the launch and the tail of two
     fewer kernels. The weights stay separate tensors (nothing is concatenated).
@@ -428,6 +498,9 @@ def sparse_base_linears(x: torch.Tensor, weights_t: Sequence[torch.Tensor],
         out: optional ``[M, sum N_i]`` output; the weights' outputs are its column ranges in order.
         threshold, block_n, block_k, num_warps, mma, compact, pdl, finish_kernel: as
             :func:`sparse_base_linear` (one kept-input list serves every weight).
+        lowrank: ``None`` or ``(A^T, B)`` of every weight at one rank ``r``, from
+            :func:`input_major_low_rank`: ``A^T`` ``[K, r * len(weights_t)]`` (the weights' ``A^T`` side by
+            side), ``B`` ``[sum N_i, r]`` (their ``B`` stacked).
 
     Returns:
         one ``[M, N_i]`` tensor per weight: column views of one ``[M, sum N_i]`` output.
@@ -449,13 +522,16 @@ def sparse_base_linears(x: torch.Tensor, weights_t: Sequence[torch.Tensor],
     pdl = _pdl(pdl, x)
     n = sum(sizes)
     _check_out(out, x.shape[0], n, x)
+    _check_lowrank(lowrank, x, sizes, finish_kernel)
     bias = None if biases[0] is None else torch.cat([b.reshape(-1) for b in biases])
     if _runs_reference(x):
-        y = torch.cat([sparse_base_linear_reference(x, w, b, threshold) for w, b in zip(weights_t, biases)], dim=1)
+        parts = _split_lowrank(lowrank, sizes)
+        y = torch.cat([sparse_base_linear_reference(x, w, b, threshold, lr)
+                       for w, b, lr in zip(weights_t, biases, parts)], dim=1)
         y = y if out is None else out.copy_(y)
     else:
         y = _launch_base(x, weights_t, bias, threshold, out, block_n, block_k, num_warps, mma, compact, pdl,
-                         finish_kernel)
+                         finish_kernel, lowrank)
     return tuple(y.split(sizes, dim=1))
 
 
@@ -467,7 +543,7 @@ def _base_block_k(block_k: Optional[int], x: torch.Tensor, mma: bool, compact: b
 
 
 def _launch_base(x, weights_t, bias, threshold, out, block_n, block_k, num_warps, mma, compact, pdl,
-                 finish_kernel):
+                 finish_kernel, lowrank=None):
     thr, use_thr = _thr(threshold, x.dtype)
     for w in weights_t:
         if w.stride(1) != 1:
@@ -489,7 +565,16 @@ def _launch_base(x, weights_t, bias, threshold, out, block_n, block_k, num_warps
     tiles = sum(_cdiv(s, block_n) for s in sizes)
     grid = (tiles, _cdiv(k, seg) * (seg // block_k) if use_compact else _cdiv(k, block_k), _cdiv(m, bm))
     ws, cnt = _workspace(x.device, m, n, grid[0] * grid[2])
-    idx, xv, kc = _compacted(x, thr, use_thr, seg, pdl) if use_compact else (cnt, x, cnt)
+    lowrank = lowrank if use_thr else None  # only exact zeros dropped: nothing to compensate
+    if lowrank is not None and not (lowrank[0].is_contiguous() and lowrank[1].is_contiguous()):
+        raise ValueError("lowrank's A^T and B must be contiguous (input_major_low_rank makes them so)")
+    zp = None
+    if use_compact:
+        idx, xv, kc, zp = _compacted(x, thr, use_thr, seg, pdl, lowrank=lowrank)
+    else:
+        idx, xv, kc = cnt, x, cnt
+        if lowrank is not None:  # the dropped inputs' z alone, one small launch before the sums
+            zp = _compacted(x, thr, use_thr, seg, pdl, lists=False, lowrank=lowrank)[3]
     w0, w1, w2 = (weights_t + weights_t[-1:] * 2)[:3]
     _kernel("sparse_base_kernel")[grid](
         x, w0, bias if bias is not None else out, out, ws, ws.view(torch.int32), cnt, thr, idx, xv, kc,
@@ -500,9 +585,18 @@ def _launch_base(x, weights_t, bias, threshold, out, block_n, block_k, num_warps
         num_warps=num_warps, **_pdl_launch(pdl),
     )
     if finish_kernel:
-        _kernel("finish_rows_kernel")[(_cdiv(n, 1024), m)](
+        lr, block = {}, 1024
+        if lowrank is not None:
+            at, b = lowrank
+            r = b.shape[1]
+            rb = max(16, _next_pow2(r))
+            block = max(64, min(1024, 4096 // rb))
+            nseg = zp.shape[1]
+            lr = dict(b_ptr=b, zp_ptr=zp, NSEG=nseg, RT=at.shape[1], R=r, N0=sizes[0],
+                      N1=sizes[1] if len(sizes) > 1 else 0, LR=True, NG=len(sizes), RB=rb, SP=_next_pow2(nseg))
+        _kernel("finish_rows_kernel")[(_cdiv(n, block), m)](
             ws.view(torch.int32), out, bias if bias is not None else out, n, out.stride(0), HAS_BIAS=bias is not None,
-            BLOCK=1024, PDL=pdl, num_warps=4, **_pdl_launch(pdl))
+            BLOCK=block, PDL=pdl, num_warps=4, **lr, **_pdl_launch(pdl))
     return out
 
 
@@ -588,7 +682,7 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
     # whole int32 words per packed row (every 8B shape): the one-row path reads words
     words = block_m == 1 and rb % 4 == 0 and q.is_contiguous() and q.data_ptr() % 4 == 0 and block_n * deltas.bits >= 32
     use_compact = compact and words and block_group
-    idx, xv, kc = _compacted(x, thr, use_thr, block_k, pdl) if use_compact else (cnt, x, cnt)
+    idx, xv, kc, _ = _compacted(x, thr, use_thr, block_k, pdl) if use_compact else (cnt, x, cnt, None)
     _kernel("sparse_delta_kernel")[grid](
         x, q, q.view(torch.int32) if words else q, deltas.scales, deltas.zeros, segments.contiguous(), out, ws,
         ws.view(torch.int32), cnt, thr, idx, xv, kc,

@@ -119,6 +119,65 @@ def test_weights_sharing_an_input_in_one_launch_give_one_call_per_weight(interpr
                                **_tol(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+# segment 32: five segments' shares of z summed (the last 22 wide); 1024: one
+@pytest.mark.parametrize("m,sizes,r,segment", [(1, (70,), 5, 32), (1, (40, 24, 24), 3, 1024), (3, (33, 16), 16, 32),
+                                               (1, (20,), 40, 32)])
+def test_low_rank_compensation_in_the_sparse_base_kernel_matches_its_reference(interpret, monkeypatch, dtype, m,
+                                                                               sizes, r, segment):
+    """y = sparsify(x) W^T + (x - sparsify(x)) A^T B^T: z = x_dropped A^T summed by the list-packing launch
+    per segment, B z added by the finishing launch, per weight of a grouped call; one row (compacted and
+    masked walks) and several (MMA)."""
+    monkeypatch.setattr(A, "_BASE_SEGMENT", segment)
+    gen = torch.Generator().manual_seed(m * 100 + r + segment)
+    k = 150
+    x = _sparse_x(m, k, gen, dtype, frac=0.3)
+    ws = [(torch.randn(n, k, generator=gen) * 0.1).to(dtype) for n in sizes]
+    wts = [A.input_major_weight(w) for w in ws]
+    factors = [((torch.randn(r, k, generator=gen) * 0.2).to(dtype), (torch.randn(n, r, generator=gen) * 0.2).to(dtype))
+               for n in sizes]
+    lr = A.input_major_low_rank(factors)
+    assert lr[0].shape == (k, r * len(sizes)) and lr[1].shape == (sum(sizes), r)
+    biases = [torch.randn(n, generator=gen).to(dtype) for n in sizes]
+    xs = A.sparsify_input(x, 0.6).float()
+    want = [xs @ w.float().t() + b.float() + (x.float() - xs) @ a.float().t() @ bb.float().t()
+            for w, b, (a, bb) in zip(ws, biases, factors)]
+    assert not torch.allclose(want[0], xs @ ws[0].float().t() + biases[0].float(), atol=1e-2)  # it adds something
+    for kw in (dict(compact=True, block_k=32), dict(compact=False, block_k=32), dict(mma=True)):
+        outs = A.sparse_base_linears(x, wts, biases, threshold=0.6, block_n=16, lowrank=lr, **kw)
+        for o, wnt in zip(outs, want):
+            torch.testing.assert_close(o, wnt.to(dtype), **_tol(dtype), msg=lambda e, kw=kw: f"{kw}: {e}")
+        if len(sizes) == 1:
+            one = A.sparse_base_linear(x, wts[0], biases[0], threshold=0.6, block_n=16, lowrank=lr, **kw)
+            torch.testing.assert_close(one, outs[0], atol=0, rtol=0)
+    monkeypatch.setattr(A, "_runs_reference", lambda x_: True)  # the plain-PyTorch path (a CPU tensor) agrees
+    for o, wnt in zip(A.sparse_base_linears(x, wts, biases, threshold=0.6, lowrank=lr), want):
+        torch.testing.assert_close(o, wnt.to(dtype), **_tol(dtype))
+    for ws_, counters in A._WORKSPACES.values():
+        assert not ws_.any() and not counters.any()
+
+
+def test_low_rank_arguments_are_checked(interpret):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 64, generator=gen)
+    wt = A.input_major_weight(torch.randn(32, 64, generator=gen))
+    a, b = torch.randn(4, 64, generator=gen), torch.randn(32, 4, generator=gen)
+    lr = A.input_major_low_rank([(a, b)])
+    with pytest.raises(ValueError, match="finish_kernel"):
+        A.sparse_base_linear(x, wt, threshold=0.5, lowrank=lr, finish_kernel=False)
+    with pytest.raises(ValueError, match="do not fit"):
+        A.sparse_base_linear(x, wt, threshold=0.5, lowrank=(lr[0], lr[1][:30]))
+    with pytest.raises(ValueError, match="do not fit"):
+        A.sparse_base_linears(x, [wt, wt], threshold=0.5, lowrank=lr)
+    with pytest.raises(ValueError, match="same r"):
+        A.input_major_low_rank([(a, b), (a[:3], b[:, :3]), (a, b[:, :3])])
+    big = A.input_major_low_rank([(torch.randn(65, 64), torch.randn(32, 65))])
+    with pytest.raises(ValueError, match="1 to 64"):
+        A.sparse_base_linear(x, wt, threshold=0.5, lowrank=big)
+    # no threshold: only exact zeros are dropped, so there is nothing to compensate
+    torch.testing.assert_close(A.sparse_base_linear(x, wt, lowrank=lr), A.sparse_base_linear(x, wt), atol=0, rtol=0)
+
+
 def test_grouped_launch_and_pdl_refuse_what_they_cannot_do(interpret):
     x = torch.randn(1, 64, dtype=torch.float16)
     wt = A.input_major_weight(torch.randn(16, 64, dtype=torch.float16))
@@ -235,11 +294,11 @@ def test_compacted_kept_inputs_give_the_masked_walks_result_and_read_nothing_dro
                                        **_tol(dtype))
     # the list itself: the kept inputs' indices in order, their values, and the count per segment
     x = rows[2]
-    idx, xv, cnt = A._compacted(x, 0.0, False, k)
+    idx, xv, cnt, _ = A._compacted(x, 0.0, False, k)
     kept = (x[0] != 0).nonzero().squeeze(1)
     assert cnt.tolist() == [[kept.numel()]]
     assert torch.equal(idx[0, :kept.numel()].long(), kept) and torch.equal(xv[0, :kept.numel()], x[0, kept])
-    idx, xv, cnt = A._compacted(x, 0.0, False, 32)  # per tile of 32 inputs (the last one 22 wide)
+    idx, xv, cnt, _ = A._compacted(x, 0.0, False, 32)  # per tile of 32 inputs (the last one 22 wide)
     for s in range(5):
         ks = kept[(kept >= 32 * s) & (kept < 32 * s + 32)]
         assert cnt[0, s] == ks.numel() and torch.equal(idx[0, 32 * s:32 * s + ks.numel()].long(), ks)
@@ -453,6 +512,80 @@ def test_thresholds_file_keeps_every_target_and_refuses_what_it_lacks(tmp_path):
     assert S.install_activation_sparsity(model, ths[0.4], strict=True) > 0
 
 
+def _dense_wt(mod):
+    return mod.weight.detach().t() if not isinstance(mod, torch.nn.Linear) else mod.weight.detach()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])  # nn.Linear and transformers' Conv1D
+def test_low_rank_compensation_passes_the_dropped_inputs_through_the_top_singular_directions(kind):
+    model = copy.deepcopy(base_model(kind)).eval()
+    ids = calibration_ids(n=2, length=12, seed=6)
+    th = S.calibrate_activation_thresholds(model, calibration_ids(), 0.5)
+    assert th.rank == S.DEFAULT_RANK == 16  # new calibrations record the default compensation
+    mods = S.target_modules(model)
+    name = next(n for n in mods if n.endswith(("mlp.down_proj", "mlp.c_proj")))
+    mod = mods[name]
+    seen = []
+    h = mod.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach().clone()))  # before the rule's hook
+    with torch.no_grad():
+        dense = model(input_ids=ids).logits
+        for r in (0, 3):
+            S.install_activation_sparsity(model, th, rank=r)
+            seen.clear()
+            got = []
+            h2 = mod.register_forward_hook(lambda m, args, out: got.append(out.detach().clone()))
+            model(input_ids=ids)
+            h2.remove()
+            x = seen[0]
+            kept = torch.where(x.abs() > th.thresholds[name], x, torch.zeros_like(x))
+            w = _dense_wt(mod)
+            want = kept @ w.t() + (0 if mod.bias is None else mod.bias)
+            if r:
+                u, sv, vh = torch.linalg.svd(w.float(), full_matrices=False)
+                want = want + (x - kept) @ (u[:, :r] * sv[:r] @ vh[:r]).t()
+            torch.testing.assert_close(got[0], want, atol=1e-5, rtol=1e-4)
+        # a rank as large as the weight is exact: every layer computes W x, so the model is dense again
+        S.install_activation_sparsity(model, th, rank=10_000)
+        torch.testing.assert_close(model(input_ids=ids).logits, dense, atol=1e-4, rtol=1e-4)
+        S.install_activation_sparsity(model, th, rank=0)
+        assert not torch.allclose(model(input_ids=ids).logits, dense, atol=1e-3)
+    h.remove()
+    with pytest.raises(ValueError, match="rank"):
+        S.install_activation_sparsity(model, th, rank=-1)
+    with pytest.raises(ValueError, match="rank"):
+        S.ActivationThresholds(0.4, {}, rank=1.5)
+
+
+def test_low_rank_factors_of_a_large_weight_find_its_top_directions():
+    # above 1024 on both sides the factors come from a seeded randomized SVD; the global random state is untouched
+    gen = torch.Generator().manual_seed(0)
+    u = torch.linalg.qr(torch.randn(1100, 6, generator=gen))[0]
+    v = torch.linalg.qr(torch.randn(1030, 6, generator=gen))[0]
+    w = (u * torch.tensor([50.0, 30, 20, 10, 5, 1])) @ v.t() + 1e-4 * torch.randn(1100, 1030, generator=gen)
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    a, b = S.low_rank_factors(w, 5)
+    assert torch.equal(torch.rand(1), before)
+    assert a.shape == (5, 1030) and b.shape == (1100, 5)
+    best = (u[:, :5] * torch.tensor([50.0, 30, 20, 10, 5])) @ v[:, :5].t()
+    torch.testing.assert_close(b @ a, best, atol=2e-3, rtol=0)
+    a2, b2 = S.low_rank_factors(w, 5)
+    assert torch.equal(a, a2) and torch.equal(b, b2)  # deterministic
+
+
+def test_thresholds_files_keep_the_compensation_rank(tmp_path):
+    model = copy.deepcopy(base_model("llama"))
+    th = S.calibrate_activation_thresholds(model, calibration_ids(), 0.4, rank=8)
+    th.save(tmp_path)
+    back = S.ActivationThresholds.load(tmp_path, 0.4)
+    assert back == th and back.rank == 8
+    doc = json.loads((tmp_path / S.THRESHOLDS_FILENAME).read_text())
+    del doc["targets"]["0.4000"]["rank"]  # a file from before the compensation existed: none
+    (tmp_path / S.THRESHOLDS_FILENAME).write_text(json.dumps(doc))
+    assert S.ActivationThresholds.load(tmp_path, 0.4).rank == 0
+
+
 @pytest.fixture(scope="module")
 def delta_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("act") / "delta"
@@ -495,6 +628,38 @@ def test_delta_model_applies_thresholds_to_base_and_delta_rows(delta_folder, tmp
         model.set_activation_sparsity(None)
         plain = model(input_ids=ids, delta_names=rows).logits
         assert torch.equal(plain[0], model.merge_and_unload("default")(input_ids=ids[:1]).logits[0])
+
+
+def test_delta_model_compensates_dropped_inputs_through_the_base_weights(delta_folder):
+    """In a DeltaModel the compensation is the base weight's: y = (W + D) x_kept + B_W A_W x_dropped, for base
+    and delta rows alike (a delta's own dropped inputs are not compensated)."""
+    ids = calibration_ids(n=3, length=12, seed=4)
+    model = DeltaModel.from_pretrained(delta_folder, base=copy.deepcopy(base_model("llama")))
+    th = S.calibrate_activation_thresholds(model, calibration_ids(), 0.4, rank=4)
+    assert model.set_activation_sparsity(th) == len(th.thresholds)
+    rows = ["default", None, "default"]
+    plain = base_model("llama")
+    with torch.no_grad():
+        mixed = model(input_ids=ids, delta_names=rows).logits
+        for i, name in enumerate(rows):
+            ref = copy.deepcopy(plain) if name is None else model.merge_and_unload(name)
+            mods, base_mods = S.target_modules(ref), S.target_modules(plain)
+            hooks, stash = [], {}
+            for n, mod in mods.items():  # the original input, then the merged layer on the kept inputs plus
+                a, b = S.low_rank_factors(_dense_wt(base_mods[n]), 4)  # the base's rank-4 map of the dropped ones
+                hooks.append(mod.register_forward_pre_hook(lambda m, args, n=n: stash.__setitem__(n, args[0])))
+                hooks.append(mod.register_forward_hook(
+                    lambda m, args, out, n=n, a=a, b=b: out + (stash[n] - args[0]) @ a.t() @ b.t()))
+            S.install_activation_sparsity(ref, th, rank=0)  # its hooks after the ones above
+            want = ref(input_ids=ids[i : i + 1]).logits[0]
+            for h_ in hooks:
+                h_.remove()
+            torch.testing.assert_close(mixed[i], want, atol=1e-5, rtol=1e-5)
+            S.install_activation_sparsity(ref, th, rank=0)
+            assert not torch.allclose(mixed[i], ref(input_ids=ids[i : i + 1]).logits[0], atol=1e-4)
+        model.set_activation_sparsity(th, rank=0)  # the rank can be overridden
+        no_comp = model(input_ids=ids, delta_names=rows).logits
+        assert not torch.allclose(no_comp, mixed, atol=1e-4)
 
 
 def test_set_activation_sparsity_takes_a_thresholds_file(delta_folder, tmp_path):
@@ -564,6 +729,26 @@ def test_compiled_kernels_match_references_on_gpu(monkeypatch, dtype):
         q, kv = A.sparse_base_linears(x[:rows], [wt, w2t], threshold=0.6)
         torch.testing.assert_close(q, A.sparse_base_linear_reference(x[:rows], wt, threshold=0.6), atol=3e-2, rtol=2e-2)
         torch.testing.assert_close(kv, A.sparse_base_linear_reference(x[:rows], w2t, threshold=0.6), atol=3e-2, rtol=2e-2)
+    # the low-rank compensation (rank 16, the default): z per 1024-input segment by the packing launch, B z by
+    # the finishing one; grouped (q/k/v-like: three weights) and alone, one row and eight, PDL on and off
+    from hf_deltazip.modeling.activation_sparsity import low_rank_factors
+
+    w3 = (torch.randn(200, k, generator=gen, device="cuda") * 0.02).to(dtype)
+    ws3 = [w, (torch.randn(300, k, generator=gen, device="cuda") * 0.02).to(dtype), w3]
+    lr3 = A.input_major_low_rank([low_rank_factors(wi, 16) for wi in ws3])
+    lr1 = A.input_major_low_rank([low_rank_factors(w, 16)])
+    for rows in (1, m):
+        for pdl in ((0, 2) if torch.cuda.get_device_capability()[0] >= 9 else (0,)):
+            one = A.sparse_base_linear(x[:rows], wt, threshold=0.6, lowrank=lr1, pdl=pdl)
+            torch.testing.assert_close(one, A.sparse_base_linear_reference(x[:rows], wt, threshold=0.6, lowrank=lr1),
+                                       atol=3e-2, rtol=2e-2)
+            outs = A.sparse_base_linears(x[:rows], [A.input_major_weight(wi) for wi in ws3], threshold=0.6,
+                                         lowrank=lr3, pdl=pdl)
+            for o, wi, part in zip(outs, ws3, A._split_lowrank(lr3, [wi.shape[0] for wi in ws3])):
+                torch.testing.assert_close(o, A.sparse_base_linear_reference(x[:rows], A.input_major_weight(wi),
+                                                                             threshold=0.6, lowrank=part),
+                                           atol=3e-2, rtol=2e-2)
+        assert not torch.allclose(one.float(), A.sparse_base_linear(x[:rows], wt, threshold=0.6).float(), atol=3e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])

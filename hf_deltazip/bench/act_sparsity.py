@@ -230,16 +230,17 @@ def _only(th, layers):
         raise DeltaZipError(f"--layers {','.join(layers)} matches no layer; the layers end in "
                             f"{sorted({n.rsplit('.', 1)[-1] for n in th.thresholds})}")
     return acts.ActivationThresholds(th.sparsity, {n: (t if picked(n) else 0.0) for n, t in th.thresholds.items()},
-                                     th.num_tokens)
+                                     th.num_tokens, rank=th.rank)
 
 
 def _sweep(model, calib, evals, sparsities, batch_size, save_dir=None, dense_prefix=None, lengths=None,
-           layers=None, allocation="uniform") -> dict:
+           layers=None, allocation="uniform", rank: int = acts.DEFAULT_RANK) -> dict:
     """NLL per eval set at each sparsity, thresholds calibrated on ``model`` itself (``dense_prefix``: see
-    :func:`_prefix_nll`; ``layers``: see :func:`_only`; ``allocation``: see ``calibrate_activation_thresholds``)."""
+    :func:`_prefix_nll`; ``layers``: see :func:`_only`; ``allocation``, ``rank``: see
+    ``calibrate_activation_thresholds``)."""
     out = {}
     targets = [s for s in sparsities if s > 0]
-    ths = acts.calibrate_activation_thresholds(model, calib, targets, allocation=allocation) if targets else {}
+    ths = acts.calibrate_activation_thresholds(model, calib, targets, allocation=allocation, rank=rank) if targets else {}
     for s in sparsities:
         th = _only(ths.get(s), layers)
         if th is not None and save_dir is not None:
@@ -279,7 +280,7 @@ def run_quality(args) -> dict:
                          "examples' prompts (the date pair); give a share such as 0.7 instead")
     base_nll = _nlls(base, evals, args.batch_size, prefix, lengths)
     ft_sweep = _sweep(ft, calib, evals, sparsities, args.batch_size, args.save_thresholds, prefix, lengths,
-                      args.layers, args.allocation)
+                      args.layers, args.allocation, args.rank)
     rows = []
     for kind, sweep in [("fine-tune", ft_sweep)] + _delta_sweeps(args, pair, calib, evals, sparsities, DeltaModel):
         for s in sparsities:
@@ -290,7 +291,7 @@ def run_quality(args) -> dict:
                              "finetune_nll": dense, "rel_nll_increase": nll / dense - 1.0, "gain_kept": gain})
     return {"mode": "quality", "pair": pair["name"], "device": device, "dtype": str(dtype).replace("torch.", ""),
             "calibration_sequences": len(calib), "dense_prefix": prefix, "layers": args.layers,
-            "allocation": args.allocation, "rows": rows,
+            "allocation": args.allocation, "rank": args.rank, "rows": rows,
             "seconds": round(time.time() - t0, 1)}
 
 
@@ -316,7 +317,7 @@ def _delta_sweeps(args, pair, calib, evals, sparsities, delta_model_cls) -> list
         return [("DeltaModel (compressed delta)", _sweep(dm, calib, evals, sparsities, args.batch_size,
                                                          dense_prefix=args.dense_prefix,
                                                          lengths=pair.get("prompt_lengths"), layers=args.layers,
-                                                         allocation=args.allocation))]
+                                                         allocation=args.allocation, rank=args.rank))]
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -329,7 +330,8 @@ def quality_table(result: dict) -> str:
     lines = [f"activation sparsity, quality: {result['pair']} ({result['device']}, {result['dtype']}, "
              f"{result['calibration_sequences']} calibration sequences{scope}"
              f"{'; only ' + ','.join(result['layers']) + ' thresholded' if result.get('layers') else ''}"
-             f"; {result.get('allocation', 'uniform')} allocation over the layers)",
+             f"; {result.get('allocation', 'uniform')} allocation over the layers"
+             f"; low-rank compensation of rank {result.get('rank', 0)})",
              f"{'model':<30} {'eval':<20} {'sparsity':>8} {'NLL':>8} {'rel. NLL':>9} {'gain kept':>9}"]
     for r in result["rows"]:
         gain = "n/a" if r["gain_kept"] is None else f"{r['gain_kept']:.3f}"
@@ -373,7 +375,7 @@ def _sparse_rows(m: int, k: int, sparsity: float, gen: torch.Generator, device) 
     return x.masked_fill(drop, 0.0).to(torch.bfloat16)
 
 
-def _block(device, bits: int, group_size: int, deltas: int, gen) -> dict:
+def _block(device, bits: int, group_size: int, deltas: int, gen, rank: int = 0) -> dict:
     from ..kernels import act_sparse as A
     from ..kernels import prepare_stack, random_delta_stack
 
@@ -383,6 +385,10 @@ def _block(device, bits: int, group_size: int, deltas: int, gen) -> dict:
         stack = prepare_stack(random_delta_stack(deltas, n, k, bits=bits, group_size=group_size, device=device,
                                                  generator=gen))
         layers[name] = {"w": w, "wt": A.input_major_weight(w), "stack": stack, "im": A.input_major_deltas(stack)}
+        if rank:  # the compensation's cost depends on its shapes only: random factors of the right size
+            layers[name]["ab"] = ((torch.randn(rank, k, generator=gen, device=device) * 0.02).to(torch.bfloat16),
+                                  (torch.randn(n, rank, generator=gen, device=device) * 0.02).to(torch.bfloat16))
+            layers[name]["lr"] = A.input_major_low_rank([layers[name]["ab"]])
     return layers
 
 
@@ -402,6 +408,12 @@ def _check(layers, gen, device, base_cfg=None, delta_cfg=None) -> float:
         ref = multi_delta_linear_reference(x, lay["w"], None, lay["stack"], rd, out_dtype=torch.float32)
         got1 = A.sparse_base_linear(x[:1], lay["wt"], **(base_cfg or {})).float()
         ref1 = (x[:1].float() @ lay["w"].float().t())
+        if "lr" in lay:  # with the compensation, inputs below 0.5 dropped
+            worst = max(worst, (A.sparse_base_linear(x[:1], lay["wt"], threshold=0.5, lowrank=lay["lr"],
+                                                     **(base_cfg or {})).float()
+                                - A.sparse_base_linear_reference(x[:1], lay["wt"], threshold=0.5,
+                                                                 lowrank=lay["lr"]).float()).abs().max().item()
+                        / ref1.abs().max().item())
         scale = ref.abs().max().item()
         worst = max(worst, (got - ref).abs().max().item() / scale, (got1 - ref1).abs().max().item() / scale)
     return worst
@@ -417,7 +429,7 @@ def run_speed(args) -> dict:
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     t0 = time.time()
-    layers = _block(device, args.bits, args.group_size, 8, gen)
+    layers = _block(device, args.bits, args.group_size, 8, gen, args.rank)
     err = max(_check(layers, gen, device), _check(layers, gen, device, {"compact": False}, {"compact": False}))
     head = (torch.randn(VOCAB_8B, 4096, generator=gen, device=device) * 0.02).to(torch.bfloat16)
     xh = torch.randn(8, 4096, generator=gen, device=device).to(torch.bfloat16)
@@ -437,16 +449,26 @@ def run_speed(args) -> dict:
     xs = {s: {name: _sparse_rows(8, k, s, gen, device) for name, (_, k) in SHAPES_8B.items()} for s in args.sparsity}
     lin = torch.nn.functional.linear
 
-    def base_calls(x, cfg):
-        return [lambda L=L, x=x[n][:1]: A.sparse_base_linear(x, L["wt"], **cfg) for n, L in layers.items()]
+    # x's zeros are the dropped inputs; with the compensation a threshold of 0 drops exactly them, and the
+    # compensation runs on every call (the same work as at any threshold)
+    lr_cfg = {"threshold": 0.0} if args.rank else {}
+
+    def base_calls(x, cfg, comp=True):
+        return [lambda L=L, x=x[n][:1]: A.sparse_base_linear(x, L["wt"], **cfg, **_lr(L, comp))
+                for n, L in layers.items()]
+
+    def _lr(L, comp=True, lr=None):
+        return {**lr_cfg, "lowrank": lr if lr is not None else L["lr"]} if args.rank and comp else {}
 
     # q/k/v and gate/up share their input: one launch each (sparse_base_linears); the dense baseline
     # of the same grouping multiplies by the concatenated weights (what a fused-projection model runs)
     groups = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
     fused_w = {g: torch.cat([layers[n]["w"] for n in g]) for g in groups}
+    fused_lr = {g: A.input_major_low_rank([layers[n]["ab"] for n in g]) for g in groups} if args.rank else {}
 
-    def grouped_calls(x, cfg):
-        return [lambda g=g, x=x[g[0]][:1]: A.sparse_base_linears(x, [layers[n]["wt"] for n in g], **cfg)
+    def grouped_calls(x, cfg, comp=True):
+        return [lambda g=g, x=x[g[0]][:1]: A.sparse_base_linears(x, [layers[n]["wt"] for n in g], **cfg,
+                                                                  **_lr(None, comp, fused_lr.get(g)))
                 for g in groups]
 
     def delta1_calls(x, cfg):
@@ -505,17 +527,23 @@ def run_speed(args) -> dict:
 
         variants.append((", masked walk", best(sweep["base"], lambda r: not r["compact"] and not r["mma"]),
                          best(sweep["delta1"], masked), best(sweep["delta"], masked)))
+    comp = f", rank-{args.rank} compensation" if args.rank else ""
     for s in args.sparsity:
         x = xs[s]
         for tag, bcfg, d1cfg, dcfg in variants:
-            add("base, batch 1", 1, s, "sparse base kernel" + tag, base_calls(x, bcfg))
+            add("base, batch 1", 1, s, "sparse base kernel" + tag + comp, base_calls(x, bcfg))
             if not tag:
-                add("base, batch 1", 1, s, "sparse base kernel, no PDL", base_calls(x, {**bcfg, "pdl": 0}))
-                add("base, batch 1, grouped", 1, s, "sparse base kernel, q/k/v and gate/up in one launch each",
+                if args.rank:
+                    add("base, batch 1", 1, s, "sparse base kernel, no compensation", base_calls(x, bcfg, False))
+                add("base, batch 1", 1, s, "sparse base kernel, no PDL" + comp, base_calls(x, {**bcfg, "pdl": 0}))
+                add("base, batch 1, grouped", 1, s, "sparse base kernel, q/k/v and gate/up in one launch each" + comp,
                     grouped_calls(x, bcfg))
-            add("1 delta, batch 1", 1, s, "sparse base + sparse delta" + tag,
+                if args.rank:
+                    add("base, batch 1, grouped", 1, s, "sparse base kernel, q/k/v and gate/up in one launch each, "
+                        "no compensation", grouped_calls(x, bcfg, False))
+            add("1 delta, batch 1", 1, s, "sparse base + sparse delta" + tag + comp,
                 [lambda L=L, x=x[n][:1], bcfg=bcfg, dcfg=d1cfg: A.sparse_delta_linear(
-                    x, L["im"], rd1, out=A.sparse_base_linear(x, L["wt"], **bcfg), segments=seg1, **dcfg)
+                    x, L["im"], rd1, out=A.sparse_base_linear(x, L["wt"], **bcfg, **_lr(L)), segments=seg1, **dcfg)
                  for n, L in layers.items()])
             add("8 deltas, batch 8", 8, s, "cuBLAS base + sparse delta" + tag, delta8_calls(x, dcfg))
     dense_ref = {r["case"]: r for r in rows if r["sparsity"] == 0.0 and "dense" in r["path"]}
@@ -523,7 +551,7 @@ def run_speed(args) -> dict:
         r["speedup_vs_dense"] = dense_ref[r["case"]]["block_us"] / r["block_us"]
         r["tokens_per_s_vs_dense"] = r["tokens_per_s"] / dense_ref[r["case"]]["tokens_per_s"]
     return {"mode": "speed", "device": torch.cuda.get_device_name(), "shape": "Llama-3-8B block",
-            "delta_bits": args.bits, "group_size": args.group_size, "max_rel_error": err,
+            "delta_bits": args.bits, "group_size": args.group_size, "rank": args.rank, "max_rel_error": err,
             "lm_head_us": head_us, "base_tiles": base_cfg, "delta_tiles": delta_cfg, "delta1_tiles": delta1_cfg,
             "sweep": sweep,
             "rows": rows, "seconds": round(time.time() - t0, 1)}
@@ -614,6 +642,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     s.add_argument("--sweep", action="store_true", help="time the settings of BASE_SWEEP and DELTA_SWEEP at the "
                                                         "highest sparsity first and use the fastest (recorded in the JSON)")
     for sp in (q, s):
+        sp.add_argument("--rank", type=int, default=acts.DEFAULT_RANK,
+                        help=f"rank of the low-rank compensation of the dropped inputs (default "
+                             f"{acts.DEFAULT_RANK}; 0: none)")
         sp.add_argument("--sparsity", type=_sparsities, default=list(SPARSITIES),
                         help="comma-separated fractions (default 0,0.25,0.4,0.5)")
         sp.add_argument("--json", help="write the result as JSON here")

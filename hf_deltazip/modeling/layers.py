@@ -27,7 +27,7 @@ from ..delta import PackedModule
 from ..errors import DeltaZipError
 from ..packing import dequantize, unpack_codes
 from ..quantization import dequantize_module_weight, logical_weight_shape
-from .activation_sparsity import sparsify_module_input
+from .activation_sparsity import add_sparsity_correction, sparsify_module_input
 from .arch import conv1d_class
 from .quantized import base_runs_itself, unhooked
 from .routing import KernelPolicy, LayoutVersion, Router
@@ -296,7 +296,12 @@ class DeltaLinear(DeltaModule):
         return b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = sparsify_module_input(self.base_layer, x)  # activation sparsity (off unless installed)
+        xs = sparsify_module_input(self.base_layer, x)  # activation sparsity (off unless installed)
+        if xs is x:
+            return self._forward(x)
+        return add_sparsity_correction(self.base_layer, x, xs, self._forward(xs))
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.packed and not self.overrides and self.stacks is None:
             return self.base_layer(x)
         routing = self.router.current

@@ -355,18 +355,20 @@ class DeltaModel(nn.Module):
         """Whether every delta module can run inside a captured decode step (kernel route, no host decisions)."""
         return self._placer.graph_safe()
 
-    def set_activation_sparsity(self, thresholds, *, decode_only: bool = False) -> int:
+    def set_activation_sparsity(self, thresholds, *, decode_only: bool = False, rank: Optional[int] = None) -> int:
         """Zero each linear layer's small inputs (``|x| <= threshold``), for the base and every delta;
         ``None`` turns it off. Returns the number of layers thresholded.
 
         ``thresholds``: :class:`~.activation_sparsity.ActivationThresholds` (from
         :func:`~.activation_sparsity.calibrate_activation_thresholds`), a thresholds file or folder
         holding one target, or ``None``. ``decode_only``: decode steps only (Jacobi steps included);
-        prompts run dense.
+        prompts run dense. ``rank``: the low-rank compensation of the dropped inputs through the base
+        weights (``None``: the thresholds' own, 16 for new calibrations; 0: none).
         """
         from .activation_sparsity import install_activation_sparsity, resolve_activation_sparsity
 
-        return install_activation_sparsity(self, resolve_activation_sparsity(self, thresholds), decode_only=decode_only)
+        return install_activation_sparsity(self, resolve_activation_sparsity(self, thresholds), decode_only=decode_only,
+                                           rank=rank)
 
     # ------------------------------------------------------------------ running
     def forward(self, *args, delta_names: Optional[Sequence] = None, **kwargs):

@@ -157,17 +157,18 @@ def _kept_input_row(x_row, cols, kmask, thr, THRESH: tl.constexpr):
 @triton.jit(do_not_specialize=["K"])
 def compact_inputs_kernel(x_ptr, idx_ptr, xv_ptr, cnt_ptr, thr, K, stride_xm,
                           SEG: tl.constexpr, THRESH: tl.constexpr, CH: tl.constexpr, PDL: tl.constexpr = 0,
-                          at_ptr=None, zp_ptr=None, RT=0, LISTS: tl.constexpr = True, LR: tl.constexpr = False,
+                          at_ptr=None, zp_ptr=None, RT=0, NL=0, NLR=0, LR: tl.constexpr = False,
                           RP: tl.constexpr = 16, LCH: tl.constexpr = 64):
-    # program (s, m): the kept inputs of row m in [s*SEG, s*SEG + SEG), packed to the front of that
-    # span of idx/xv (row m's span is [m*K, m*K + K)); their count in cnt[m, s] (LISTS). LR: and the
-    # segment's share of z = A x_dropped, the dropped inputs through the [K, RT] input-major A^T of the
-    # low-rank compensation, into zp[m, s, :] (each program its own slot: no atomics, nothing to zero)
+    # programs (s < NL, m): the kept inputs of row m in [s*SEG, s*SEG + SEG), packed to the front of that
+    # span of idx/xv (row m's span is [m*K, m*K + K)); their count in cnt[m, s]. LR, programs
+    # (NL + j, m): chunk j of LCH inputs' share of z = A x_dropped, the dropped inputs through the [K, RT]
+    # input-major A^T of the low-rank compensation, into zp[m, j, :] (each program its own slot: no atomics,
+    # nothing to zero; many small programs, so reading A^T hides behind the lists)
     _pdl_enter(PDL)
     s = tl.program_id(0)
     m = tl.program_id(1)
     x_row = x_ptr + m.to(tl.int64) * stride_xm
-    if LISTS:
+    if s < NL:
         out0 = m.to(tl.int64) * K + s * SEG
         n = tl.full([], 0, tl.int32)
         for c0 in range(0, SEG, CH):
@@ -178,20 +179,20 @@ def compact_inputs_kernel(x_ptr, idx_ptr, xv_ptr, cnt_ptr, thr, K, stride_xm,
             tl.store(idx_ptr + out0 + pos, cols, mask=keep)
             tl.store(xv_ptr + out0 + pos, xv, mask=keep)
             n += tl.reduce(k32, 0, _add)
-        tl.store(cnt_ptr + m * tl.num_programs(0) + s, n)
+        tl.store(cnt_ptr + m * NL + s, n)
     if LR:
-        rr = tl.arange(0, RP)
-        rmask = rr < RT
-        z = tl.full([RP], 0.0, tl.float32)
-        for c0 in range(0, SEG, LCH):
-            cols = s * SEG + c0 + tl.arange(0, LCH)
-            km = (cols < K) & (c0 + tl.arange(0, LCH) < SEG)
+        if s >= NL:
+            j = s - NL
+            rr = tl.arange(0, RP)
+            rmask = rr < RT
+            cols = j * LCH + tl.arange(0, LCH)
+            km = cols < K
             xf = tl.load(x_row + cols, mask=km, other=0.0).to(tl.float32)
             dropped = tl.where(tl.abs(xf) > thr, 0.0, xf)  # what _kept_input_row zeroes
             a = tl.load(at_ptr + cols.to(tl.int64)[:, None] * RT + rr[None, :], mask=km[:, None] & rmask[None, :],
                         other=0.0)
-            z += tl.reduce(dropped[:, None] * a.to(tl.float32), 0, _add)
-        tl.store(zp_ptr + (m.to(tl.int64) * tl.num_programs(0) + s) * RT + rr, z, mask=rmask)
+            z = tl.reduce(dropped[:, None] * a.to(tl.float32), 0, _add)
+            tl.store(zp_ptr + (m.to(tl.int64) * NLR + j) * RT + rr, z, mask=rmask)
 
 
 @triton.jit(do_not_specialize=["M"])

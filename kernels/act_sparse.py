@@ -380,8 +380,9 @@ def _compacted(x: torch.Tensor, thr: float, use_thr: bool, seg: int, pdl: int = 
                lowrank: Optional[tuple] = None) -> tuple:
     """Launch :func:`compact_inputs_kernel` on ``x``: per row and per segment of ``seg`` inputs, the
     kept inputs' indices and values packed to the front of the segment, and their counts ``[M, cdiv(K, seg)]``
-    (``lists``); with ``lowrank`` (``(A^T [K, RT], B)``) also each segment's share of ``z = x_dropped A^T``,
-    ``[M, cdiv(K, seg), RT]`` float32. Returns ``(idx, xv, cnt, z_parts)`` (``z_parts`` ``None`` without)."""
+    (``lists``); with ``lowrank`` (``(A^T [K, RT], B)``) also each chunk's share of ``z = x_dropped A^T``,
+    ``[M, chunks, RT]`` float32, by more programs of the same launch. Returns ``(idx, xv, cnt, z_parts)``
+    (``z_parts`` ``None`` without)."""
     m, k = x.shape
     nseg = _cdiv(k, seg)
     key = (x.device.type, x.device.index, m, k, seg, x.dtype)
@@ -391,18 +392,21 @@ def _compacted(x: torch.Tensor, thr: float, use_thr: bool, seg: int, pdl: int = 
                                torch.zeros((m, k), dtype=x.dtype, device=x.device),
                                torch.zeros((m, nseg), dtype=torch.int32, device=x.device))
     idx, xv, cnt = buf
-    zp, lr = None, {}
+    nl = nseg if lists else 0
+    zp, lr, nlr = None, {}, 0
     if lowrank is not None:
         at = lowrank[0]
-        zkey = ("z", x.device.type, x.device.index, m, nseg, at.shape[1])
+        rp = max(16, _next_pow2(at.shape[1]))
+        lch = max(16, min(128, 8192 // rp))
+        nlr = _cdiv(k, lch)
+        zkey = ("z", x.device.type, x.device.index, m, nlr, at.shape[1])
         zp = _COMPACT.get(zkey)
         if zp is None:
-            zp = _COMPACT[zkey] = torch.zeros((m, nseg, at.shape[1]), dtype=torch.float32, device=x.device)
-        lr = dict(at_ptr=at, zp_ptr=zp, RT=at.shape[1], LR=True, RP=max(16, _next_pow2(at.shape[1])),
-                  LCH=max(16, min(128, 4096 // max(16, _next_pow2(at.shape[1])))))
-    _kernel("compact_inputs_kernel")[(nseg, m)](x, idx, xv, cnt, thr, k, x.stride(0), SEG=seg, THRESH=use_thr,
-                                                CH=min(1024, _next_pow2(seg)), PDL=pdl, LISTS=lists, num_warps=4,
-                                                **lr, **_pdl_launch(pdl))
+            zp = _COMPACT[zkey] = torch.zeros((m, nlr, at.shape[1]), dtype=torch.float32, device=x.device)
+        lr = dict(at_ptr=at, zp_ptr=zp, RT=at.shape[1], NLR=nlr, LR=True, RP=rp, LCH=lch)
+    _kernel("compact_inputs_kernel")[(nl + nlr, m)](x, idx, xv, cnt, thr, k, x.stride(0), SEG=seg, THRESH=use_thr,
+                                                    CH=min(1024, _next_pow2(seg)), PDL=pdl, NL=nl, num_warps=4,
+                                                    **lr, **_pdl_launch(pdl))
     return idx, xv, cnt, zp
 
 

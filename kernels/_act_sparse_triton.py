@@ -299,21 +299,25 @@ def finish_rows_kernel(wsi_ptr, out_ptr, bias_ptr, N, stride_om, HAS_BIAS: tl.co
     # (not _finish_rows: its acq_rel exchanges on a [1, BLOCK] tile made this launch ~3 us slower, 99.5 -> 121.7
     # us per 8B block at 50 % on the H200; after a kernel boundary relaxed exchanges suffice)
     # LR: plus the low-rank compensation B z of the weight each output belongs to (NG weights side by side:
-    # outputs [0, N0) the first, [N0, N0 + N1) the second, the rest the third; z of weight g at g * R)
-    _pdl_enter(PDL)
+    # outputs [0, N0) the first, [N0, N0 + N1) the second, the rest the third; z of weight g at g * R).
+    # Computed before waiting for the sums' kernel: B is constant, and z was written by the list-packing
+    # launch, which ended before that kernel passed its own wait and let this launch begin (PDL), or before
+    # it in stream order (no PDL); so it runs while the sums are still being added
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     nm = offs < N
     r = tl.program_id(1).to(tl.int64)
-    bits = tl.atomic_xchg(wsi_ptr + r * N + offs, tl.where(nm, 0, 0), mask=nm, sem="relaxed", scope="gpu")
-    acc = tl.where(nm, bits.to(tl.float32, bitcast=True), 0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs, mask=nm, other=0.0).to(tl.float32)
     if LR:
         lr = _low_rank_part(b_ptr, zp_ptr, r, offs, nm, NSEG, RT, R, 0, RB, SP)
         if NG > 1:
             lr = tl.where(offs >= N0, _low_rank_part(b_ptr, zp_ptr, r, offs, nm, NSEG, RT, R, R, RB, SP), lr)
         if NG > 2:
             lr = tl.where(offs >= N0 + N1, _low_rank_part(b_ptr, zp_ptr, r, offs, nm, NSEG, RT, R, 2 * R, RB, SP), lr)
+    _pdl_enter(PDL)
+    bits = tl.atomic_xchg(wsi_ptr + r * N + offs, tl.where(nm, 0, 0), mask=nm, sem="relaxed", scope="gpu")
+    acc = tl.where(nm, bits.to(tl.float32, bitcast=True), 0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs, mask=nm, other=0.0).to(tl.float32)
+    if LR:
         acc += lr
     tl.store(out_ptr + r * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=nm)
 

@@ -24,7 +24,14 @@ with atomics: plain loads in the next kernel were seen to miss some of the atomi
 
 ``PDL`` (Hopper): the launch may begin before the kernel before it has ended; every program waits
 for it (``gdc_wait``) before its first memory access, and with ``PDL == 2`` lets the next launch
-begin in turn. ``NG`` (base kernel): up to three weights sharing ``x`` (q/k/v, gate/up), their
+begin in turn. (One exception: ``finish_rows_kernel`` reads the low-rank compensation's ``B`` and
+``z`` before it waits; ``B`` is constant and ``z`` was written two launches back, by a kernel that had
+ended before the sums' kernel could let this one begin.)
+
+**Low-rank compensation** (``LR``, the base GEMV): ``y += B (A x_dropped)``. The list-packing launch
+has extra programs, one per chunk of 16-128 inputs, that write their chunk's share of ``z = A
+x_dropped`` (rank-sized, no atomics); the finishing launch sums the shares and adds ``B z`` per
+output, choosing the weight's slice of ``z`` in a grouped launch. ``NG`` (base kernel): up to three weights sharing ``x`` (q/k/v, gate/up), their
 output tiles one after another along program axis 0, in one launch.
 
 ``sparse_base_kernel``: ``r`` is a block of ``BM`` rows of ``x``.

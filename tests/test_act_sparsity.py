@@ -556,6 +556,19 @@ def test_low_rank_compensation_passes_the_dropped_inputs_through_the_top_singula
         S.ActivationThresholds(0.4, {}, rank=1.5)
 
 
+def test_compensation_is_refused_on_a_tensor_parallel_model(monkeypatch):
+    from hf_deltazip.modeling import tensor_parallel
+
+    model = copy.deepcopy(base_model("llama"))
+    th = S.calibrate_activation_thresholds(model, calibration_ids(), 0.4)
+    S.install_activation_sparsity(model, th, rank=0)
+    monkeypatch.setattr(tensor_parallel, "tp_size", lambda m: 2)
+    with pytest.raises(DeltaZipError, match="tensor-parallel.*rank=0"):
+        S.install_activation_sparsity(model, th)
+    assert S.activation_sparsity_of(model) == th.thresholds  # a refused call keeps what was installed
+    assert S.install_activation_sparsity(model, th, rank=0) == len(th.thresholds)
+
+
 def test_low_rank_factors_of_a_large_weight_find_its_top_directions():
     # above 1024 on both sides the factors come from a seeded randomized SVD; the global random state is untouched
     gen = torch.Generator().manual_seed(0)

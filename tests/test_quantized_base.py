@@ -110,6 +110,27 @@ def test_mixed_batch_on_a_quantized_base_equals_the_dequantized_base_plus_each_d
     assert torch.equal(out, ref_out)
 
 
+def test_activation_sparsity_compensates_through_the_dequantized_base_weights(folders):
+    """The low-rank compensation of dropped inputs takes its factors from what a 4-bit layer computes with
+    (its dequantized weight): the quantized DeltaModel gives the dequantized one's outputs."""
+    from hf_deltazip.modeling import activation_sparsity as S
+
+    kind = "nf4-double"
+    model = with_deltas(fp32_kernels(quantized_base(folders, kind)), folders)
+    ref = dequantized_reference(folders, kind)
+    ref.set_delta("a")  # calibrated through delta a
+    th = S.calibrate_activation_thresholds(ref, calibration_ids(), 0.4, rank=4)
+    assert model.set_activation_sparsity(th) == ref.set_activation_sparsity(th) == len(th.thresholds)
+    x = ids()
+    with torch.no_grad():
+        got = model(input_ids=x, delta_names=ROWS).logits
+        want = ref(input_ids=x, delta_names=ROWS).logits
+        ref.set_activation_sparsity(th, rank=0)
+        uncompensated = ref(input_ids=x, delta_names=ROWS).logits
+    torch.testing.assert_close(got, want, atol=ATOL[kind], rtol=1e-4)
+    assert (want - uncompensated).abs().max() > 10 * ATOL[kind]  # the compensation changed the outputs
+
+
 @pytest.mark.parametrize("kind", ["nf4-double", "int8"])
 def test_merge_and_unload_on_a_quantized_base_gives_the_dequantized_merged_model(folders, kind):
     model = with_deltas(quantized_base(folders, kind), folders)

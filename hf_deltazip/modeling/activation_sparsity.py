@@ -411,15 +411,24 @@ def install_activation_sparsity(model: nn.Module, thresholds: Optional[Activatio
 
     Raises:
         DeltaZipError: ``strict`` and a threshold names a module the model does not have, or the model
-            has target layers without a threshold (thresholds of another model).
+            has target layers without a threshold (thresholds of another model); a compensation rank on a
+            tensor-parallel model (not supported).
     """
-    remove_activation_sparsity(model)
     if thresholds is None:
+        remove_activation_sparsity(model)
         return 0
     if not isinstance(thresholds, ActivationThresholds):
         raise TypeError(f"thresholds must be ActivationThresholds (see calibrate_activation_thresholds) or None, "
                         f"got {type(thresholds).__name__}")
     rank = thresholds.rank if rank is None else _check_rank(rank)
+    if rank:
+        from . import tensor_parallel
+
+        if tensor_parallel.tp_size(_transformers_root(model)) > 1:
+            raise DeltaZipError(
+                "the low-rank compensation of dropped inputs is not supported on a tensor-parallel model (its "
+                f"weights are sharded over the ranks); these thresholds ask for rank {rank}: install them with rank=0 "
+                "(model.set_activation_sparsity(thresholds, rank=0)) or calibrate with rank=0")
     mods = target_modules(model)
     if strict:
         unknown = sorted(set(thresholds.thresholds) - set(mods))
@@ -431,6 +440,7 @@ def install_activation_sparsity(model: nn.Module, thresholds: Optional[Activatio
                                 "calibrate them on this model, or pass strict=False to apply the ones that fit")
     chosen = [(mod, t) for name, mod in mods.items() if (t := thresholds.thresholds.get(name)) is not None]
     factors = [low_rank_factors(_dense_weight(mod), rank) if rank else None for mod, _ in chosen]
+    remove_activation_sparsity(model)  # only now: a refused call leaves what was installed before
     for (mod, t), f in zip(chosen, factors):
         _install_rule(mod, _Rule(threshold=t, decode_only=decode_only, factors=f))
     return len(chosen)

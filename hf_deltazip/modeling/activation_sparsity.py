@@ -21,9 +21,10 @@ Dropped inputs are exact zeros, so a kernel that skips their weight columns
 would have added is not thrown away entirely but passed through the layer's best rank-``r``
 approximation, ``y = W x_kept + B (A x_dropped)`` with ``B A`` the top ``r`` singular directions of
 ``W`` (``A = S_r V_r^T``, ``B = U_r``; computed from the weight when the thresholds are installed,
-no data needed). At rank 16 an 8B-shaped layer reads about 0.5 % more bytes (``r (in + out)``
-against ``in * out``); on Gemma 3 270M it took the NLL increase of 40 % sparsity from +3.1 % to
-+1.1 % (BENCHMARKS.md section 8). In a ``DeltaModel`` the factors are the base weight's; a delta's
+no data needed). At rank 16 an 8B-shaped layer reads 0.5-2 % more weights (``r (in + out)``
+against ``in * out``); on Gemma 3 270M it took the NLL increase of 40 % sparsity over whole documents
+from +2.6 % to +1.0 % (H200, bf16; less so at a document's late positions: BENCHMARKS.md section 8).
+Not supported on a tensor-parallel model (``rank=0`` there). In a ``DeltaModel`` the factors are the base weight's; a delta's
 own dropped inputs are not compensated.
 
 **Which tokens.** By default every token's inputs are thresholded. ``decode_only=True`` leaves a forward

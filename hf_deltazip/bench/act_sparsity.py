@@ -455,12 +455,12 @@ def run_speed(args) -> dict:
     # compensation runs on every call (the same work as at any threshold)
     lr_cfg = {"threshold": 0.0} if args.rank else {}
 
-    def base_calls(x, cfg, comp=True):
-        return [lambda L=L, x=x[n][:1]: A.sparse_base_linear(x, L["wt"], **cfg, **_lr(L, comp))
-                for n, L in layers.items()]
+    def _lr(lowrank, comp=True):  # the compensation's arguments of one call (none without it)
+        return {**lr_cfg, "lowrank": lowrank} if args.rank and comp else {}
 
-    def _lr(L, comp=True, lr=None):
-        return {**lr_cfg, "lowrank": lr if lr is not None else L["lr"]} if args.rank and comp else {}
+    def base_calls(x, cfg, comp=True):
+        return [lambda L=L, x=x[n][:1]: A.sparse_base_linear(x, L["wt"], **cfg, **_lr(L.get("lr"), comp))
+                for n, L in layers.items()]
 
     # q/k/v and gate/up share their input: one launch each (sparse_base_linears); the dense baseline
     # of the same grouping multiplies by the concatenated weights (what a fused-projection model runs)
@@ -470,7 +470,7 @@ def run_speed(args) -> dict:
 
     def grouped_calls(x, cfg, comp=True):
         return [lambda g=g, x=x[g[0]][:1]: A.sparse_base_linears(x, [layers[n]["wt"] for n in g], **cfg,
-                                                                  **_lr(None, comp, fused_lr.get(g)))
+                                                                  **_lr(fused_lr.get(g), comp))
                 for g in groups]
 
     def delta1_calls(x, cfg):
@@ -545,7 +545,7 @@ def run_speed(args) -> dict:
                         "no compensation", grouped_calls(x, bcfg, False))
             add("1 delta, batch 1", 1, s, "sparse base + sparse delta" + tag + comp,
                 [lambda L=L, x=x[n][:1], bcfg=bcfg, dcfg=d1cfg: A.sparse_delta_linear(
-                    x, L["im"], rd1, out=A.sparse_base_linear(x, L["wt"], **bcfg, **_lr(L)), segments=seg1, **dcfg)
+                    x, L["im"], rd1, out=A.sparse_base_linear(x, L["wt"], **bcfg, **_lr(L.get("lr"))), segments=seg1, **dcfg)
                  for n, L in layers.items()])
             add("8 deltas, batch 8", 8, s, "cuBLAS base + sparse delta" + tag, delta8_calls(x, dcfg))
     dense_ref = {r["case"]: r for r in rows if r["sparsity"] == 0.0 and "dense" in r["path"]}

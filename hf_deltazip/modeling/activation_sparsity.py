@@ -55,7 +55,7 @@ from torch import nn
 from ..decoding.scope import decode_start, sparsify_positions_from
 from ..errors import DeltaZipError
 from ..fileio import atomic_write_bytes
-from .arch import is_linear
+from .arch import is_linear, weight_as_nk
 
 __all__ = [
     "THRESHOLDS_FILENAME",
@@ -365,9 +365,7 @@ def _dense_weight(module: nn.Module) -> torch.Tensor:
 
     if logical_weight_shape(module) is not None:
         return dequantize_module_weight(module)
-    w = module.weight
-    if not isinstance(module, nn.Linear) and w.dim() == 2 and getattr(module, "nf", None) == w.shape[1]:
-        w = w.t()  # transformers' Conv1D
+    w = weight_as_nk(module)
     if w.dim() != 2 or not w.dtype.is_floating_point:
         raise DeltaZipError(f"cannot take the low-rank compensation of a {type(module).__name__} with a "
                             f"{w.dtype} weight of shape {tuple(w.shape)}: install the thresholds with rank=0")

@@ -523,10 +523,10 @@ def _delta_row_bytes(x_row, cols, kmask, thr, q_base, s_base, z_base, RB, N, GS,
 @triton.jit(do_not_specialize=["M", "U"])
 def sparse_delta_kernel(
     x_ptr, q_ptr, q32_ptr, s_ptr, z_ptr, seg_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, thr, idx_ptr, xv_ptr, kc_ptr,
-    M, N, K, U, RB, G, GS, stride_xm, stride_om,
+    lookup_ptr, M, N, K, U, RB, G, GS, stride_xm, stride_om,
     BITS: tl.constexpr, THRESH: tl.constexpr, BLOCK_GROUP: tl.constexpr, GEMV: tl.constexpr,
     WORDS: tl.constexpr, COMPACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKI: tl.constexpr,
-    MP: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr = 0,
+    MP: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr = 0, LOOKUP: tl.constexpr = False,
 ):
     _pdl_enter(PDL)
     P: tl.constexpr = 8 // BITS  # codes per byte (along the outputs)
@@ -535,6 +535,8 @@ def sparse_delta_kernel(
     pid_k = tl.program_id(1)
     t = tl.program_id(2)  # the segment this program serves
     u = tl.load(seg_ptr + 3 * M + t)
+    if LOOKUP:  # the table was built on slot ids: this stack's index of the slot (-1: not here)
+        u = tl.load(lookup_ptr + u + 1, mask=u >= -1, other=-1)
     if (u >= 0) & (u < U):
         # the segment's slots are one contiguous run of the sorted order: find its start and length
         slots = tl.arange(0, MP)

@@ -612,7 +612,8 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
                         out: Optional[torch.Tensor] = None, threshold: Optional[float] = None,
                         segments: Optional[torch.Tensor] = None, block_m: int = 1,
                         block_n: Optional[int] = None, block_k: int = 0, num_warps: Optional[int] = None,
-                        inner_k: Optional[int] = None, compact: bool = True, pdl: Optional[int] = None) -> torch.Tensor:
+                        inner_k: Optional[int] = None, compact: bool = True, pdl: Optional[int] = None,
+                        segment_lookup: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out[m] += x[m] @ dequant(deltas[row_delta[m]])^T``, each segment of rows sharing a delta
     reading only the delta columns its own rows keep.
 
@@ -643,11 +644,20 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
             kept ones, ``ceil(kept / inner_k)`` steps per tile instead of ``block_k / inner_k``;
             ``False``: walk every input of the tile and mask the dropped ones.
         pdl: programmatic dependent launch, as :func:`sparse_base_linear` (the compaction launch too).
+        segment_lookup: int32 ``[T]``: when given, ``row_delta`` holds each row's *slot id* (``-1``: none),
+            ``segments`` (required then) was built from those slot ids (one table shared by every layer
+            of a step), and a row's delta is ``segment_lookup[slot + 1]`` (``-1``: not among these deltas),
+            read in the kernel (as :func:`~kernels.multi_delta.multi_delta_linear`'s ``segment_lookup``).
 
     Returns:
         ``out``.
     """
     _check_delta(x, deltas, row_delta, out)
+    if segment_lookup is not None:
+        if segments is None:
+            raise ValueError("segment_lookup needs segments=build_row_segments(row_delta) of the slot ids")
+        if segment_lookup.dtype != torch.int32 or segment_lookup.dim() != 1 or segment_lookup.device != x.device:
+            raise ValueError(f"segment_lookup must be a 1-D int32 tensor on {x.device}")
     m, k = x.shape
     kind = "few" if m < SPARSE_DELTA_MIXED_ROWS else "mixed_2bit" if deltas.bits == 2 else "mixed"
     d_bn, d_nw, d_ik = SPARSE_DELTA_DEFAULTS[kind]
@@ -664,6 +674,8 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
     thr, use_thr = _thr(threshold, x.dtype)
     pdl = _pdl(pdl, x)
     if _runs_reference(x):
+        if segment_lookup is not None:
+            row_delta = segment_lookup[row_delta.long() + 1]
         y = sparse_delta_linear_reference(x, deltas, row_delta, out, threshold)
         return y if out is None else out.copy_(y)
     n = deltas.out_features
@@ -677,8 +689,9 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
         raise ValueError(f"segments must be the int32 [{SEGMENT_FIELDS}, {m}] table of build_row_segments(row_delta) "
                          f"on {x.device}, got {segments.dtype} {tuple(segments.shape)} on {segments.device}")
     x = x if x.stride(1) == 1 else x.contiguous()
-    # segments past the last one exit at once; at most U + 1 segments exist (the base-only rows too)
-    grid = (_cdiv(n, block_n), _cdiv(k, block_k), min(m, deltas.num_deltas + 1))
+    # segments past the last one exit at once; at most U + 1 segments exist (the base-only rows too), or, on
+    # a table of slot ids, one per row
+    grid = (_cdiv(n, block_n), _cdiv(k, block_k), m if segment_lookup is not None else min(m, deltas.num_deltas + 1))
     ws, cnt = _workspace(x.device, m, n, grid[0] * grid[2])
     q = deltas.qweight
     rb = q.shape[2]
@@ -689,11 +702,11 @@ def sparse_delta_linear(x: torch.Tensor, deltas: InputMajorDeltas, row_delta: to
     idx, xv, kc, _ = _compacted(x, thr, use_thr, block_k, pdl) if use_compact else (cnt, x, cnt, None)
     _kernel("sparse_delta_kernel")[grid](
         x, q, q.view(torch.int32) if words else q, deltas.scales, deltas.zeros, segments.contiguous(), out, ws,
-        ws.view(torch.int32), cnt, thr, idx, xv, kc,
+        ws.view(torch.int32), cnt, thr, idx, xv, kc, segment_lookup if segment_lookup is not None else cnt,
         m, n, k, deltas.num_deltas, rb, num_groups(k, deltas.group_size), gs,
         x.stride(0), out.stride(0),
         BITS=deltas.bits, THRESH=use_thr, BLOCK_GROUP=block_group, GEMV=block_m == 1, WORDS=words,
-        COMPACT=use_compact, BM=block_m,
+        COMPACT=use_compact, BM=block_m, LOOKUP=segment_lookup is not None,
         BN=block_n, BK=block_k, BKI=bki, MP=max(2, _next_pow2(m)), DOT_PREC=_dot_prec(x), PDL=pdl, num_warps=num_warps,
         **_pdl_launch(pdl),
     )

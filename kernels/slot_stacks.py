@@ -13,7 +13,10 @@ deltas from :class:`~.delta_stack.DeltaStack` tensors, one per *format class* (b
   must report as a layout change (see ``hf_deltazip.modeling.routing.LayoutVersion``);
 * with ``kernel_layout`` (linear layers), deltas are written in the fast path's layout
   (:func:`~.layout.pack_for_stack`: planar codes, 2:4 densified); :meth:`SlotStacks.file_fields`
-  reads one back in the file layout. Embedding stacks keep the file layout (:meth:`SlotStacks.gather_rows`).
+  reads one back in the file layout. Embedding stacks keep the file layout (:meth:`SlotStacks.gather_rows`);
+* :meth:`SlotStacks.enable_input_major` adds to each 2-, 4- or 8-bit class a second copy of its deltas in the
+  input-major layout of the activation-sparse kernel (:class:`~.act_sparse.InputMajorDeltas`, same room and
+  indices), kept in step by :meth:`SlotStacks.write`; :meth:`SlotStacks.add_sparse_deltas` runs it.
 
 Plain PyTorch plus the kernel launcher; nothing here knows about models.
 """
@@ -60,6 +63,7 @@ class _ClassStack:
     member: torch.Tensor  # bool [table]: slot + 1 -> the slot's delta is in this class
     index: dict = field(default_factory=dict)  # slot -> index
     free: list = field(default_factory=list)  # free indices, popped from the end
+    input_major: Optional[object] = None  # act_sparse.InputMajorDeltas with the same room, or None
 
 
 class SlotStacks:
@@ -159,6 +163,8 @@ class SlotStacks:
         st.zeros[i].copy_(fields.zeros, non_blocking=True)
         if st.positions is not None:
             st.positions[i].copy_(fields.positions, non_blocking=True)
+        if c.input_major is not None:
+            self._write_input_major(c, i)
         c.index[slot] = i
         c.lookup[slot + 1] = i
         c.member[slot + 1] = True
@@ -173,6 +179,64 @@ class SlotStacks:
                 c.member[slot + 1] = False
                 return True
         return False
+
+    # ------------------------------------------------------------------ the activation-sparse copy
+    def enable_input_major(self) -> bool:
+        """Keep every class's deltas a second time in the input-major layout the activation-sparse delta
+        kernel reads (:func:`~.act_sparse.sparse_delta_linear`): the same bytes again per delta (4-bit: a
+        quarter of the base layer's; 2-bit: an eighth), with room for as many as the class's stack. Returns
+        whether every class has it (3-bit classes cannot: no whole codes per byte along the outputs)."""
+        from .act_sparse import InputMajorDeltas
+
+        for c in self.classes:
+            st = c.stack
+            if c.input_major is not None or st.bits not in (2, 4, 8) or not self.kernel_layout:
+                continue
+            cap, n, k = st.qweight.shape[0], self.out_features, self.in_features
+            c.input_major = InputMajorDeltas(
+                qweight=torch.zeros((cap, k, -(-n * st.bits // 8)), dtype=torch.uint8, device=self.device),
+                scales=torch.zeros((cap, st.scales.shape[2], n), dtype=st.scales.dtype, device=self.device),
+                zeros=torch.zeros((cap, st.zeros.shape[2], n), dtype=torch.uint8, device=self.device),
+                bits=st.bits, group_size=st.group_size, out_features=n)
+            for i in c.index.values():
+                self._write_input_major(c, i)
+        return self.input_major_ready
+
+    def disable_input_major(self) -> None:
+        """Drop the input-major copies (:meth:`enable_input_major`)."""
+        for c in self.classes:
+            c.input_major = None
+
+    @property
+    def input_major_ready(self) -> bool:
+        """Whether every class keeps the input-major copy."""
+        return all(c.input_major is not None for c in self.classes)
+
+    def _write_input_major(self, c: _ClassStack, i: int) -> None:
+        from hf_deltazip.packing import pack_bits
+
+        st, im = c.stack, c.input_major
+        im.qweight[i].copy_(pack_bits(st.codes(i).t().contiguous(), st.bits))
+        im.scales[i].copy_(st.scales[i].t())
+        im.zeros[i].copy_(st.zeros[i].t())
+
+    def add_sparse_deltas(self, x2: torch.Tensor, out: torch.Tensor, slot_segments: tuple,
+                          threshold: Optional[float], slots: Optional[set] = None) -> torch.Tensor:
+        """``out[m] += x2[m] dequant(delta of row m)^T`` reading only the delta columns of inputs with
+        ``|x| > threshold`` (:func:`~.act_sparse.sparse_delta_linear`, one launch per format class; every class
+        must keep the input-major copy). ``slot_segments``: ``(slots, build_row_segments(slots))`` of the
+        rows' int32 slot ids, built once per step and shared by every layer (each class translates slots to
+        its own indices in the kernel). ``slots``: the batch's slots when known on the host (classes holding
+        none of them are skipped)."""
+        from .act_sparse import sparse_delta_linear
+
+        row_slots, segments = slot_segments
+        for c in self.classes:
+            if slots is not None and slots.isdisjoint(c.index):
+                continue
+            sparse_delta_linear(x2, c.input_major, row_slots, out=out, threshold=threshold, segments=segments,
+                                segment_lookup=c.lookup)
+        return out
 
     @property
     def slots(self) -> set:
@@ -214,11 +278,16 @@ class SlotStacks:
         c, i = self.where(slot)
         st = c.stack
         tensors = [st.qweight[i], st.scales[i], st.zeros[i]] + ([st.positions[i]] if st.positions is not None else [])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        own = sum(t.numel() * t.element_size() for t in tensors)
+        if c.input_major is not None:  # the activation-sparse copy: the same bytes again
+            own += sum(t[i].numel() * t.element_size() for t in (c.input_major.qweight, c.input_major.scales,
+                                                                  c.input_major.zeros))
+        return own
 
     def nbytes(self) -> int:
-        """Device bytes of every stack and table (room included)."""
-        return sum(c.stack.nbytes() + c.lookup.numel() * 4 + c.member.numel() for c in self.classes)
+        """Device bytes of every stack and table (room included; input-major copies too)."""
+        return sum(c.stack.nbytes() + c.lookup.numel() * 4 + c.member.numel()
+                   + (c.input_major.nbytes() if c.input_major is not None else 0) for c in self.classes)
 
     def gather_rows(self, slot_plus_one: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """For an embedding-shaped stack (``out_features`` = vocabulary): each batch row's delta rows.

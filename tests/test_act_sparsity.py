@@ -236,6 +236,29 @@ def test_sparse_delta_linear_matches_reference_per_segment(interpret, dtype, bit
     torch.testing.assert_close(got_t, A.sparse_delta_linear_reference(x, deltas, row_delta, threshold=0.5), **_tol(dtype))
 
 
+def test_a_segment_table_of_slot_ids_is_translated_by_the_lookup_in_the_kernel(interpret):
+    """segment_lookup: one table built on slot ids serves every layer; each reads its own indices (slots not
+    among its deltas are left alone)."""
+    from hf_deltazip.kernels import build_row_segments
+
+    gen = torch.Generator().manual_seed(11)
+    m, n, k = 6, 40, 64
+    stack = prepare_stack(random_delta_stack(2, n, k, bits=4, group_size=32, generator=gen))
+    im = A.input_major_deltas(stack)
+    slots = torch.tensor([5, -1, 2, 5, 7, 2], dtype=torch.int32)  # slot 7 lives in another stack
+    lookup = torch.full((16,), -1, dtype=torch.int32)
+    lookup[5 + 1], lookup[2 + 1] = 1, 0
+    x = _sparse_x(m, k, gen, torch.float32)
+    out0 = torch.randn(m, n, generator=gen)
+    got = A.sparse_delta_linear(x, im, slots, out=out0.clone(), segments=build_row_segments(slots), segment_lookup=lookup,
+                                threshold=0.3)
+    want = A.sparse_delta_linear_reference(x, im, lookup[slots.long() + 1], out0.clone(), threshold=0.3)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[[1, 4]], out0[[1, 4]])  # the base row and the other stack's row: untouched
+    with pytest.raises(ValueError, match="segment_lookup needs segments"):
+        A.sparse_delta_linear(x, im, slots, segment_lookup=lookup)
+
+
 def test_each_segment_skips_only_the_columns_its_own_rows_drop(interpret):
     gen = torch.Generator().manual_seed(11)
     m, n, k = 4, 24, 128

@@ -26,6 +26,14 @@ graph over the block's layers (the block's ~0.9 GB of weights stream through L2 
 
 Each row reports microseconds per block, and the decode tokens/s of the linear layers of a
 32-block model plus the dense LM head (attention and norms not counted: small at short context).
+
+**model-speed** (H200): the whole path a user runs. A random Llama of 8B shapes (32 blocks, bf16)
+in a ``DeltaModel`` with 8 random deltas (``--bits``, group 128), thresholds calibrated on random
+token ids at each target sparsity (rank-16 compensation by default), and the decode tokens/s of a
+``DecodeEngine`` (CUDA graphs, attention and LM head included; prefill excluded) for batch 1 on the
+base, batch 1 on one delta and batch 8 on 8 distinct deltas: dense, then
+``set_activation_sparsity(thresholds)`` with the sparse kernels (``kernels=True``), and thresholding in PyTorch (``kernels=False``) at the highest target. A
+decode-shaped forward checks the kernel route against ``kernels=False``.
 """
 
 from __future__ import annotations
@@ -582,6 +590,101 @@ def speed_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+# =============================================================================================== model speed
+def run_model_speed(args) -> dict:
+    from ..modeling import DeltaModel
+    from .decode import build_base, engine_tokens_per_s, random_delta
+
+    if not torch.cuda.is_available():
+        raise SystemExit("model-speed needs a CUDA GPU")
+    t0 = time.time()
+    base = build_base("8b", "cuda", args.layers)
+    gen = torch.Generator().manual_seed(0)
+    calib = [torch.randint(0, 32000, (64,), generator=gen) for _ in range(16)]
+    targets = [s for s in args.sparsity if s > 0]
+    th = acts.calibrate_activation_thresholds(base, calib, targets, rank=args.rank, batch_size=4)  # on the base
+    th = th if isinstance(th, dict) else {targets[0]: th}
+    model = DeltaModel(base)
+    names = [f"d{i}" for i in range(args.deltas)]
+    model.configure_cache(max_resident=len(names))  # the kernel stacks sized once
+    for i, n in enumerate(names):
+        model.add_delta(random_delta(base, args.bits, args.group_size, seed=i), n)
+    ids = torch.randint(0, 32000, (8, 1), generator=gen).cuda()
+
+    # the kernel route against thresholding in PyTorch, layer by layer on the inputs one decode-shaped forward of
+    # mixed rows gives each layer (whole-model outputs are no check in bf16: a rounding either way moves inputs
+    # across their thresholds, and a random model's logits amplify that)
+    err = _layer_errors(model, th[max(targets)], ids, names[:7] + [None], True)
+    cases = [("base, batch 1", [None]), ("1 delta, batch 1", names[:1]), (f"{len(names)} deltas, batch {len(names)}", names)]
+    rows = []
+
+    def measure(setting, sparsity, kernels):
+        if sparsity:
+            model.set_activation_sparsity(th[sparsity], kernels=kernels)
+        else:
+            model.set_activation_sparsity(None)
+        for case, rows_names in cases:
+            tps = engine_tokens_per_s(model, rows_names, len(rows_names), args.prompt_len, args.steps)
+            rows.append({"case": case, "rows": len(rows_names), "sparsity": sparsity, "path": setting,
+                         "tokens_per_s": tps})
+            print(f"{case:<20} {sparsity:>5.0%} {setting:<40} {tps:9.1f} tok/s", flush=True)
+
+    measure("dense", 0.0, None)
+    for s in targets:
+        measure("sparse kernels (kernels=True)", s, True)
+    measure("thresholds in PyTorch (kernels=False)", max(targets), False)
+    dense = {r["case"]: r["tokens_per_s"] for r in rows if r["sparsity"] == 0.0}
+    for r in rows:
+        r["vs_dense"] = r["tokens_per_s"] / dense[r["case"]]
+    mem = model.memory_footprint()
+    return {"mode": "model-speed", "device": torch.cuda.get_device_name(), "layers": args.layers,
+            "shape": "Llama-3-8B (random weights)", "delta_bits": args.bits, "group_size": args.group_size,
+            "deltas": len(names), "rank": args.rank, "steps": args.steps, "prompt_len": args.prompt_len,
+            "max_rel_error_vs_pytorch": err, "base_gib": mem["base"] / 2**30,
+            "delta_gib_each": mem["deltas"][names[0]] / 2**30, "rows": rows, "seconds": round(time.time() - t0, 1)}
+
+
+def _layer_errors(model, thresholds, ids, rows, kernels) -> float:
+    """Largest ``max |y_kernels - y_pytorch| / max |y_pytorch|`` over the thresholded delta layers of ``model``,
+    each fed the input it got in one forward of ``ids`` with ``kernels`` (``delta_names=rows``)."""
+    from ..modeling.layers import DeltaLinear
+
+    mods = {n: m for n, m in model.base_model.named_modules()
+            if isinstance(m, DeltaLinear) and acts.has_activation_sparsity(m.base_layer)}
+    seen = {}
+    hooks = [m.register_forward_hook(lambda mod, a, o, n=n: seen.__setitem__(n, (a[0].clone(), o.clone())))
+             for n, m in mods.items()]
+    model.set_activation_sparsity(thresholds, kernels=kernels)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, delta_names=rows)
+    finally:
+        for h in hooks:
+            h.remove()
+    model.set_activation_sparsity(thresholds, kernels=False)
+    worst = 0.0
+    with torch.no_grad(), model.route(rows):
+        for n, (x, y) in seen.items():
+            ref = mods[n](x).float()
+            worst = max(worst, ((y.float() - ref).abs().max() / ref.abs().max()).item())
+    return worst
+
+
+def model_speed_table(result: dict) -> str:
+    lines = [f"activation sparsity through DeltaModel + DecodeEngine: {result['shape']}, {result['layers']} blocks, "
+             f"on {result['device']}; {result['deltas']} {result['delta_bits']}-bit deltas g{result['group_size']}, "
+             f"rank-{result['rank']} compensation; {result['steps']} decode steps after a {result['prompt_len']}-token prompt",
+             f"kernel route vs kernels=False, per layer on its in-model input: max error / max |y| = "
+             f"{result['max_rel_error_vs_pytorch']:.2e}",
+             f"device memory: base {result['base_gib']:.1f} GiB, each delta {result['delta_gib_each']:.2f} GiB "
+             "(input-major copy included, kernels=True)",
+             f"{'case':<20} {'sparsity':>8} {'path':<42} {'tok/s':>9} {'vs dense':>8}"]
+    for r in result["rows"]:
+        lines.append(f"{r['case']:<20} {r['sparsity']:>8.0%} {r['path']:<42} {r['tokens_per_s']:>9.1f} "
+                     f"{r['vs_dense']:>7.2f}x")
+    return "\n".join(lines)
+
+
 # =============================================================================================== cli
 def _dense_prefix(text: str):
     """``--dense-prefix``: a share strictly between 0 and 1, or ``"prompt"``."""
@@ -643,7 +746,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     s.add_argument("--num-warps", type=int, help="warps of both sparse kernels (default: each kernel's own)")
     s.add_argument("--sweep", action="store_true", help="time the settings of BASE_SWEEP and DELTA_SWEEP at the "
                                                         "highest sparsity first and use the fastest (recorded in the JSON)")
-    for sp in (q, s):
+    ms = sub.add_parser("model-speed", help="decode tokens/s through DeltaModel + DecodeEngine at 8B shapes (CUDA)")
+    ms.add_argument("--bits", type=int, default=4, choices=(2, 4, 8))
+    ms.add_argument("--group-size", type=int, default=128)
+    ms.add_argument("--layers", type=int, default=32, help="decoder blocks (default 32, the 8B model's)")
+    ms.add_argument("--deltas", type=int, default=8)
+    ms.add_argument("--steps", type=int, default=64, help="decode steps timed per case (default 64)")
+    ms.add_argument("--prompt-len", type=int, default=32)
+    for sp in (q, s, ms):
         sp.add_argument("--rank", type=int, default=acts.DEFAULT_RANK,
                         help=f"rank of the low-rank compensation of the dropped inputs (default "
                              f"{acts.DEFAULT_RANK}; 0: none)")
@@ -653,8 +763,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.mode == "speed":
         args.sparsity = sorted(set([0.0] + args.sparsity))
-    result = run_quality(args) if args.mode == "quality" else run_speed(args)
-    print(quality_table(result) if args.mode == "quality" else speed_table(result))
+    run, table = {"quality": (run_quality, quality_table), "speed": (run_speed, speed_table),
+                  "model-speed": (run_model_speed, model_speed_table)}[args.mode]
+    result = run(args)
+    print(table(result))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -15,7 +15,12 @@ get the same threshold; o_proj and down_proj get their own. The LM head is left 
   :func:`sparsify_module_input` so delta rows see the same sparsified input).
 
 Dropped inputs are exact zeros, so a kernel that skips their weight columns
-(``hf_deltazip.kernels.act_sparse``) computes the same result as the dense matmul.
+(``hf_deltazip.kernels.act_sparse``) computes the same result as the dense matmul. On a GPU a
+``DeltaModel`` runs its decode steps (one token per row, up to 16 rows; eager or captured) through
+those kernels: the threshold and the compensation are applied inside them, the base weights are held
+input-major in place, and each delta keeps an input-major copy (``DeltaModel.set_activation_sparsity``,
+``kernels=``). Plain transformers models and prompts (several tokens per row) are thresholded in
+PyTorch, which is slower than dense: there the option changes the results, not the speed.
 
 **Low-rank compensation** (``rank``, 16 by default for new calibrations): what the dropped inputs
 would have added is not thrown away entirely but passed through the layer's best rank-``r``
@@ -264,9 +269,23 @@ class _Rule:
         self.handles = []
         self.last_out = None  # weakref to the last tensor produced: not processed twice
         self.pending = None  # (input, thresholded input) of the call in flight through the hooks
+        self._kernel_factors = None  # ((dtype, device), the kernels' (A^T, B)), made on first use
 
     def __getstate__(self):  # a pickled or deep-copied module's hook: no weak reference, nothing in flight
-        return {**self.__dict__, "last_out": None, "pending": None, "handles": []}
+        return {**self.__dict__, "last_out": None, "pending": None, "handles": [], "_kernel_factors": None}
+
+    def kernel_lowrank(self, dtype: torch.dtype, device) -> Optional[tuple]:
+        """The compensation's factors as the activation-sparse kernels take them (``lowrank=``), in ``dtype``
+        on ``device`` (made once)"""
+        if self.factors is None:
+            return None
+        key = (dtype, torch.device(device))
+        if self._kernel_factors is None or self._kernel_factors[0] != key:
+            from ..kernels.act_sparse import input_major_low_rank
+
+            a, b = self.factors
+            self._kernel_factors = (key, input_major_low_rank([(a.to(device, dtype), b.to(device, dtype))]))
+        return self._kernel_factors[1]
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         return torch.where(x.abs() > self.threshold, x, torch.zeros((), dtype=x.dtype, device=x.device))
@@ -305,6 +324,29 @@ def sparsify_module_input(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``x`` as ``module``'s installed activation sparsity leaves it (``x`` itself when none is)."""
     rule = _RULES.get(module)
     return x if rule is None else rule(x)
+
+
+def has_activation_sparsity(module: nn.Module) -> bool:
+    """Whether thresholds are installed on ``module`` (not a calibration's recorder)."""
+    rule = _RULES.get(module)
+    return rule is not None and rule.recorder is None
+
+
+#: the highest compensation rank the activation-sparse kernels take (higher ranks run in PyTorch)
+KERNEL_MAX_RANK = 64
+
+
+def kernel_sparsity(module: nn.Module, x: torch.Tensor) -> Optional[tuple]:
+    """``(threshold, lowrank)`` when ``module``'s installed thresholds apply to all of ``x`` and the
+    activation-sparse kernels can apply them (``lowrank``: the compensation's factors in kernel form, or
+    ``None``); ``None`` when nothing is installed, thresholds are being recorded, a prompt's part of ``x``
+    stays dense (``decode_start``), or the compensation's rank is above :data:`KERNEL_MAX_RANK`."""
+    rule = _RULES.get(module)
+    if rule is None or rule.recorder is not None or rule.threshold is None or decode_start() is not None:
+        return None
+    if rule.factors is not None and rule.factors[0].shape[0] > KERNEL_MAX_RANK:
+        return None
+    return rule.threshold, rule.kernel_lowrank(x.dtype, x.device)
 
 
 def add_sparsity_correction(module: nn.Module, x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

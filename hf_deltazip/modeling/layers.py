@@ -27,7 +27,7 @@ from ..delta import PackedModule
 from ..errors import DeltaZipError
 from ..packing import dequantize, unpack_codes
 from ..quantization import dequantize_module_weight, logical_weight_shape
-from .activation_sparsity import add_sparsity_correction, sparsify_module_input
+from .activation_sparsity import add_sparsity_correction, kernel_sparsity, sparsify_module_input
 from .arch import conv1d_class
 from .quantized import base_runs_itself, unhooked
 from .routing import KernelPolicy, LayoutVersion, Router
@@ -159,6 +159,7 @@ class DeltaLinear(DeltaModule):
         self.is_output_embedding = is_output_embedding
         self.stacks = None  # kernels.SlotStacks: the kernel-side copy of the packed deltas
         self._bias_delta = None
+        self._sparse = False  # decode steps through the activation-sparse kernels (set_sparse_kernels)
         self._changed()
 
     @property
@@ -296,6 +297,10 @@ class DeltaLinear(DeltaModule):
         return b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._sparse:  # a decode step through the activation-sparse kernels
+            y = self._forward_sparse(x)
+            if y is not None:
+                return y
         xs = sparsify_module_input(self.base_layer, x)  # activation sparsity (off unless installed)
         if xs is x:
             return self._forward(x)
@@ -440,6 +445,8 @@ class DeltaLinear(DeltaModule):
                 if "bias" in ov:
                     table[slot + 1] = self._bias_row(ov["bias"].to(device))
             self._bias_delta = table
+        if self._sparse:
+            stacks.enable_input_major()
         self.stacks = stacks
         return stacks
 
@@ -460,7 +467,7 @@ class DeltaLinear(DeltaModule):
             held = {s: rows for s, rows in groups.items() if s in in_stacks}  # batch rows of each delta here
         if held and self.policy.wants_dequant(per_row * min(len(r) for r in held.values())):
             y = self._forward_dequant(x2, per_row, held, stacks, routing)
-        elif self._through or (groups is not None
+        elif self._through or self._base_input_major() or (groups is not None
                                and self.policy.wants_split(per_row * min(len(r) for r in groups.values()))
                                and self._width == self.out_features):
             # the base by its own module (it must compute itself), or, on the split route, by one dense matmul
@@ -470,6 +477,97 @@ class DeltaLinear(DeltaModule):
             y = y + stacks.apply(x2, self._zero_base(x2), None, slot_tok, segments, share).to(y.dtype)
         else:
             y = stacks.apply(x2, self._kernel_weight(), self.base_layer.bias, slot_tok, segments, share)
+        if self._bias_delta is not None:
+            y = (y.float() + self._bias_delta[slot_tok]).to(y.dtype)
+        return y.reshape(*lead, y.shape[-1])
+
+    # -- activation-sparse decode steps (DeltaModel.set_activation_sparsity(..., kernels=...))
+    def set_sparse_kernels(self, on: bool) -> bool:
+        """Run decode steps (one token per row, at most ``SPARSE_BASE_MAX_ROWS`` rows) whose inputs this
+        layer's installed thresholds sparsify through the activation-sparse kernels: the base by
+        ``sparse_base_linear`` (threshold and compensation inside the kernel), each row's delta by
+        ``sparse_delta_linear`` (the stacks then keep a second, input-major copy of every delta; with a
+        3-bit delta, which has none, by the multi-delta kernel on the thresholded input). An ``nn.Linear``
+        base's weight is re-laid out input-major in place (``weight`` becomes a transposed view of a
+        ``[K, N]`` tensor: no memory, the same values, dense matmuls read it at full speed); ``on=False``
+        lays it back out. Returns whether the layer takes the route (not over bitsandbytes / offloaded /
+        tensor-parallel layers, nor a non-float weight)."""
+        w = getattr(self.base_layer, "weight", None)
+        ok = (on and not self._through and self.tp is None and isinstance(w, torch.Tensor) and w.dim() == 2
+              and w.dtype in (torch.float16, torch.bfloat16, torch.float32))
+        if not ok:
+            if self._sparse or self._base_input_major():
+                self._sparse = False
+                if self.stacks is not None:
+                    self.stacks.disable_input_major()
+                if self._base_input_major():
+                    w.data = w.data.contiguous()  # back to row-major [N, K]
+                self.layout.bump()  # captured steps read the old storage
+            return False
+        self._sparse = True
+        if not self.transposed and w.is_contiguous():
+            w.data = w.data.t().contiguous().t()  # [K, N] storage; the old copy is freed
+            self.layout.bump()
+        if self.stacks is not None:
+            self.stacks.enable_input_major()
+        return True
+
+    def _base_input_major(self) -> bool:
+        """Whether an ``nn.Linear`` base's weight is held input-major (:meth:`set_sparse_kernels`)."""
+        w = getattr(self.base_layer, "weight", None)
+        return (not self.transposed and isinstance(w, torch.Tensor) and w.dim() == 2 and not w.is_contiguous()
+                and w.t().is_contiguous())
+
+    def _weight_t(self) -> Optional[torch.Tensor]:
+        w = self.base_layer.weight
+        wt = w if self.transposed else w.t()
+        return wt if wt.is_contiguous() else None
+
+    def _forward_sparse(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """A decode step through the activation-sparse kernels, or ``None`` where they do not apply (the
+        ordinary route then runs: prefill, more rows, no thresholds installed, a delta that changes the
+        layer's shape or replaces its weight)."""
+        from ..kernels.act_sparse import SPARSE_BASE_MAX_ROWS, sparse_base_linear
+
+        k = x.shape[-1]
+        if x.dim() < 2 or (x.dim() >= 3 and x.shape[-2] != 1) or k == 0:
+            return None
+        rows = x.numel() // k
+        if not 1 <= rows <= SPARSE_BASE_MAX_ROWS or not self.policy.wants_kernels(x.device):
+            return None
+        if (self.packed or self.overrides) and not self._kernel_route:
+            return None
+        wt = self._weight_t()
+        if wt is None or wt.dtype != x.dtype or wt.device != x.device:
+            return None
+        spec = kernel_sparsity(self.base_layer, x)
+        if spec is None:
+            return None
+        threshold, lowrank = spec
+        bias = self.base_layer.bias
+        lead = x.shape[:-1]
+        x2 = x.reshape(rows, k)
+        y = sparse_base_linear(x2, wt, None if bias is None else bias.to(x.dtype), threshold=threshold, lowrank=lowrank)
+        if not self.packed and not self.overrides and self.stacks is None:
+            return y.reshape(*lead, y.shape[-1])
+        routing = self.router.current
+        share = slots = None
+        if routing.is_static:
+            batch = routing.device_rows.shape[0]
+        else:
+            batch = x.shape[0]
+            slots = routing.rows_for(batch)
+            if self._slot_set.isdisjoint(slots):
+                return y.reshape(*lead, y.shape[-1])
+            share = -(-rows // len(_groups(slots)))
+        stacks = self.stacks if self.stacks is not None else self._build_stacks(x.device)
+        slot_tok, segments = routing.kernel_rows(batch, rows // batch, x.device)
+        if stacks.input_major_ready:
+            stacks.add_sparse_deltas(x2, y, segments, threshold, None if slots is None else set(slots))
+        else:  # the planar multi-delta kernel on the thresholded input, over an all-zero base
+            # (compared in x's dtype, as the kernels compare; a Python scalar: nothing copied to the device)
+            xs = x2.masked_fill(x2.abs() <= threshold, 0)
+            y = y + stacks.apply(xs, self._zero_base(xs), None, slot_tok, segments, share).to(y.dtype)
         if self._bias_delta is not None:
             y = (y.float() + self._bias_delta[slot_tok]).to(y.dtype)
         return y.reshape(*lead, y.shape[-1])

@@ -17,6 +17,7 @@ from ..errors import DeltaZipError
 from ..fileio import staged_writes
 from ..format import DZ_FILENAME, DeltaHeader, DeltaZipFile
 from .cache import CacheEntry, DeltaCache, Residency, to_host
+from .layers import DeltaLinear
 from .placement import DeltaPlacer
 from .quantized import dequantize_model, is_quantized_model, warn_merge_dequantizes
 from .routing import BatchRouting, KernelPolicy, LayoutVersion, Router
@@ -355,7 +356,8 @@ class DeltaModel(nn.Module):
         """Whether every delta module can run inside a captured decode step (kernel route, no host decisions)."""
         return self._placer.graph_safe()
 
-    def set_activation_sparsity(self, thresholds, *, decode_only: bool = False, rank: Optional[int] = None) -> int:
+    def set_activation_sparsity(self, thresholds, *, decode_only: bool = False, rank: Optional[int] = None,
+                                kernels: Optional[bool] = None, strict: bool = True) -> int:
         """Zero each linear layer's small inputs (``|x| <= threshold``), for the base and every delta;
         ``None`` turns it off. Returns the number of layers thresholded.
 
@@ -363,12 +365,51 @@ class DeltaModel(nn.Module):
         :func:`~.activation_sparsity.calibrate_activation_thresholds`), a thresholds file or folder
         holding one target, or ``None``. ``decode_only``: decode steps only (Jacobi steps included);
         prompts run dense. ``rank``: the low-rank compensation of the dropped inputs through the base
-        weights (``None``: the thresholds' own, 16 for new calibrations; 0: none).
-        """
-        from .activation_sparsity import install_activation_sparsity, resolve_activation_sparsity
+        weights (``None``: the thresholds' own, 16 for new calibrations; 0: none). ``strict=False``: apply
+        the thresholds that name a layer of this model and leave the other layers dense (default: refuse
+        thresholds that do not cover exactly this model's layers).
 
-        return install_activation_sparsity(self, resolve_activation_sparsity(self, thresholds), decode_only=decode_only,
-                                           rank=rank)
+        ``kernels``: whether decode steps (one token per row, up to 16 rows) of the delta-carrying layers
+        run the activation-sparse kernels, which read only the weight columns of kept inputs (the point:
+        speed; the results are those of the thresholded model either way):
+
+        * ``None`` (default): ``True`` when the model runs the Triton kernels (CUDA), else ``False``;
+        * ``True``: the base's matmul and each row's delta. Every 2-, 4- or 8-bit delta's codes are then held
+          a second time, input-major, on the device (4-bit deltas a quarter of the base layer's bytes each,
+          2-bit an eighth; ``memory_footprint()`` counts them); a layer holding a 3-bit delta runs its
+          deltas through the dense multi-delta kernel on the thresholded input (slower than dense);
+        * ``False``: thresholding in PyTorch before the ordinary kernels (slower than dense: for quality
+          measurements).
+
+        With kernels on, each thresholded ``nn.Linear`` base weight is laid out input-major in place (a
+        transposed view of a ``[K, N]`` tensor: the same values and memory; prompts take the dense
+        matmul plus the delta kernel); turning sparsity off, or ``kernels=False``, lays it back out.
+
+        Raises:
+            DeltaZipError: ``kernels`` is not one of these, or ``True`` on a model that does not run the
+                Triton kernels (``use_kernels="never"``, or the CPU without ``"always"``).
+        """
+        from .activation_sparsity import (
+            has_activation_sparsity,
+            install_activation_sparsity,
+            resolve_activation_sparsity,
+        )
+
+        if kernels not in (None, True, False):
+            raise DeltaZipError(f"kernels must be None, True or False, got {kernels!r}")
+        if kernels is True and not self.uses_kernels():
+            raise DeltaZipError(
+                f"kernels={kernels!r} needs the Triton kernels, which this model does not run on "
+                f"{self._placer.device} (use_kernels={self.kernel_policy.mode!r}): move it to a CUDA device, "
+                "or leave kernels=None")
+        n = install_activation_sparsity(self, resolve_activation_sparsity(self, thresholds), decode_only=decode_only,
+                                        rank=rank, strict=strict)
+        on = bool(n) and (self.uses_kernels() if kernels is None else kernels)
+        self.kernel_policy.sparse = on
+        for _, mod in self._placer.wrappers():
+            if isinstance(mod, DeltaLinear):
+                mod.set_sparse_kernels(on and has_activation_sparsity(mod.base_layer))
+        return n
 
     # ------------------------------------------------------------------ running
     def forward(self, *args, delta_names: Optional[Sequence] = None, **kwargs):

@@ -19,6 +19,7 @@ from ..errors import BaseMismatchError
 from ..fingerprint import check_fingerprint
 from ..format import DeltaHeader
 from ..quantization import logical_weight_shape
+from .activation_sparsity import has_activation_sparsity
 from .arch import is_linear
 from .layers import DeltaEmbedding, DeltaLinear, DeltaModule, DeltaOverride, base_plus_delta, map_packed
 from .quantized import execution_device
@@ -163,6 +164,8 @@ class DeltaPlacer:
             )
         else:
             wrapper = DeltaOverride(mod, *shared)
+        if self.policy.sparse and isinstance(wrapper, DeltaLinear) and has_activation_sparsity(mod):
+            wrapper.set_sparse_kernels(True)
         setattr(parent, child, wrapper)
         return wrapper
 

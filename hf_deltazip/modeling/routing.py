@@ -171,6 +171,9 @@ class KernelPolicy:
             the multi-delta kernel over an all-zero base for the deltas alone).
         dequant_min_rows: with ``prefill="dequant"`` or ``"split"``, the fewest rows (tokens) every delta
             of the batch must have for that route; batches with fewer take the fused kernel.
+
+    :attr:`sparse` (set by ``DeltaModel.set_activation_sparsity``): whether thresholded layers run decode steps
+    through the activation-sparse kernels; layers wrapped later follow it.
     """
 
     MODES = ("auto", "always", "never")
@@ -184,6 +187,7 @@ class KernelPolicy:
         self.capacity = capacity
         self.prefill = "fused"
         self.dequant_min_rows = 64
+        self.sparse = False
         self.set_prefill(prefill, dequant_min_rows)
 
     def set_prefill(self, prefill: Optional[str] = None, dequant_min_rows: Optional[int] = None) -> None:
@@ -207,4 +211,6 @@ class KernelPolicy:
         return self.mode == "always" or (self.mode == "auto" and torch.device(device).type == "cuda")
 
     def __deepcopy__(self, memo):
-        return KernelPolicy(self.mode, self.capacity, self.prefill, self.dequant_min_rows)
+        policy = KernelPolicy(self.mode, self.capacity, self.prefill, self.dequant_min_rows)
+        policy.sparse = self.sparse
+        return policy

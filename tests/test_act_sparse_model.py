@@ -1,0 +1,256 @@
+"""DeltaModel decode steps through the activation-sparse kernels (``set_activation_sparsity(kernels=...)``).
+
+The kernels run under the Triton interpreter (``use_kernels="always"``, ``TRITON_INTERPRET=1``); the
+reference is the same thresholded model computed in PyTorch (``kernels=False`` on a ``"never"`` model).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hf_deltazip import DeltaModel, DeltaZipError
+from hf_deltazip.bench.decode import random_delta
+from hf_deltazip.kernels import act_sparse as A
+from hf_deltazip.modeling import activation_sparsity as S
+from hf_deltazip.modeling.layers import DeltaLinear, map_packed
+
+from model_factory import base_model, calibration_ids
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _delta(bits, seed, scale=50.0, device="cpu"):
+    """Random packed deltas of every decoder linear, large enough to change the outputs."""
+    d = random_delta(base_model("llama"), bits, 32, seed)
+    return {n: map_packed(p.__class__(**{**p.__dict__, "scales": p.scales * scale}), lambda t: t.to(device))
+            for n, p in d.items()}
+
+
+#: the layers thresholded here (a few, to keep the interpreter's time down): attention and MLP, both blocks
+LAYERS = ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.up_proj")
+
+
+@pytest.fixture(scope="module")
+def thresholds():
+    model = DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="never")
+    model.add_delta(_delta(4, 1), "d4")
+    th = S.calibrate_activation_thresholds(model, calibration_ids(), 0.5, rank=4)
+    return S.ActivationThresholds(0.5, {n: th.thresholds[n] for n in LAYERS}, rank=4)
+
+
+def _models(th, kernels, deltas=(("d4", 4, 1), ("d2", 2, 2)), capacity=None):
+    ker = DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="always")
+    ref = DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="never")
+    for m in (ker, ref):
+        if capacity:
+            m.configure_cache(max_resident=capacity)
+        for name, bits, seed in deltas:
+            m.add_delta(_delta(bits, seed), name)
+    assert ker.set_activation_sparsity(th, kernels=kernels, strict=False) == len(th.thresholds)
+    ref.set_activation_sparsity(th, strict=False)
+    return ker, ref
+
+
+class _Calls:
+    def __init__(self, monkeypatch):
+        self.base = self.delta = 0
+        real_b, real_d = A.sparse_base_linear, A.sparse_delta_linear
+
+        def base(*a, **k):
+            self.base += 1
+            return real_b(*a, **k)
+
+        def delta(*a, **k):
+            self.delta += 1
+            return real_d(*a, **k)
+
+        monkeypatch.setattr(A, "sparse_base_linear", base)
+        monkeypatch.setattr(A, "sparse_delta_linear", delta)
+        import hf_deltazip.kernels.slot_stacks as SS  # noqa: F401  (imports act_sparse lazily: patched above)
+
+
+def _linears(model):
+    return [m for m in model.modules() if isinstance(m, DeltaLinear) and S.has_activation_sparsity(m.base_layer)]
+
+
+def _decode_step(model, ids, rows):
+    """One-token rows (what a decode step feeds each layer)."""
+    with torch.no_grad():
+        return model(input_ids=ids[:, :1], delta_names=rows).logits
+
+
+def test_decode_steps_through_the_sparse_kernels_equal_the_thresholded_model(interpret, monkeypatch, thresholds):
+    ker, ref = _models(thresholds, True)
+    calls = _Calls(monkeypatch)
+    ids = calibration_ids(n=4, length=6, seed=5)
+    rows = ["d4", None, "d2", "d4"]
+    got = _decode_step(ker, ids, rows)
+    n = len(_linears(ker))
+    assert n == len(thresholds.thresholds)
+    assert calls.base == n  # every thresholded layer took the sparse base kernel ...
+    assert calls.delta == 2 * n  # ... and one delta launch per format class
+    want = _decode_step(ref, ids, rows)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+    dense = DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="never")
+    for name, bits, seed in (("d4", 4, 1), ("d2", 2, 2)):
+        dense.add_delta(_delta(bits, seed), name)
+    assert not torch.allclose(_decode_step(dense, ids, rows), want, atol=1e-3)  # the thresholds do something
+    # prompts (several tokens per row) take the ordinary route, thresholded in PyTorch
+    before = calls.base
+    with torch.no_grad():
+        torch.testing.assert_close(ker(input_ids=ids, delta_names=rows).logits,
+                                   ref(input_ids=ids, delta_names=rows).logits, atol=2e-4, rtol=2e-4)
+    assert calls.base == before
+
+
+def test_base_rows_alone_and_one_delta_for_every_row(interpret, monkeypatch, thresholds):
+    ker, ref = _models(thresholds, True)
+    calls = _Calls(monkeypatch)
+    ids = calibration_ids(n=1, length=3, seed=6)
+    for rows in ([None], ["d2"]):
+        torch.testing.assert_close(_decode_step(ker, ids, rows), _decode_step(ref, ids, rows), atol=2e-4, rtol=2e-4)
+    assert calls.base == 2 * len(thresholds.thresholds) and calls.delta == len(thresholds.thresholds)
+    ker.set_delta("d4")  # the active delta, no delta_names
+    ref.set_delta("d4")
+    with torch.no_grad():
+        torch.testing.assert_close(ker(input_ids=ids[:, :1]).logits, ref(input_ids=ids[:, :1]).logits,
+                                   atol=2e-4, rtol=2e-4)
+
+
+def test_captured_style_static_routing_gives_the_host_routed_result(interpret, thresholds):
+    ker, _ = _models(thresholds, True)
+    ids = calibration_ids(n=3, length=2, seed=7)
+    rows = ["d2", None, "d4"]
+    want = _decode_step(ker, ids, rows)
+    slots = torch.tensor([ker._cache.slot_of(r) if r else -1 for r in rows], dtype=torch.int32)
+    with torch.no_grad(), ker.route_static(slots):  # what a decode engine's step runs
+        got = ker.base_model(input_ids=ids[:, :1]).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_delta_written_into_free_room_later_is_served_from_its_input_major_copy(interpret, thresholds):
+    ker, ref = _models(thresholds, True, deltas=(("d4", 4, 1),), capacity=4)
+    stacks = [m.stacks for m in _linears(ker)]
+    for m, name, bits, seed in ((ker, "late", 4, 3), (ref, "late", 4, 3)):
+        m.add_delta(_delta(bits, seed), name)
+    ids = calibration_ids(n=2, length=2, seed=8)
+    rows = ["late", "d4"]
+    got = _decode_step(ker, ids, rows)
+    assert [m.stacks for m in _linears(ker)] == stacks  # written in place, no rebuild
+    assert all(m.stacks.input_major_ready for m in _linears(ker))
+    torch.testing.assert_close(got, _decode_step(ref, ids, rows), atol=2e-4, rtol=2e-4)
+    ker.delete_delta("late")
+    ref.delete_delta("late")
+    ker.add_delta(_delta(4, 4), "again")  # the freed room, rewritten
+    ref.add_delta(_delta(4, 4), "again")
+    torch.testing.assert_close(_decode_step(ker, ids, ["again", "d4"]), _decode_step(ref, ids, ["again", "d4"]),
+                               atol=2e-4, rtol=2e-4)
+
+
+def test_three_bit_deltas_fall_back_to_the_dense_delta_kernel_on_thresholded_inputs(interpret, monkeypatch,
+                                                                                   thresholds):
+    ker, ref = _models(thresholds, True, deltas=(("d3", 3, 1),))
+    calls = _Calls(monkeypatch)
+    assert not any(m.stacks.input_major_ready for m in _linears(ker))
+    ids = calibration_ids(n=2, length=2, seed=9)
+    torch.testing.assert_close(_decode_step(ker, ids, ["d3", None]), _decode_step(ref, ids, ["d3", None]),
+                               atol=2e-4, rtol=2e-4)
+    assert calls.base == len(thresholds.thresholds) and calls.delta == 0
+
+
+def test_the_base_weight_is_held_input_major_and_laid_back_out(interpret, thresholds):
+    ker, _ = _models(thresholds, True)
+    plain = base_model("llama")
+    before = ker.memory_footprint()
+    lin = _linears(ker)
+    for m in lin:
+        w = m.base_layer.weight
+        assert not w.is_contiguous() and w.t().is_contiguous()
+    name = next(n for n, mod in ker.base_model.named_modules() if mod is lin[0])
+    torch.testing.assert_close(lin[0].base_layer.weight, plain.get_submodule(name).weight, atol=0, rtol=0)
+    merged = ker.merge_and_unload("d4")
+    assert all(p.is_contiguous() for p in merged.parameters())
+    ker.set_activation_sparsity(thresholds, kernels=False, strict=False)  # no input-major delta copies
+    assert ker.memory_footprint()["deltas"]["d4"] < before["deltas"]["d4"]
+    assert ker.memory_footprint()["base"] == before["base"]
+    assert all(m.base_layer.weight.is_contiguous() for m in lin)
+    ker.set_activation_sparsity(thresholds, kernels=True, strict=False)
+    assert ker.memory_footprint() == before
+    ker.set_activation_sparsity(None)
+    assert all(m.base_layer.weight.is_contiguous() and not m._sparse for m in lin)
+    torch.testing.assert_close(lin[0].base_layer.weight, plain.get_submodule(name).weight, atol=0, rtol=0)
+    ids = calibration_ids(n=2, length=4, seed=3)
+    dense = DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="always")
+    dense.add_delta(_delta(4, 1), "d4")
+    dense.add_delta(_delta(2, 2), "d2")
+    with torch.no_grad():
+        assert torch.equal(ker(input_ids=ids, delta_names=["d4", "d2"]).logits,
+                           dense(input_ids=ids, delta_names=["d4", "d2"]).logits)
+
+
+def test_bad_kernel_choices_are_refused(thresholds):
+    never = DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="never")
+    never.add_delta(_delta(4, 1), "d4")
+    with pytest.raises(DeltaZipError, match="needs the Triton kernels"):
+        never.set_activation_sparsity(thresholds, kernels=True, strict=False)
+    with pytest.raises(DeltaZipError, match="kernels must be"):
+        never.set_activation_sparsity(thresholds, kernels="base", strict=False)
+    assert S.activation_sparsity_of(never) == {}  # nothing installed by a refused call
+    with pytest.raises(DeltaZipError, match="strict=False"):  # thresholds of a few layers only
+        never.set_activation_sparsity(thresholds)
+    assert never.set_activation_sparsity(thresholds, strict=False) == len(thresholds.thresholds)  # auto: off on the CPU
+    assert all(not m._sparse and m.base_layer.weight.is_contiguous() for m in _linears(never))
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+@pytest.mark.parametrize("deltas", [(("d4", 4, 1), ("d2", 2, 2), ("d8", 8, 3)), (("d4", 4, 1), ("d3", 3, 2))],
+                         ids=["input-major", "3-bit fallback"])
+def test_compiled_sparse_route_matches_pytorch_thresholding_on_gpu(monkeypatch, deltas):
+    """The compiled kernels in eager and in a decode engine's captured steps. Whole-model outputs in float32
+    (in bf16 a rounding either way moves inputs across their thresholds, and the outputs part); bf16 (which the
+    interpreter is not trusted with) layer by layer, on the inputs each layer got in the model."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from hf_deltazip.bench.act_sparsity import _layer_errors
+    from hf_deltazip.serving import DecodeEngine
+
+    th = S.calibrate_activation_thresholds(copy.deepcopy(base_model("llama")), calibration_ids(), 0.5, rank=4)
+    ids = calibration_ids(n=4, length=6, seed=5).cuda()
+    rows = [deltas[0][0], None, deltas[1][0], deltas[-1][0]]
+    models = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = models[dtype] = DeltaModel(copy.deepcopy(base_model("llama")).to("cuda", dtype))
+        model.configure_cache(max_resident=4)
+        for name, bits, seed in deltas:
+            model.add_delta(_delta(bits, seed, device="cuda"), name)
+    model = models[torch.float32]
+    model.set_activation_sparsity(th, kernels=False)
+    with torch.no_grad():
+        want = model(input_ids=ids[:, :1], delta_names=rows).logits
+    calls = _Calls(monkeypatch)
+    assert model.set_activation_sparsity(th) == len(th.thresholds)  # kernels on by default on a GPU
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids[:, :1], delta_names=rows).logits, want, atol=1e-4, rtol=1e-4)
+    assert _layer_errors(models[torch.bfloat16], th, ids[:, :1], rows, True) < 2e-2
+    assert calls.base >= 2 * len(th.thresholds)
+    assert calls.delta == (0 if len(deltas) == 2 else 3 * 2 * len(th.thresholds))
+    outs = {}
+    for kernels in (False, True):  # greedy decoding through captured steps
+        model.set_activation_sparsity(th, kernels=kernels)
+        engine = DecodeEngine(model, max_batch_size=4, max_length=32)
+        engine.add([ids[i].tolist() for i in range(4)], rows, max_new_tokens=6)
+        logits = []
+        while engine.active:
+            engine.step()
+            logits.append(engine._logits.clone())
+        assert engine.captures >= 1
+        outs[kernels] = torch.stack(logits)
+    torch.testing.assert_close(outs[True], outs[False], atol=1e-4, rtol=1e-4)

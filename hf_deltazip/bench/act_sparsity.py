@@ -649,12 +649,14 @@ def _layer_errors(model, thresholds, ids, rows, kernels) -> float:
     each fed the input it got in one forward of ``ids`` with ``kernels`` (``delta_names=rows``)."""
     from ..modeling.layers import DeltaLinear
 
+    model.set_activation_sparsity(thresholds, kernels=kernels)
     mods = {n: m for n, m in model.base_model.named_modules()
             if isinstance(m, DeltaLinear) and acts.has_activation_sparsity(m.base_layer)}
+    if not mods:
+        raise DeltaZipError("no thresholded delta layer to compare: load a delta that touches the thresholded layers")
     seen = {}
     hooks = [m.register_forward_hook(lambda mod, a, o, n=n: seen.__setitem__(n, (a[0].clone(), o.clone())))
              for n, m in mods.items()]
-    model.set_activation_sparsity(thresholds, kernels=kernels)
     try:
         with torch.no_grad():
             model(input_ids=ids, delta_names=rows)
@@ -667,6 +669,8 @@ def _layer_errors(model, thresholds, ids, rows, kernels) -> float:
         for n, (x, y) in seen.items():
             ref = mods[n](x).float()
             worst = max(worst, ((y.float() - ref).abs().max() / ref.abs().max()).item())
+    if len(seen) != len(mods):
+        raise DeltaZipError(f"only {len(seen)} of {len(mods)} thresholded layers ran in the checked forward")
     return worst
 
 

@@ -101,6 +101,15 @@ def test_decode_steps_through_the_sparse_kernels_equal_the_thresholded_model(int
     for name, bits, seed in (("d4", 4, 1), ("d2", 2, 2)):
         dense.add_delta(_delta(bits, seed), name)
     assert not torch.allclose(_decode_step(dense, ids, rows), want, atol=1e-3)  # the thresholds do something
+    # the model-speed bench's layer check: every thresholded layer compared, on the input it got in the model
+    from hf_deltazip.bench.act_sparsity import _layer_errors
+
+    assert _layer_errors(ker, thresholds, ids[:, :1], rows, True) < 1e-4
+    assert calls.base == 2 * n  # the checked forward on the kernel route; the layers again in PyTorch
+    with pytest.raises(DeltaZipError, match="no thresholded delta layer"):
+        _layer_errors(DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="always"), thresholds,
+                      ids[:, :1], [None] * 4, True)
+    ker.set_activation_sparsity(thresholds, kernels=True, strict=False)
     # prompts (several tokens per row) take the ordinary route, thresholded in PyTorch
     before = calls.base
     with torch.no_grad():

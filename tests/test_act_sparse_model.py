@@ -203,6 +203,21 @@ def test_the_base_weight_is_held_input_major_and_laid_back_out(interpret, thresh
                            dense(input_ids=ids, delta_names=["d4", "d2"]).logits)
 
 
+def test_layers_a_later_delta_wraps_follow_the_setting(thresholds):
+    model = DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="always")
+    first = {n: p for n, p in _delta(4, 1).items() if ".layers.0." in n}
+    model.add_delta(first, "layer0")
+    model.set_activation_sparsity(thresholds, kernels=True, strict=False)
+    assert sorted(n for n, m in model.base_model.named_modules() if isinstance(m, DeltaLinear) and m._sparse) == [
+        n for n in sorted(LAYERS) if ".layers.0." in n]
+    model.add_delta(_delta(2, 2), "all")  # wraps layer 1's linears now
+    late = model.base_model.get_submodule("model.layers.1.mlp.up_proj")
+    assert isinstance(late, DeltaLinear) and late._sparse and late._base_input_major()
+    assert not model.base_model.get_submodule("model.layers.1.mlp.down_proj")._sparse  # not thresholded
+    model.set_activation_sparsity(None)
+    assert not late._sparse and late.base_layer.weight.is_contiguous()
+
+
 def test_bad_kernel_choices_are_refused(thresholds):
     never = DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="never")
     never.add_delta(_delta(4, 1), "d4")

@@ -505,6 +505,7 @@ class DeltaLinear(DeltaModule):
                 self.layout.bump()  # captured steps read the old storage
             return False
         self._sparse = True
+        kernel_sparsity(self.base_layer, w)  # the compensation's kernel factors made now, not in a captured step
         if not self.transposed and w.is_contiguous():
             w.data = w.data.t().contiguous().t()  # [K, N] storage; the old copy is freed
             self.layout.bump()

@@ -214,6 +214,9 @@ def test_layers_a_later_delta_wraps_follow_the_setting(thresholds):
     late = model.base_model.get_submodule("model.layers.1.mlp.up_proj")
     assert isinstance(late, DeltaLinear) and late._sparse and late._base_input_major()
     assert not model.base_model.get_submodule("model.layers.1.mlp.down_proj")._sparse  # not thresholded
+    v = model.layout_version.value
+    model.set_activation_sparsity(thresholds, kernels=True, strict=False, rank=0)  # new thresholds, same route
+    assert model.layout_version.value > v  # a captured decode step holds the old ones: it is captured again
     model.set_activation_sparsity(None)
     assert not late._sparse and late.base_layer.weight.is_contiguous()
 

@@ -504,6 +504,8 @@ class DeltaLinear(DeltaModule):
                     w.data = w.data.contiguous()  # back to row-major [N, K]
                 self.layout.bump()  # captured steps read the old storage
             return False
+        if not self._sparse:
+            self.layout.bump()  # captured steps took the other route
         self._sparse = True
         kernel_sparsity(self.base_layer, w)  # the compensation's kernel factors made now, not in a captured step
         if not self.transposed and w.is_contiguous():

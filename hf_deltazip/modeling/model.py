@@ -404,6 +404,7 @@ class DeltaModel(nn.Module):
                 "or leave kernels=None")
         n = install_activation_sparsity(self, resolve_activation_sparsity(self, thresholds), decode_only=decode_only,
                                         rank=rank, strict=strict)
+        self.layout_version.bump()  # captured decode steps hold the old thresholds: capture again
         on = bool(n) and (self.uses_kernels() if kernels is None else kernels)
         self.kernel_policy.sparse = on
         for _, mod in self._placer.wrappers():

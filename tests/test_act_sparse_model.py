@@ -221,6 +221,35 @@ def test_layers_a_later_delta_wraps_follow_the_setting(thresholds):
     assert not late._sparse and late.base_layer.weight.is_contiguous()
 
 
+def test_a_conv1d_base_is_read_in_place_and_keeps_its_bias(interpret, monkeypatch):
+    """GPT-2's Conv1D stores its weight [in, out]: already input-major, so it is not moved; its bias and a
+    compressed delta's rows come out as in the thresholded model."""
+    from hf_deltazip import DeltaZipConfig, compress
+
+    from model_factory import finetune
+
+    cfg = DeltaZipConfig(n_samples=4, seq_len=16, bits=4, group_size=32)
+    delta = compress(base_model("gpt2"), finetune("gpt2", 1), cfg, calibration=calibration_ids(n=4, length=16),
+                     progress=False)
+    full = S.calibrate_activation_thresholds(base_model("gpt2"), calibration_ids(), 0.5, rank=4)
+    names = [n for n in full.thresholds if n.endswith(("attn.c_attn", "mlp.c_proj"))][:2]
+    th = S.ActivationThresholds(0.5, {n: full.thresholds[n] for n in names}, rank=4)
+    ker = DeltaModel(copy.deepcopy(base_model("gpt2")), use_kernels="always")
+    ref = DeltaModel(copy.deepcopy(base_model("gpt2")), use_kernels="never")
+    for m in (ker, ref):
+        m.add_delta(delta, "ft")
+    ker.set_activation_sparsity(th, kernels=True, strict=False)
+    ref.set_activation_sparsity(th, strict=False)
+    lin = _linears(ker)
+    assert len(lin) == 2 and all(m.transposed and m._sparse and m.base_layer.weight.is_contiguous() for m in lin)
+    assert all(m.base_layer.bias is not None for m in lin)
+    calls = _Calls(monkeypatch)
+    ids = calibration_ids(n=2, length=2, seed=12)
+    torch.testing.assert_close(_decode_step(ker, ids, ["ft", None]), _decode_step(ref, ids, ["ft", None]),
+                               atol=2e-4, rtol=2e-4)
+    assert calls.base == 2 and calls.delta == 2
+
+
 def test_bad_kernel_choices_are_refused(thresholds):
     never = DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="never")
     never.add_delta(_delta(4, 1), "d4")

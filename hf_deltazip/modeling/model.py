@@ -376,7 +376,9 @@ class DeltaModel(nn.Module):
         * ``None`` (default): ``True`` when the model runs the Triton kernels (CUDA), else ``False``;
         * ``True``: the base's matmul and each row's delta. Every 2-, 4- or 8-bit delta's codes are then held
           a second time, input-major, on the device (4-bit deltas a quarter of the base layer's bytes each,
-          2-bit an eighth; ``memory_footprint()`` counts them); a layer holding a 3-bit delta runs its
+          2-bit an eighth; ``memory_footprint()`` counts them, ``configure_cache(max_resident_bytes=...)``
+          does not: it counts each delta's packed bytes once, so give it half the room you mean for
+          linear-layer deltas); a layer holding a 3-bit delta runs its
           deltas through the dense multi-delta kernel on the thresholded input (slower than dense);
         * ``False``: thresholding in PyTorch before the ordinary kernels (slower than dense: for quality
           measurements).

@@ -56,6 +56,8 @@ __all__ = [
     "input_major_weight",
     "input_major_deltas",
     "input_major_low_rank",
+    "input_major_fields",
+    "LOWRANK_MAX_RANK",
     "sparsify_input",
     "sparse_base_linear",
     "sparse_base_linears",
@@ -77,6 +79,8 @@ SPARSE_BASE_MAX_ROWS = 16
 #: section 8)
 SPARSE_DELTA_DEFAULTS = {"mixed": (512, 2, 8), "mixed_2bit": (1024, 4, 8), "few": (128, 1, 16)}
 SPARSE_DELTA_MIXED_ROWS = 4
+#: the highest rank of the low-rank compensation (``lowrank=``) the base kernels take
+LOWRANK_MAX_RANK = 64
 #: inputs per kept-input list of the compacted base GEMV (lists are built in parallel, one per segment)
 _BASE_SEGMENT = 1024
 
@@ -85,9 +89,9 @@ def sparsify_input(x: torch.Tensor, threshold: Optional[float]) -> torch.Tensor:
     """``x`` with every entry of ``|x| <= threshold`` set to zero (``None``: ``x`` unchanged)."""
     if threshold is None:
         return x
-    # the comparison is made in x's own dtype, against the threshold rounded to it (as the kernels do)
-    thr = torch.tensor(float(threshold), dtype=x.dtype, device=x.device)
-    return torch.where(x.abs() > thr, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    # against a Python scalar the comparison is made in x's own dtype, the threshold rounded to it (as the
+    # kernels compare), and nothing is copied to the device (safe inside a captured CUDA graph)
+    return torch.where(x.abs() > float(threshold), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 # --------------------------------------------------------------------------- layouts
@@ -149,13 +153,19 @@ def input_major_deltas(stack: DeltaStack) -> InputMajorDeltas:
     """
     if stack.bits not in _BITS:
         raise ValueError(f"input-major deltas need 2-, 4- or 8-bit codes, got {stack.bits}-bit: keep the dense kernel")
-    qs = [pack_bits(stack.codes(i).t().contiguous(), stack.bits) for i in range(stack.num_deltas)]
+    fields = [input_major_fields(stack, i) for i in range(stack.num_deltas)]
     return InputMajorDeltas(
-        qweight=torch.stack(qs).contiguous(),
-        scales=stack.scales.transpose(1, 2).contiguous(),
-        zeros=stack.zeros.transpose(1, 2).contiguous(),
+        qweight=torch.stack([f[0] for f in fields]), scales=torch.stack([f[1] for f in fields]),
+        zeros=torch.stack([f[2] for f in fields]),
         bits=stack.bits, group_size=stack.group_size, out_features=stack.out_features,
     )
+
+
+def input_major_fields(stack: DeltaStack, i: int) -> tuple:
+    """Delta ``i`` of ``stack`` (2-, 4- or 8-bit) in the input-major layout: ``(qweight [K, ceil(N*bits/8)],
+    scales [G, N], zeros [G, N])``, the rows of :class:`InputMajorDeltas` (contiguous copies)."""
+    return (pack_bits(stack.codes(i).t().contiguous(), stack.bits), stack.scales[i].t().contiguous(),
+            stack.zeros[i].t().contiguous())
 
 
 # --------------------------------------------------------------------------- references
@@ -214,8 +224,8 @@ def _check_lowrank(lowrank, x, sizes: Sequence[int], finish_kernel: bool) -> Non
     if tuple(at.shape) != (k, r * len(sizes)) or tuple(b.shape) != (n, r):
         raise ValueError(f"lowrank shapes {tuple(at.shape)} and {tuple(b.shape)} do not fit {len(sizes)} weight(s) "
                          f"[{k} -> {list(sizes)}]: want A^T [{k}, {len(sizes)} * r] and B [{n}, r]")
-    if not 1 <= r <= 64:
-        raise ValueError(f"the low-rank compensation's rank must be 1 to 64 in the kernel, got {r}")
+    if not 1 <= r <= LOWRANK_MAX_RANK:
+        raise ValueError(f"the low-rank compensation's rank must be 1 to {LOWRANK_MAX_RANK} in the kernel, got {r}")
     if not finish_kernel:
         raise ValueError("lowrank needs the finishing launch: leave finish_kernel=True")
 

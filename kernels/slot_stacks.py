@@ -213,12 +213,11 @@ class SlotStacks:
         return all(c.input_major is not None for c in self.classes)
 
     def _write_input_major(self, c: _ClassStack, i: int) -> None:
-        from hf_deltazip.packing import pack_bits
+        from .act_sparse import input_major_fields
 
-        st, im = c.stack, c.input_major
-        im.qweight[i].copy_(pack_bits(st.codes(i).t().contiguous(), st.bits))
-        im.scales[i].copy_(st.scales[i].t())
-        im.zeros[i].copy_(st.zeros[i].t())
+        im = c.input_major
+        for dst, src in zip((im.qweight, im.scales, im.zeros), input_major_fields(c.stack, i)):
+            dst[i].copy_(src)
 
     def add_sparse_deltas(self, x2: torch.Tensor, out: torch.Tensor, slot_segments: tuple,
                           threshold: Optional[float], slots: Optional[set] = None) -> torch.Tensor:

@@ -332,19 +332,18 @@ def has_activation_sparsity(module: nn.Module) -> bool:
     return rule is not None and rule.recorder is None
 
 
-#: the highest compensation rank the activation-sparse kernels take (higher ranks run in PyTorch)
-KERNEL_MAX_RANK = 64
-
-
 def kernel_sparsity(module: nn.Module, x: torch.Tensor) -> Optional[tuple]:
     """``(threshold, lowrank)`` when ``module``'s installed thresholds apply to all of ``x`` and the
     activation-sparse kernels can apply them (``lowrank``: the compensation's factors in kernel form, or
     ``None``); ``None`` when nothing is installed, thresholds are being recorded, a prompt's part of ``x``
-    stays dense (``decode_start``), or the compensation's rank is above :data:`KERNEL_MAX_RANK`."""
+    stays dense (``decode_start``), or the compensation's rank is above what the kernels take
+    (``kernels.act_sparse.LOWRANK_MAX_RANK``; such layers stay on the PyTorch route)."""
+    from ..kernels.act_sparse import LOWRANK_MAX_RANK
+
     rule = _RULES.get(module)
     if rule is None or rule.recorder is not None or rule.threshold is None or decode_start() is not None:
         return None
-    if rule.factors is not None and rule.factors[0].shape[0] > KERNEL_MAX_RANK:
+    if rule.factors is not None and rule.factors[0].shape[0] > LOWRANK_MAX_RANK:
         return None
     return rule.threshold, rule.kernel_lowrank(x.dtype, x.device)
 

@@ -530,7 +530,7 @@ class DeltaLinear(DeltaModule):
         """A decode step through the activation-sparse kernels, or ``None`` where they do not apply (the
         ordinary route then runs: prefill, more rows, no thresholds installed, a delta that changes the
         layer's shape or replaces its weight)."""
-        from ..kernels.act_sparse import SPARSE_BASE_MAX_ROWS, sparse_base_linear
+        from ..kernels.act_sparse import SPARSE_BASE_MAX_ROWS, sparse_base_linear, sparsify_input
 
         k = x.shape[-1]
         if x.dim() < 2 or (x.dim() >= 3 and x.shape[-2] != 1) or k == 0:
@@ -568,8 +568,7 @@ class DeltaLinear(DeltaModule):
         if stacks.input_major_ready:
             stacks.add_sparse_deltas(x2, y, segments, threshold, None if slots is None else set(slots))
         else:  # the planar multi-delta kernel on the thresholded input, over an all-zero base
-            # (compared in x's dtype, as the kernels compare; a Python scalar: nothing copied to the device)
-            xs = x2.masked_fill(x2.abs() <= threshold, 0)
+            xs = sparsify_input(x2, threshold)
             y = y + stacks.apply(xs, self._zero_base(xs), None, slot_tok, segments, share).to(y.dtype)
         if self._bias_delta is not None:
             y = (y.float() + self._bias_delta[slot_tok]).to(y.dtype)

@@ -57,6 +57,7 @@ __all__ = [
     "input_major_deltas",
     "input_major_low_rank",
     "input_major_fields",
+    "input_major_nbytes",
     "LOWRANK_MAX_RANK",
     "sparsify_input",
     "sparse_base_linear",
@@ -103,6 +104,15 @@ def input_major_weight(weight: torch.Tensor) -> torch.Tensor:
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [N, K], got {tuple(weight.shape)}")
     return weight.t().contiguous()
+
+
+def input_major_nbytes(out_features: int, in_features: int, bits: int, group_size: int, scale_bytes: int = 2) -> int:
+    """Bytes of one delta of ``out_features x in_features`` in :class:`InputMajorDeltas` (codes, scales and
+    zero points; 0 for bit widths the layout does not hold)."""
+    if bits not in (2, 4, 8):
+        return 0
+    codes = in_features * -(-out_features * bits // 8)
+    return codes + num_groups(in_features, group_size) * out_features * (scale_bytes + 1)
 
 
 @dataclass(frozen=True)

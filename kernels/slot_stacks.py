@@ -277,11 +277,17 @@ class SlotStacks:
         c, i = self.where(slot)
         st = c.stack
         tensors = [st.qweight[i], st.scales[i], st.zeros[i]] + ([st.positions[i]] if st.positions is not None else [])
-        own = sum(t.numel() * t.element_size() for t in tensors)
-        if c.input_major is not None:  # the activation-sparse copy: the same bytes again
-            own += sum(t[i].numel() * t.element_size() for t in (c.input_major.qweight, c.input_major.scales,
-                                                                  c.input_major.zeros))
-        return own
+        return sum(t.numel() * t.element_size() for t in tensors) + self.input_major_nbytes(slot)
+
+    def input_major_nbytes(self, slot: int) -> int:
+        """Device bytes of a slot's input-major copy (:meth:`enable_input_major`; 0 without one, or when the
+        slot is not here)."""
+        for c in self.classes:
+            if slot in c.index and c.input_major is not None:
+                i = c.index[slot]
+                return sum(t[i].numel() * t.element_size() for t in (c.input_major.qweight, c.input_major.scales,
+                                                                      c.input_major.zeros))
+        return 0
 
     def nbytes(self) -> int:
         """Device bytes of every stack and table (room included; input-major copies too)."""

@@ -250,6 +250,43 @@ def test_a_conv1d_base_is_read_in_place_and_keeps_its_bias(interpret, monkeypatc
     assert calls.base == 2 and calls.delta == 2
 
 
+def test_the_byte_budget_counts_the_input_major_copies(interpret, thresholds):
+    from hf_deltazip.modeling.cache import CacheFullError
+
+    model = DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="always")
+    for name, bits, seed in (("a", 4, 1), ("b", 4, 2)):
+        model.add_delta(_delta(bits, seed), name)
+    ids = calibration_ids(n=2, length=4, seed=5)
+    _decode_step(model, ids, ["a", "b"])  # the kernel stacks built, "b" used last
+    packed = model.memory_footprint()["deltas"]
+    assert model.cache.resident_bytes() == sum(packed.values())
+    # room for both deltas' packed bytes and one delta's copies, not both
+    model.configure_cache(max_resident_bytes=sum(packed.values()) + packed["a"] // 2)
+    assert sorted(model.resident_deltas) == ["a", "b"]
+    model.set_activation_sparsity(thresholds, kernels=True, strict=False)
+    assert model.resident_deltas == ["b"]  # the least recently used delta made room for the copies
+    held = model.memory_footprint()["deltas"]["b"]
+    layers = _linears(model)
+    copy_b = sum(m.stacks.input_major_nbytes(m.stacks.slots.pop()) for m in layers)
+    assert copy_b > 0 and held == packed["b"] + copy_b  # what sits on the device ...
+    assert model.cache.resident_bytes() == held  # ... is what the budget counts
+    # a delta coming back evicts the other: with its copies the budget holds one
+    _decode_step(model, ids, ["a", None])
+    assert model.resident_deltas == ["a"]
+    assert model.cache.resident_bytes() == model.memory_footprint()["deltas"]["a"] <= model.cache.max_resident_bytes
+    # deltas in use that cannot fit with their copies: refused, the kernels left off, the thresholds on
+    model.set_activation_sparsity(None)
+    model.configure_cache(max_resident_bytes=None)
+    model.cache.acquire(["a", "b"])
+    model.configure_cache(max_resident_bytes=sum(packed.values()) + packed["a"] // 2)
+    with pytest.raises(CacheFullError, match="raise the budget"):
+        model.set_activation_sparsity(thresholds, kernels=True, strict=False)
+    assert not model.kernel_policy.sparse and not any(m._sparse for m in _linears(model))
+    assert sorted(model.resident_deltas) == ["a", "b"]
+    assert len(S.activation_sparsity_of(model)) == len(thresholds.thresholds)
+    model.cache.release(["a", "b"])
+
+
 def test_bad_kernel_choices_are_refused(thresholds):
     never = DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="never")
     never.add_delta(_delta(4, 1), "d4")

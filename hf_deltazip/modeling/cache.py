@@ -243,7 +243,10 @@ class DeltaCache:
         return None
 
     def resident_bytes(self) -> int:
-        return sum(e.nbytes or 0 for e in self._entries.values() if e.slot is not None)
+        """Device bytes of the resident deltas as the byte budget counts them: each delta's packed tensors, and
+        the input-major copies the activation-sparse kernels keep of its linear deltas."""
+        copies = self.placer.sparse_copy_nbytes()
+        return sum((e.nbytes or 0) + copies.get(e.slot, 0) for e in self._entries.values() if e.slot is not None)
 
     def host_bytes(self) -> dict:
         return {n: delta_nbytes(*e.host) for n, e in self._entries.items() if e.host is not None}
@@ -263,6 +266,13 @@ class DeltaCache:
             self._trim_host(keep=())
             self._make_room(needed=(), incoming=0)
 
+    def fit_budget(self) -> None:
+        """Evict least recently used deltas not in use until the resident ones fit the budgets (after what a
+        delta holds grew: the activation-sparse route's copies). Raises :class:`CacheFullError` when the
+        deltas in use alone do not fit."""
+        with self.lock:
+            self._make_room(needed=(), incoming=0)
+
     def fits(self, names: Sequence) -> bool:
         """Whether the deltas ``names`` could all be on the device next to the held ones (loads nothing)."""
         with self.lock:
@@ -271,13 +281,17 @@ class DeltaCache:
             if self.max_resident is not None and len(keep) > self.max_resident:
                 return False
             if self.max_resident_bytes is not None:
+                copies = self.placer.sparse_copy_nbytes()
+
                 def size(n):
                     e = self._entries.get(n)
                     if e is None:
                         return 0
-                    if e.nbytes is not None:
-                        return e.nbytes
-                    return delta_nbytes(*e.host) if e.host is not None else 0
+                    if e.nbytes is not None and e.slot is not None:
+                        return e.nbytes + copies.get(e.slot, 0)
+                    if e.host is not None:
+                        return delta_nbytes(*e.host) + self.placer.sparse_copy_estimate(e.host[0])
+                    return e.nbytes or 0
 
                 if sum(size(n) for n in keep) > self.max_resident_bytes:
                     return False
@@ -367,7 +381,7 @@ class DeltaCache:
                 else:
                     modules, params = e.host if e.host is not None else self._read(e)
                     nbytes = delta_nbytes(modules, params)
-                    self._make_room(needed=needed, incoming=nbytes)
+                    self._make_room(needed=needed, incoming=nbytes + self.placer.sparse_copy_estimate(modules))
                     slot = self._free_slot()
                     try:
                         self.placer.attach(slot, modules, params, e.header, name=n)
@@ -492,11 +506,11 @@ class DeltaCache:
         load.finalize()  # resident, whatever became of the pass
 
     def _overlap_plan(self, e: CacheEntry):
-        """``(entry, {wrapper: what it waits for}, decoded bytes)`` for an overlapped load of ``e``, or ``None``
+        """``(entry, {wrapper: what it waits for}, bytes it will hold)`` for an overlapped load of ``e``, or ``None``
         where some module it changes has no wrapper yet."""
         with DeltaZipFile(Path(e.path) / DZ_FILENAME) as dz:
             _check_same_delta(e, dz)
-            total = sum(rec.nbytes for rec in dz.tensors.values())
+            total = sum(rec.nbytes for rec in dz.tensors.values()) + self.placer.sparse_copy_estimate(dz.modules)
             kinds = {m: rec.kind for m, rec in dz.modules.items()}
             owners = {p.rpartition(".")[0] for p in dz.params}
         model = self.placer.base_model
@@ -570,7 +584,8 @@ class DeltaCache:
         nbytes = delta_nbytes(modules, params)
         if self.max_resident is not None and len(self.resident) + 1 > self.max_resident:
             return
-        if self.max_resident_bytes is not None and self.resident_bytes() + nbytes > self.max_resident_bytes:
+        if self.max_resident_bytes is not None and \
+                self.resident_bytes() + nbytes + self.placer.sparse_copy_estimate(modules) > self.max_resident_bytes:
             return
         if not self.placer.can_attach_in_room(slot, modules, params, e.header):
             return
@@ -650,7 +665,7 @@ class DeltaCache:
             _check_same_delta(e, dz)
             total = sum(rec.nbytes for rec in dz.tensors.values())
             if slot is None:
-                self._make_room(needed=needed, incoming=total)
+                self._make_room(needed=needed, incoming=total + self.placer.sparse_copy_estimate(dz.modules))
                 slot = self._free_slot()
             owners: dict = {}  # tensor -> the modules it belongs to
             for mname, rec in dz.modules.items():

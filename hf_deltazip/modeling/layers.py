@@ -142,6 +142,17 @@ def map_packed(p: PackedModule, fn) -> PackedModule:
     )
 
 
+def sparse_copy_estimate(module, out_features: int, in_features: int) -> int:
+    """Bytes the activation-sparse route's input-major copy of a linear delta ``module`` (a ``PackedModule``
+    or ``ModuleRecord``) takes in a layer of ``out_features x in_features`` (0 for a module that gets none:
+    an embedding delta, a changed shape, 3 bits)."""
+    from ..kernels.act_sparse import input_major_nbytes
+
+    if module.kind != "linear" or tuple(module.shape) != (out_features, in_features):
+        return 0
+    return input_major_nbytes(out_features, in_features, module.bits, module.group_size)
+
+
 class DeltaLinear(DeltaModule):
     """A linear layer (``nn.Linear`` or transformers' ``Conv1D``) plus the packed deltas of every slot.
 
@@ -514,6 +525,20 @@ class DeltaLinear(DeltaModule):
         if self.stacks is not None:
             self.stacks.enable_input_major()
         return True
+
+    def sparse_copy_nbytes(self, slot: int) -> int:
+        """Device bytes of the input-major copy the activation-sparse route keeps of ``slot``'s delta, or will
+        keep once the kernel stacks are built (0: none; see :meth:`set_sparse_kernels`)."""
+        if not self._sparse or slot not in self.packed:
+            return 0
+        if self.stacks is not None and slot in self.stacks.slots:
+            return self.stacks.input_major_nbytes(slot)
+        return sparse_copy_estimate(self.packed[slot], self.out_features, self.in_features)
+
+    def sparse_copy_estimate(self, module) -> int:
+        """Bytes of the input-major copy a delta module placed here now would get (``module``: a
+        ``PackedModule`` or the file's ``ModuleRecord``; 0 when the layer is off the sparse route)."""
+        return sparse_copy_estimate(module, self.out_features, self.in_features) if self._sparse else 0
 
     def _base_input_major(self) -> bool:
         """Whether an ``nn.Linear`` base's weight is held input-major (:meth:`set_sparse_kernels`)."""

@@ -16,7 +16,7 @@ from ..delta import CompressedDelta, PackedModule, load_folder_config, resolve_d
 from ..errors import DeltaZipError
 from ..fileio import staged_writes
 from ..format import DZ_FILENAME, DeltaHeader, DeltaZipFile
-from .cache import CacheEntry, DeltaCache, Residency, to_host
+from .cache import CacheEntry, CacheFullError, DeltaCache, Residency, to_host
 from .layers import DeltaLinear
 from .placement import DeltaPlacer
 from .quantized import dequantize_model, is_quantized_model, warn_merge_dequantizes
@@ -218,7 +218,9 @@ class DeltaModel(nn.Module):
 
         Args:
             max_resident: most deltas on the device at once (``None``: no limit).
-            max_resident_bytes: most bytes of deltas on the device at once (``None``: no limit).
+            max_resident_bytes: most bytes of deltas on the device at once (``None``: no limit): their
+                packed tensors as held, and on the activation-sparse route the input-major copies of their
+                linear deltas (:meth:`set_activation_sparsity`).
             max_host_bytes: bytes of host memory for copies of deltas (pinned when CUDA is available),
                 so an evicted delta comes back without reading and decompressing its file again.
 
@@ -376,9 +378,9 @@ class DeltaModel(nn.Module):
         * ``None`` (default): ``True`` when the model runs the Triton kernels (CUDA), else ``False``;
         * ``True``: the base's matmul and each row's delta. Every 2-, 4- or 8-bit delta's codes are then held
           a second time, input-major, on the device (4-bit deltas a quarter of the base layer's bytes each,
-          2-bit an eighth; ``memory_footprint()`` counts them, ``configure_cache(max_resident_bytes=...)``
-          does not: it counts each delta's packed bytes once, so give it half the room you mean for
-          linear-layer deltas); a layer holding a 3-bit delta runs its
+          2-bit an eighth; ``memory_footprint()`` and ``configure_cache(max_resident_bytes=...)`` count them:
+          turning the route on evicts the least recently used deltas the budget no longer holds); a layer
+          holding a 3-bit delta runs its
           deltas through the dense multi-delta kernel on the thresholded input (slower than dense);
         * ``False``: thresholding in PyTorch before the ordinary kernels (slower than dense: for quality
           measurements).
@@ -390,12 +392,11 @@ class DeltaModel(nn.Module):
         Raises:
             DeltaZipError: ``kernels`` is not one of these, or ``True`` on a model that does not run the
                 Triton kernels (``use_kernels="never"``, or the CPU without ``"always"``).
+            CacheFullError: the input-major copies of the deltas in use (held by a running batch) do not fit
+                ``max_resident_bytes``; the thresholds stay installed, the kernels off (decode steps then
+                threshold in PyTorch, with the same results): raise the budget and call again.
         """
-        from .activation_sparsity import (
-            has_activation_sparsity,
-            install_activation_sparsity,
-            resolve_activation_sparsity,
-        )
+        from .activation_sparsity import install_activation_sparsity, resolve_activation_sparsity
 
         if kernels not in (None, True, False):
             raise DeltaZipError(f"kernels must be None, True or False, got {kernels!r}")
@@ -408,11 +409,26 @@ class DeltaModel(nn.Module):
                                         rank=rank, strict=strict)
         self.layout_version.bump()  # captured decode steps hold the old thresholds: capture again
         on = bool(n) and (self.uses_kernels() if kernels is None else kernels)
+        self._set_sparse_kernels(on)
+        if on and self._cache.max_resident_bytes is not None:
+            try:  # the input-major copies count against the byte budget: evict what it no longer holds
+                self._cache.fit_budget()
+            except CacheFullError as err:
+                self._set_sparse_kernels(False)
+                raise CacheFullError(
+                    f"the activation-sparse kernels keep each linear delta a second time, and the deltas in use do "
+                    f"not fit max_resident_bytes={self._cache.max_resident_bytes} then ({err}): the thresholds are "
+                    "installed with the kernels off; raise the budget with configure_cache() and call again, or pass "
+                    "kernels=False") from err
+        return n
+
+    def _set_sparse_kernels(self, on: bool) -> None:
+        from .activation_sparsity import has_activation_sparsity
+
         self.kernel_policy.sparse = on
         for _, mod in self._placer.wrappers():
             if isinstance(mod, DeltaLinear):
                 mod.set_sparse_kernels(on and has_activation_sparsity(mod.base_layer))
-        return n
 
     # ------------------------------------------------------------------ running
     def forward(self, *args, delta_names: Optional[Sequence] = None, **kwargs):

@@ -20,8 +20,16 @@ from ..fingerprint import check_fingerprint
 from ..format import DeltaHeader
 from ..quantization import logical_weight_shape
 from .activation_sparsity import has_activation_sparsity
-from .arch import is_linear
-from .layers import DeltaEmbedding, DeltaLinear, DeltaModule, DeltaOverride, base_plus_delta, map_packed
+from .arch import is_linear, weight_as_nk
+from .layers import (
+    DeltaEmbedding,
+    DeltaLinear,
+    DeltaModule,
+    DeltaOverride,
+    base_plus_delta,
+    map_packed,
+    sparse_copy_estimate,
+)
 from .quantized import execution_device
 from .routing import KernelPolicy, LayoutVersion, Router
 from .tensor_parallel import TensorParallelError, fingerprint_view, full_tensor, local_tensor, tp_shard, tp_size
@@ -290,6 +298,36 @@ class DeltaPlacer:
             for attr, t in mod.overrides.get(slot, {}).items():
                 params[f"{name}.{attr}"] = t
         return modules, params
+
+    def sparse_copy_nbytes(self) -> dict:
+        """``{slot: bytes}`` of the input-major copies the activation-sparse kernels keep of each slot's
+        linear deltas (``DeltaModel.set_activation_sparsity(..., kernels=True)``; empty when off)."""
+        out: dict = {}
+        if not self.policy.sparse:
+            return out
+        for _, mod in self.wrappers():
+            if isinstance(mod, DeltaLinear):
+                for slot in mod.packed:
+                    out[slot] = out.get(slot, 0) + mod.sparse_copy_nbytes(slot)
+        return out
+
+    def sparse_copy_estimate(self, modules: dict) -> int:
+        """Bytes of input-major copies placing ``modules`` (name -> ``PackedModule`` or ``ModuleRecord``) would
+        add on the activation-sparse route: the budget's share of a delta before it is read."""
+        if not self.policy.sparse:
+            return 0
+        total = 0
+        for name, rec in modules.items():
+            try:
+                mod = self.base_model.get_submodule(name)
+            except AttributeError:
+                continue
+            if isinstance(mod, DeltaLinear):
+                total += mod.sparse_copy_estimate(rec)
+            elif not isinstance(mod, DeltaModule) and is_linear(mod) and has_activation_sparsity(mod):
+                shape = logical_weight_shape(mod) or tuple(weight_as_nk(mod).shape)
+                total += sparse_copy_estimate(rec, *shape)  # wrapped on first use, onto the route (wrap)
+        return total
 
     def nbytes_on_device(self, slot: int) -> int:
         return sum(mod.delta_nbytes(slot) for _, mod in self.wrappers() if slot in mod.slots())

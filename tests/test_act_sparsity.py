@@ -872,6 +872,33 @@ def test_python_docs_texts_are_deterministic_english_prose():
     assert sum(w.lower() in {"the", "is", "of", "a"} for w in words) > len(words) / 20  # prose, not code
 
 
+def test_quality_bench_scores_general_text_from_the_tokenizers_bos(tmp_path):
+    """General text is scored as the model reads a document, with the special tokens its tokenizer adds (a
+    Gemma base without its BOS scores far worse and reacts to thresholds differently)."""
+    import argparse
+
+    from tokenizers.processors import TemplateProcessing
+
+    from hf_deltazip.bench import act_sparsity as bench
+    from hf_deltazip.bench.pairs import BOS_TOKEN, build_tokenizer, tiny_model
+
+    tok = build_tokenizer()
+    bos = tok.convert_tokens_to_ids(BOS_TOKEN)
+    tok._tokenizer.post_processor = TemplateProcessing(single=f"{BOS_TOKEN} $A", special_tokens=[(BOS_TOKEN, bos)])
+    folder = tmp_path / "base"
+    tiny_model("llama", vocab_size=len(tok), seed=0, hidden_size=64, num_layers=2).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    texts = tmp_path / "docs.txt"
+    texts.write_text("\n\n".join(f"Document {i} says that the value of x is {i * 7} and nothing more." for i in range(6)))
+    args = argparse.Namespace(tiny=False, real_pair=None, pair=None, base=str(folder), finetune=str(folder),
+                              texts=str(texts), max_length=8, calibration_texts=4)
+    pair = bench._load_pair(args, "cpu", torch.float32)
+    seqs = pair["calibration"] + pair["eval"]["text"]
+    assert len(seqs) == 6 and all(s[0] == bos and 1 < len(s) <= 8 for s in seqs)
+    assert sum(s.count(bos) for s in seqs) == 6  # one, first
+    assert bench._ids(tok, ["Document 1"], 8) == [tok("Document 1", add_special_tokens=False)["input_ids"]]
+
+
 def test_quality_bench_thresholds_only_the_layers_asked_for(tmp_path):
     """--layers: only the named layer kinds are thresholded (the others keep every input), so their NLL lies
     between dense and every layer thresholded; a name that matches nothing is refused."""

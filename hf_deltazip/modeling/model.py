@@ -366,7 +366,10 @@ class DeltaModel(nn.Module):
         ``thresholds``: :class:`~.activation_sparsity.ActivationThresholds` (from
         :func:`~.activation_sparsity.calibrate_activation_thresholds`), a thresholds file or folder
         holding one target, or ``None``. ``decode_only``: decode steps only (Jacobi steps included);
-        prompts run dense. ``rank``: the low-rank compensation of the dropped inputs through the base
+        prompts run dense. Prefer it for generation: thresholding a prompt buys no speed (prompts take the
+        ordinary route) and costs quality (BENCHMARKS.md section 8: +6.3 % NLL against +9.1 % on the later
+        halves of documents at 40 %); the default thresholds every token, as a whole-sequence NLL
+        measurement expects. ``rank``: the low-rank compensation of the dropped inputs through the base
         weights (``None``: the thresholds' own, 16 for new calibrations; 0: none). ``strict=False``: apply
         the thresholds that name a layer of this model and leave the other layers dense (default: refuse
         thresholds that do not cover exactly this model's layers).

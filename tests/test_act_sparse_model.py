@@ -274,8 +274,10 @@ def test_the_byte_budget_counts_the_input_major_copies(interpret, thresholds):
     _decode_step(model, ids, ["a", None])
     assert model.resident_deltas == ["a"]
     assert model.cache.resident_bytes() == model.memory_footprint()["deltas"]["a"] <= model.cache.max_resident_bytes
+    assert not model.cache.fits(["a", "b"])  # admission counts the evicted delta's copies too
     # deltas in use that cannot fit with their copies: refused, the kernels left off, the thresholds on
     model.set_activation_sparsity(None)
+    assert model.cache.fits(["a", "b"])  # off the route a delta is its packed bytes
     model.configure_cache(max_resident_bytes=None)
     model.cache.acquire(["a", "b"])
     model.configure_cache(max_resident_bytes=sum(packed.values()) + packed["a"] // 2)

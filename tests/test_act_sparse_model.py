@@ -289,6 +289,21 @@ def test_the_byte_budget_counts_the_input_major_copies(interpret, thresholds):
     model.cache.release(["a", "b"])
 
 
+def test_a_load_is_budgeted_with_the_copies_of_layers_it_wraps_first(interpret, thresholds):
+    """Before a delta is read, its copies are estimated from the file's modules, layers no delta wrapped yet
+    included (they join the route when wrapped); the estimate is what the stacks then hold."""
+    model = DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="always")
+    model.add_delta({n: p for n, p in _delta(4, 1).items() if ".layers.0." in n}, "first")  # block 0 only
+    model.set_activation_sparsity(thresholds, kernels=True, strict=False)
+    assert "model.layers.1.mlp.up_proj" in thresholds.thresholds  # thresholded, not wrapped yet
+    second = _delta(4, 2)
+    estimate = model._placer.sparse_copy_estimate(second)
+    model.add_delta(second, "second")
+    _decode_step(model, calibration_ids(n=1, length=2, seed=3), ["second"])  # stacks built, copies made
+    held = sum(m.stacks.input_major_nbytes(model.cache.slot_of("second")) for m in _linears(model))
+    assert len(_linears(model)) == len(thresholds.thresholds) and estimate == held > 0
+
+
 def test_bad_kernel_choices_are_refused(thresholds):
     never = DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="never")
     never.add_delta(_delta(4, 1), "d4")

@@ -30,7 +30,7 @@ from .layers import (
     map_packed,
     sparse_copy_estimate,
 )
-from .quantized import execution_device
+from .quantized import base_runs_itself, execution_device
 from .routing import KernelPolicy, LayoutVersion, Router
 from .tensor_parallel import TensorParallelError, fingerprint_view, full_tensor, local_tensor, tp_shard, tp_size
 
@@ -324,9 +324,13 @@ class DeltaPlacer:
                 continue
             if isinstance(mod, DeltaLinear):
                 total += mod.sparse_copy_estimate(rec)
-            elif not isinstance(mod, DeltaModule) and is_linear(mod) and has_activation_sparsity(mod):
-                shape = logical_weight_shape(mod) or tuple(weight_as_nk(mod).shape)
-                total += sparse_copy_estimate(rec, *shape)  # wrapped on first use, onto the route (wrap)
+            elif (not isinstance(mod, DeltaModule) and is_linear(mod) and has_activation_sparsity(mod)
+                  and not base_runs_itself(mod) and self.tp_shard(name, mod) is None):
+                # wrapped on first use, onto the route (wrap; bitsandbytes, offloaded, sharded and non-float layers
+                # stay off it: DeltaLinear.set_sparse_kernels)
+                w = weight_as_nk(mod)
+                if w.dtype in (torch.float16, torch.bfloat16, torch.float32):
+                    total += sparse_copy_estimate(rec, *w.shape)
         return total
 
     def nbytes_on_device(self, slot: int) -> int:

@@ -142,6 +142,14 @@ def map_packed(p: PackedModule, fn) -> PackedModule:
     )
 
 
+def can_take_sparse_route(base_layer: nn.Module, tp=None) -> bool:
+    """Whether a linear layer can run decode steps through the activation-sparse kernels: a plain float
+    weight it does not compute through itself (not bitsandbytes, offloaded or tensor-parallel)."""
+    w = getattr(base_layer, "weight", None)
+    return (tp is None and not base_runs_itself(base_layer) and isinstance(w, torch.Tensor) and w.dim() == 2
+            and w.dtype in (torch.float16, torch.bfloat16, torch.float32))
+
+
 def sparse_copy_estimate(module, out_features: int, in_features: int) -> int:
     """Bytes the activation-sparse route's input-major copy of a linear delta ``module`` (a ``PackedModule``
     or ``ModuleRecord``) takes in a layer of ``out_features x in_features`` (0 for a module that gets none:
@@ -504,9 +512,7 @@ class DeltaLinear(DeltaModule):
         lays it back out. Returns whether the layer takes the route (not over bitsandbytes / offloaded /
         tensor-parallel layers, nor a non-float weight)."""
         w = getattr(self.base_layer, "weight", None)
-        ok = (on and not self._through and self.tp is None and isinstance(w, torch.Tensor) and w.dim() == 2
-              and w.dtype in (torch.float16, torch.bfloat16, torch.float32))
-        if not ok:
+        if not (on and can_take_sparse_route(self.base_layer, self.tp)):
             if self._sparse or self._base_input_major():
                 self._sparse = False
                 if self.stacks is not None:

@@ -17,7 +17,6 @@ from ..errors import DeltaZipError
 from ..fileio import staged_writes
 from ..format import DZ_FILENAME, DeltaHeader, DeltaZipFile
 from .cache import CacheEntry, CacheFullError, DeltaCache, Residency, to_host
-from .layers import DeltaLinear
 from .placement import DeltaPlacer
 from .quantized import dequantize_model, is_quantized_model, warn_merge_dequantizes
 from .routing import BatchRouting, KernelPolicy, LayoutVersion, Router
@@ -412,26 +411,18 @@ class DeltaModel(nn.Module):
                                         rank=rank, strict=strict)
         self.layout_version.bump()  # captured decode steps hold the old thresholds: capture again
         on = bool(n) and (self.uses_kernels() if kernels is None else kernels)
-        self._set_sparse_kernels(on)
+        self._placer.set_sparse_kernels(on)
         if on and self._cache.max_resident_bytes is not None:
             try:  # the input-major copies count against the byte budget: evict what it no longer holds
                 self._cache.fit_budget()
             except CacheFullError as err:
-                self._set_sparse_kernels(False)
+                self._placer.set_sparse_kernels(False)
                 raise CacheFullError(
                     f"the activation-sparse kernels keep each linear delta a second time, and the deltas in use do "
                     f"not fit max_resident_bytes={self._cache.max_resident_bytes} then ({err}): the thresholds are "
                     "installed with the kernels off; raise the budget with configure_cache() and call again, or pass "
                     "kernels=False") from err
         return n
-
-    def _set_sparse_kernels(self, on: bool) -> None:
-        from .activation_sparsity import has_activation_sparsity
-
-        self.kernel_policy.sparse = on
-        for _, mod in self._placer.wrappers():
-            if isinstance(mod, DeltaLinear):
-                mod.set_sparse_kernels(on and has_activation_sparsity(mod.base_layer))
 
     # ------------------------------------------------------------------ running
     def forward(self, *args, delta_names: Optional[Sequence] = None, **kwargs):

@@ -27,10 +27,11 @@ from .layers import (
     DeltaModule,
     DeltaOverride,
     base_plus_delta,
+    can_take_sparse_route,
     map_packed,
     sparse_copy_estimate,
 )
-from .quantized import base_runs_itself, execution_device
+from .quantized import execution_device
 from .routing import KernelPolicy, LayoutVersion, Router
 from .tensor_parallel import TensorParallelError, fingerprint_view, full_tensor, local_tensor, tp_shard, tp_size
 
@@ -58,6 +59,7 @@ class DeltaPlacer:
         self.layout = layout
         self.policy = policy
         self._tp = {}  # module name -> its TPShard (or None): computed once, on every rank alike
+        self._copies = None  # sparse_copy_nbytes(), kept until a delta is attached or detached or the route changes
 
     # ------------------------------------------------------------------ the base
     @property
@@ -196,6 +198,7 @@ class DeltaPlacer:
                side: Optional[torch.cuda.Stream] = None) -> None:
         """Put a delta's tensors on the device under ``slot``; with a CUDA ``side`` stream the copies
         run on it (device memory is taken on the current stream)."""
+        self._copies = None
         device = self.device
         special = self.special_names()
         on_side = torch.cuda.stream(side) if side is not None else nullcontext()
@@ -283,6 +286,7 @@ class DeltaPlacer:
 
     def detach(self, slot: int, keep_room: bool = True) -> None:
         """Take slot ``slot``'s delta out of every wrapper (with ``keep_room``, its stack room stays)."""
+        self._copies = None
         for _, mod in list(self.wrappers()):
             if slot in mod.slots():
                 mod.remove_slot(slot, keep_room=keep_room)
@@ -299,17 +303,29 @@ class DeltaPlacer:
                 params[f"{name}.{attr}"] = t
         return modules, params
 
-    def sparse_copy_nbytes(self) -> dict:
-        """``{slot: bytes}`` of the input-major copies the activation-sparse kernels keep of each slot's
-        linear deltas (``DeltaModel.set_activation_sparsity(..., kernels=True)``; empty when off)."""
-        out: dict = {}
-        if not self.policy.sparse:
-            return out
+    def set_sparse_kernels(self, on: bool) -> None:
+        """Put every thresholded linear wrapper on the activation-sparse route, or take them all off it;
+        layers wrapped later follow (:meth:`wrap`)."""
+        self.policy.sparse = on
+        self._copies = None
         for _, mod in self.wrappers():
             if isinstance(mod, DeltaLinear):
-                for slot in mod.packed:
-                    out[slot] = out.get(slot, 0) + mod.sparse_copy_nbytes(slot)
-        return out
+                mod.set_sparse_kernels(on and has_activation_sparsity(mod.base_layer))
+
+    def sparse_copy_nbytes(self) -> dict:
+        """``{slot: bytes}`` of the input-major copies the activation-sparse kernels keep of each slot's
+        linear deltas (:meth:`set_sparse_kernels`; empty when off). Computed once per change of what is
+        placed (the cache's budget checks ask for it on every admission)."""
+        if not self.policy.sparse:
+            return {}
+        if self._copies is None:
+            out: dict = {}
+            for _, mod in self.wrappers():
+                if isinstance(mod, DeltaLinear):
+                    for slot in mod.packed:
+                        out[slot] = out.get(slot, 0) + mod.sparse_copy_nbytes(slot)
+            self._copies = out
+        return self._copies
 
     def sparse_copy_estimate(self, modules: dict) -> int:
         """Bytes of input-major copies placing ``modules`` (name -> ``PackedModule`` or ``ModuleRecord``) would
@@ -325,12 +341,8 @@ class DeltaPlacer:
             if isinstance(mod, DeltaLinear):
                 total += mod.sparse_copy_estimate(rec)
             elif (not isinstance(mod, DeltaModule) and is_linear(mod) and has_activation_sparsity(mod)
-                  and not base_runs_itself(mod) and self.tp_shard(name, mod) is None):
-                # wrapped on first use, onto the route (wrap; bitsandbytes, offloaded, sharded and non-float layers
-                # stay off it: DeltaLinear.set_sparse_kernels)
-                w = weight_as_nk(mod)
-                if w.dtype in (torch.float16, torch.bfloat16, torch.float32):
-                    total += sparse_copy_estimate(rec, *w.shape)
+                  and can_take_sparse_route(mod, self.tp_shard(name, mod))):
+                total += sparse_copy_estimate(rec, *weight_as_nk(mod).shape)  # wrapped on first use, onto the route
         return total
 
     def nbytes_on_device(self, slot: int) -> int:

@@ -48,6 +48,7 @@ import torch
 
 from hf_deltazip.packing import num_groups, pack_bits, unpack_bits
 
+from . import _interpreter_compat
 from .delta_stack import DeltaStack
 from .layout import SEGMENT_FIELDS, build_row_segments
 
@@ -316,6 +317,8 @@ def _interpreting() -> bool:
 def _kernel(name: str):
     from . import _act_sparse_triton as mod  # triton is imported here, on first use
 
+    if _interpreting():
+        _interpreter_compat.ensure()
     kern = getattr(mod, name)
     if (type(kern).__name__ == "InterpretedFunction") != _interpreting():  # TRITON_INTERPRET changed
         import importlib

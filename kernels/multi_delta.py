@@ -41,6 +41,7 @@ from typing import Optional
 
 import torch
 
+from . import _interpreter_compat
 from .delta_stack import DeltaStack, dequantize_delta
 from .launch import LaunchPlan, plan_cache, tensor_key
 from .layout import SEGMENT_FIELDS, build_row_segments
@@ -296,6 +297,8 @@ def triton_kernel(name: str = "multi_delta_linear_kernel"):
     """The compiled Triton kernel ``name`` (interpreted under ``TRITON_INTERPRET=1``); imports Triton on first use."""
     from . import _multi_delta_triton as mod  # triton is imported here, on first use
 
+    if _interpreting():
+        _interpreter_compat.ensure()
     kern = getattr(mod, name)
     interpreted = type(kern).__name__ == "InterpretedFunction"
     if interpreted != _interpreting():  # TRITON_INTERPRET changed since the first import

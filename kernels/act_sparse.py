@@ -66,7 +66,6 @@ __all__ = [
     "sparse_base_linear_reference",
     "sparse_delta_linear",
     "sparse_delta_linear_reference",
-    "SPARSE_BASE_DENSE_ROWS",
     "SPARSE_BASE_MAX_ROWS",
     "SPARSE_DELTA_DEFAULTS",
     "SPARSE_DELTA_MIXED_ROWS",
@@ -76,12 +75,6 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BITS = (2, 4, 8)
 #: rows one base program handles (a decode step at batch 1-16); more rows keep fewer zero columns
 SPARSE_BASE_MAX_ROWS = 16
-#: from this many rows on, :func:`sparse_base_linear` multiplies the thresholded input by the whole weight
-#: through ``torch.matmul`` (cuBLAS on a GPU) instead of its own kernel: a column can be skipped only when
-#: every row drops its input, which at 40 % sparsity and a few rows leaves almost nothing to skip, and
-#: cuBLAS streams the weight faster than the kernel's masked walk (the same result; BENCHMARKS.md
-#: section 8 has the sweep by rows)
-SPARSE_BASE_DENSE_ROWS = 4
 #: launch defaults of :func:`sparse_delta_linear` as ``(block_n, num_warps, inner_k)``: for a call of
 #: at least :data:`SPARSE_DELTA_MIXED_ROWS` rows (a mixed batch, one row per delta; 2-bit deltas their own)
 #: and for fewer rows (batch 1 on one delta); the fastest compacted walks of the H200 sweeps (BENCHMARKS.md
@@ -463,8 +456,7 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
                        threshold: Optional[float] = None, out: Optional[torch.Tensor] = None,
                        block_n: int = 64, block_k: Optional[int] = None, num_warps: int = 2,
                        mma: bool = False, compact: bool = True, pdl: Optional[int] = None,
-                       finish_kernel: bool = True, lowrank: Optional[tuple] = None,
-                       dense_rows: Optional[int] = None) -> torch.Tensor:
+                       finish_kernel: bool = True, lowrank: Optional[tuple] = None) -> torch.Tensor:
     """``y = x W^T + bias`` reading only the weight columns of inputs some row of ``x`` keeps.
 
     Args:
@@ -499,15 +491,9 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
             :func:`input_major_low_rank`: ``y += (x - sparsify(x)) A^T B^T``, ``A^T`` ``[K, r]`` and ``B``
             ``[N, r]`` (``r`` at most 64). ``A`` is read once per call by the kernel that packs the kept
             inputs, ``B`` by the finishing launch (``finish_kernel`` must stay ``True``).
-        dense_rows: a call of at least this many rows runs as ``sparsify(x) @ W`` (plus the
-            compensation) through ``torch.matmul``, reading every column (cuBLAS on a GPU: faster once
-            a few rows keep nearly every column between them); ``None`` (default):
-            :data:`SPARSE_BASE_DENSE_ROWS`; ``0``: always the kernel. The launch settings above then
-            do not apply.
 
     Returns:
-        ``[M, N]`` in ``out``'s dtype (default ``x.dtype``), accumulated in float32 (through cuBLAS:
-        each matmul rounded to ``x.dtype`` once).
+        ``[M, N]`` in ``out``'s dtype (default ``x.dtype``), accumulated in float32.
     """
     _check_base(x, weight_t, bias, out)
     block_k = _base_block_k(block_k, x, mma, compact)
@@ -515,46 +501,11 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
     _thr(threshold, x.dtype)  # a bad threshold or pdl is refused on every path
     pdl = _pdl(pdl, x)
     _check_lowrank(lowrank, x, [weight_t.shape[1]], finish_kernel)
-    dense = _reads_dense(x, dense_rows)
     if _runs_reference(x):
         y = sparse_base_linear_reference(x, weight_t, bias, threshold, lowrank)
         return y if out is None else out.copy_(y)
-    if dense:
-        return _dense_read_base(x, [weight_t], bias, threshold, out, lowrank)
     return _launch_base(x, [weight_t], bias, threshold, out, block_n, block_k, num_warps, mma, compact, pdl,
                         finish_kernel, lowrank)
-
-
-def _reads_dense(x: torch.Tensor, dense_rows: Optional[int]) -> bool:
-    """Whether a base call of ``x``'s rows goes through :func:`_dense_read_base` (``dense_rows``: as
-    :func:`sparse_base_linear` takes it)."""
-    limit = SPARSE_BASE_DENSE_ROWS if dense_rows is None else int(dense_rows)
-    if limit < 0:
-        raise ValueError(f"dense_rows must be >= 0 (0: always the kernel) or None, got {dense_rows!r}")
-    return limit > 0 and x.shape[0] >= limit and x.shape[1] > 0
-
-
-def _dense_read_base(x, weights_t, bias, threshold, out, lowrank):
-    """The base of a call with many rows: ``sparsify(x) @ W_i + bias_i`` through ``torch.matmul`` for
-    each weight, plus ``(x - sparsify(x)) A_i^T B_i^T`` (what the kernels compute, every column read)."""
-    thr, use_thr = _thr(threshold, x.dtype)
-    xs = sparsify_input(x, thr) if use_thr else x
-    sizes = [w.shape[1] for w in weights_t]
-    m, n = x.shape[0], sum(sizes)
-    if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    parts = _split_lowrank(lowrank if use_thr else None, sizes)
-    dropped = x - xs if use_thr and lowrank is not None else None
-    col = 0
-    for w, size, part in zip(weights_t, sizes, parts):
-        b = None if bias is None else bias[col:col + size].to(x.dtype)
-        y = torch.addmm(b, xs, w) if b is not None else xs @ w
-        if part is not None:
-            at, bb = part
-            y = torch.addmm(y, dropped @ at.to(x.dtype), bb.to(x.dtype).t())
-        out[:, col:col + size].copy_(y)
-        col += size
-    return out
 
 
 def sparse_base_linears(x: torch.Tensor, weights_t: Sequence[torch.Tensor],
@@ -562,7 +513,7 @@ def sparse_base_linears(x: torch.Tensor, weights_t: Sequence[torch.Tensor],
                         threshold: Optional[float] = None, out: Optional[torch.Tensor] = None,
                         block_n: int = 64, block_k: Optional[int] = None, num_warps: int = 2, mma: bool = False,
                         compact: bool = True, pdl: Optional[int] = None, finish_kernel: bool = True,
-                        lowrank: Optional[tuple] = None, dense_rows: Optional[int] = None) -> tuple:
+                        lowrank: Optional[tuple] = None) -> tuple:
     """:func:`sparse_base_linear` for up to three weights that read the same input (q/k/v, gate/up),
     in one launch: the same result as one call per weight, with the launch and the tail of two
     fewer kernels. The weights stay separate tensors (nothing is concatenated).
@@ -572,7 +523,7 @@ def sparse_base_linears(x: torch.Tensor, weights_t: Sequence[torch.Tensor],
         weights_t: one to three input-major ``[K, N_i]`` weights (:func:`input_major_weight`).
         biases: ``None`` or one ``[N_i]`` bias or ``None`` per weight.
         out: optional ``[M, sum N_i]`` output; the weights' outputs are its column ranges in order.
-        threshold, block_n, block_k, num_warps, mma, compact, pdl, finish_kernel, dense_rows: as
+        threshold, block_n, block_k, num_warps, mma, compact, pdl, finish_kernel: as
             :func:`sparse_base_linear` (one kept-input list serves every weight).
         lowrank: ``None`` or ``(A^T, B)`` of every weight at one rank ``r``, from
             :func:`input_major_low_rank`: ``A^T`` ``[K, r * len(weights_t)]`` (the weights' ``A^T`` side by
@@ -600,14 +551,11 @@ def sparse_base_linears(x: torch.Tensor, weights_t: Sequence[torch.Tensor],
     _check_out(out, x.shape[0], n, x)
     _check_lowrank(lowrank, x, sizes, finish_kernel)
     bias = None if biases[0] is None else torch.cat([b.reshape(-1) for b in biases])
-    dense = _reads_dense(x, dense_rows)
     if _runs_reference(x):
         parts = _split_lowrank(lowrank, sizes)
         y = torch.cat([sparse_base_linear_reference(x, w, b, threshold, lr)
                        for w, b, lr in zip(weights_t, biases, parts)], dim=1)
         y = y if out is None else out.copy_(y)
-    elif dense:
-        y = _dense_read_base(x, weights_t, bias, threshold, out, lowrank)
     else:
         y = _launch_base(x, weights_t, bias, threshold, out, block_n, block_k, num_warps, mma, compact, pdl,
                          finish_kernel, lowrank)

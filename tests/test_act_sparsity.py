@@ -28,9 +28,6 @@ pytest.importorskip("triton")
 @pytest.fixture
 def interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    # the base kernel at every row count (calls of many rows otherwise read through torch.matmul, which
-    # has its own test below)
-    monkeypatch.setattr(A, "SPARSE_BASE_DENSE_ROWS", 0)
 
 
 def _tol(dtype):
@@ -158,49 +155,6 @@ def test_low_rank_compensation_in_the_sparse_base_kernel_matches_its_reference(i
         torch.testing.assert_close(o, wnt.to(dtype), **_tol(dtype))
     for ws_, counters in A._WORKSPACES.values():
         assert not ws_.any() and not counters.any()
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("m,sizes", [(4, (70,)), (9, (33, 16, 20))])
-def test_calls_of_many_rows_read_the_thresholded_input_through_matmul_with_the_kernels_result(
-        interpret, monkeypatch, dtype, m, sizes):
-    """From ``dense_rows`` rows on the base is sparsify(x) W^T (+ bias, + the compensation) through
-    torch.matmul: the kernel's result and the reference's, one weight or several, with and without the
-    compensation; below the limit the kernel runs; a negative limit is refused."""
-    gen = torch.Generator().manual_seed(m)
-    k, r = 150, 4
-    x = _sparse_x(m, k, gen, dtype, frac=0.3)
-    ws = [(torch.randn(n, k, generator=gen) * 0.1).to(dtype) for n in sizes]
-    wts = [A.input_major_weight(w) for w in ws]
-    biases = [torch.randn(n, generator=gen).to(dtype) for n in sizes]
-    lr = A.input_major_low_rank([((torch.randn(r, k, generator=gen) * 0.2).to(dtype),
-                                  (torch.randn(n, r, generator=gen) * 0.2).to(dtype)) for n in sizes])
-    calls = []
-    real = A._dense_read_base
-    monkeypatch.setattr(A, "_dense_read_base", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for lowrank in (None, lr):
-        kernel = A.sparse_base_linears(x, wts, biases, threshold=0.6, lowrank=lowrank, block_n=16, block_k=32)
-        assert calls == []
-        dense = A.sparse_base_linears(x, wts, biases, threshold=0.6, lowrank=lowrank, dense_rows=m)
-        assert calls == [m]
-        calls.clear()
-        parts = A._split_lowrank(lowrank, list(sizes))
-        for d, kern, wt, b, part in zip(dense, kernel, wts, biases, parts):
-            torch.testing.assert_close(d, A.sparse_base_linear_reference(x, wt, b, 0.6, part), **_tol(dtype))
-            torch.testing.assert_close(d, kern, **_tol(dtype))
-        if len(sizes) == 1:
-            out = torch.full((m, sizes[0]), float("nan"), dtype=dtype)
-            one = A.sparse_base_linear(x, wts[0], biases[0], threshold=0.6, lowrank=lowrank, dense_rows=1, out=out)
-            assert one is out and calls == [m]
-            torch.testing.assert_close(one, dense[0], atol=0, rtol=0)
-            calls.clear()
-    A.sparse_base_linear(x, wts[0], threshold=0.6, dense_rows=m + 1, block_n=16, block_k=32)  # one row short
-    assert calls == []
-    with pytest.raises(ValueError, match="dense_rows"):
-        A.sparse_base_linear(x, wts[0], dense_rows=-1)
-    with pytest.raises(ValueError, match="dense_rows"):  # refused on the reference path too
-        monkeypatch.delenv("TRITON_INTERPRET")
-        A.sparse_base_linear(x, wts[0], dense_rows=-1)
 
 
 def test_low_rank_arguments_are_checked(interpret):
@@ -772,11 +726,9 @@ def test_compiled_kernels_match_references_on_gpu(monkeypatch, dtype):
     x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
     w = (torch.randn(n, k, generator=gen, device="cuda") * 0.02).to(dtype)
     wt = A.input_major_weight(w)
-    for rows in (1, 3, m):
-        for dense_rows in (None, 0):  # the default (from 4 rows on through cuBLAS), and the kernel throughout
-            got = A.sparse_base_linear(x[:rows], wt, threshold=0.6, dense_rows=dense_rows)
-            torch.testing.assert_close(got, A.sparse_base_linear_reference(x[:rows], wt, threshold=0.6),
-                                       atol=3e-2, rtol=2e-2)
+    for rows in (1, m):
+        got = A.sparse_base_linear(x[:rows], wt, threshold=0.6)
+        torch.testing.assert_close(got, A.sparse_base_linear_reference(x[:rows], wt, threshold=0.6), atol=3e-2, rtol=2e-2)
     stack = prepare_stack(random_delta_stack(4, n, k, bits=4, group_size=128, device="cuda", generator=gen,
                                              scale_range=(0.01, 0.03)))
     deltas = A.input_major_deltas(stack)
@@ -821,13 +773,13 @@ def test_compiled_kernels_match_references_on_gpu(monkeypatch, dtype):
     ws3 = [w, (torch.randn(300, k, generator=gen, device="cuda") * 0.02).to(dtype), w3]
     lr3 = A.input_major_low_rank([low_rank_factors(wi, 16) for wi in ws3])
     lr1 = A.input_major_low_rank([low_rank_factors(w, 16)])
-    for rows, dense_rows in ((1, None), (m, None), (m, 0)):
+    for rows in (1, m):
         for pdl in ((0, 2) if torch.cuda.get_device_capability()[0] >= 9 else (0,)):
-            one = A.sparse_base_linear(x[:rows], wt, threshold=0.6, lowrank=lr1, pdl=pdl, dense_rows=dense_rows)
+            one = A.sparse_base_linear(x[:rows], wt, threshold=0.6, lowrank=lr1, pdl=pdl)
             torch.testing.assert_close(one, A.sparse_base_linear_reference(x[:rows], wt, threshold=0.6, lowrank=lr1),
                                        atol=3e-2, rtol=2e-2)
             outs = A.sparse_base_linears(x[:rows], [A.input_major_weight(wi) for wi in ws3], threshold=0.6,
-                                         lowrank=lr3, pdl=pdl, dense_rows=dense_rows)
+                                         lowrank=lr3, pdl=pdl)
             for o, wi, part in zip(outs, ws3, A._split_lowrank(lr3, [wi.shape[0] for wi in ws3])):
                 torch.testing.assert_close(o, A.sparse_base_linear_reference(x[:rows], A.input_major_weight(wi),
                                                                              threshold=0.6, lowrank=part),

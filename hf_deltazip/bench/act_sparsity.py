@@ -22,10 +22,7 @@ graph over the block's layers (the block's ~0.9 GB of weights stream through L2 
 * batch 1 with one delta: the fused planar multi-delta kernel (dense) vs sparse base + sparse delta;
 * batch 8 with 8 distinct deltas: the fused planar kernel (dense) vs cuBLAS base (the union of 8
   rows' kept inputs is almost everything) + :func:`~hf_deltazip.kernels.act_sparse.sparse_delta_linear`
-  per row, and vs what a ``DeltaModel`` layer runs (``sparse_base_linear`` on its default route, with
-  the compensation, + the sparse deltas);
-* the base alone at 2, 3, 4 and 8 rows: the sparse base kernel against the thresholded input through
-  cuBLAS (what ``sparse_base_linear`` does from ``SPARSE_BASE_DENSE_ROWS`` rows on), against cuBLAS dense.
+  per row.
 
 Each row reports microseconds per block, and the decode tokens/s of the linear layers of a
 32-block model plus the dense LM head (attention and norms not counted: small at short context).
@@ -57,8 +54,6 @@ from ..modeling import activation_sparsity as acts
 from . import metrics
 
 SPARSITIES = (0.0, 0.25, 0.4, 0.5)
-#: row counts of the speed mode's base-only sweep beyond batch 1 (kernel against cuBLAS on the thresholded input)
-BASE_ROWS = (2, 3, 4, 8)
 
 
 # =============================================================================================== quality
@@ -451,7 +446,7 @@ def run_speed(args) -> dict:
     err = max(_check(layers, gen, device), _check(layers, gen, device, {"compact": False}, {"compact": False}))
     head = (torch.randn(VOCAB_8B, 4096, generator=gen, device=device) * 0.02).to(torch.bfloat16)
     xh = torch.randn(8, 4096, generator=gen, device=device).to(torch.bfloat16)
-    head_us = {m: time_calls([lambda m=m: torch.nn.functional.linear(xh[:m], head)]) for m in BASE_ROWS + (1, 8)}
+    head_us = {m: time_calls([lambda m=m: torch.nn.functional.linear(xh[:m], head)]) for m in (1, 8)}
     del head
     rows = []
 
@@ -526,9 +521,6 @@ def run_speed(args) -> dict:
         err = max(err, _check(layers, gen, device, base_cfg, delta_cfg), _check(layers, gen, device, base_cfg, delta1_cfg))
     dense_x = xs[min(args.sparsity)]
     add("base, batch 1", 1, 0.0, "cuBLAS dense", [lambda L=L, x=dense_x[n][:1]: lin(x, L["w"]) for n, L in layers.items()])
-    for m in BASE_ROWS:
-        add(f"base, batch {m}", m, 0.0, "cuBLAS dense",
-            [lambda L=L, x=dense_x[n][:m]: lin(x, L["w"]) for n, L in layers.items()])
     add("base, batch 1, grouped", 1, 0.0, "cuBLAS dense, q/k/v and gate/up concatenated",
         [lambda g=g, x=dense_x[g[0]][:1]: lin(x, fused_w[g]) for g in groups])
     add("1 delta, batch 1", 1, 0.0, "fused planar kernel (dense)",
@@ -567,18 +559,6 @@ def run_speed(args) -> dict:
                     x, L["im"], rd1, out=A.sparse_base_linear(x, L["wt"], **bcfg, **_lr(L.get("lr"))), segments=seg1, **dcfg)
                  for n, L in layers.items()])
             add("8 deltas, batch 8", 8, s, "cuBLAS base + sparse delta" + tag, delta8_calls(x, dcfg))
-            if not tag:  # what a DeltaModel layer runs: the thresholded base (compensated) and the deltas
-                add("8 deltas, batch 8", 8, s, "sparse_base_linear (default route) + sparse delta" + comp,
-                    [lambda L=L, x=x[n], dcfg=dcfg: A.sparse_delta_linear(
-                        x, L["im"], rd8, out=A.sparse_base_linear(x, L["wt"], **_lr(L.get("lr"))), segments=seg8, **dcfg)
-                     for n, L in layers.items()])
-                # the base of a few rows: the kernel (the union of the rows' kept inputs read) against the
-                # thresholded input through cuBLAS (every column read); sets SPARSE_BASE_DENSE_ROWS
-                for m in BASE_ROWS:
-                    for path, dense_rows in (("sparse base kernel", 0), ("thresholded input through cuBLAS", 1)):
-                        add(f"base, batch {m}", m, s, path + comp,
-                            [lambda L=L, x=x[n][:m], dr=dense_rows: A.sparse_base_linear(
-                                x, L["wt"], dense_rows=dr, **_lr(L.get("lr"))) for n, L in layers.items()])
     dense_ref = {r["case"]: r for r in rows if r["sparsity"] == 0.0 and "dense" in r["path"]}
     for r in rows:  # per block of linears, and in tokens/s (the dense LM head counted in both)
         r["speedup_vs_dense"] = dense_ref[r["case"]]["block_us"] / r["block_us"]

@@ -66,6 +66,7 @@ __all__ = [
     "sparse_base_linear_reference",
     "sparse_delta_linear",
     "sparse_delta_linear_reference",
+    "SPARSE_BASE_DEFAULTS",
     "SPARSE_BASE_MAX_ROWS",
     "SPARSE_DELTA_DEFAULTS",
     "SPARSE_DELTA_MIXED_ROWS",
@@ -75,6 +76,9 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BITS = (2, 4, 8)
 #: rows one base program handles (a decode step at batch 1-16); more rows keep fewer zero columns
 SPARSE_BASE_MAX_ROWS = 16
+#: launch defaults of :func:`sparse_base_linear` as ``(block_n, block_k, num_warps)``: one row (the
+#: compacted GEMV) and several rows (16-row MMA tiles)
+SPARSE_BASE_DEFAULTS = {"one": (64, 128, 2), "rows": (64, 256, 2)}
 #: launch defaults of :func:`sparse_delta_linear` as ``(block_n, num_warps, inner_k)``: for a call of
 #: at least :data:`SPARSE_DELTA_MIXED_ROWS` rows (a mixed batch, one row per delta; 2-bit deltas their own)
 #: and for fewer rows (batch 1 on one delta); the fastest compacted walks of the H200 sweeps (BENCHMARKS.md
@@ -454,7 +458,7 @@ def _check_blocks(block_n: int, block_k: int, block_m: Optional[int] = None) -> 
 
 def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                        threshold: Optional[float] = None, out: Optional[torch.Tensor] = None,
-                       block_n: int = 64, block_k: Optional[int] = None, num_warps: int = 2,
+                       block_n: Optional[int] = None, block_k: Optional[int] = None, num_warps: Optional[int] = None,
                        mma: bool = False, compact: bool = True, pdl: Optional[int] = None,
                        finish_kernel: bool = True, lowrank: Optional[tuple] = None) -> torch.Tensor:
     """``y = x W^T + bias`` reading only the weight columns of inputs some row of ``x`` keeps.
@@ -469,7 +473,8 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
         out: optional ``[M, N]`` output.
         block_n, block_k, num_warps: the ``[block_k, block_n]`` weight tile of one program (powers
             of two, at least 16) and its warps. Memory is skipped per input whatever the tile.
-            ``block_k=None``: 128 for the compacted one-row walk, else 256.
+            ``None``: :data:`SPARSE_BASE_DEFAULTS` for one row or several (the masked one-row walk:
+            k-tiles of 256).
         mma: one row through ``tl.dot`` too, padded to 16 rows; ``False`` (default, faster on the
             H200): one row runs as a GEMV (a multiply and a sum across lanes).
         compact: one row without MMA: first pack the row's kept inputs into lists of 1024-input
@@ -496,7 +501,7 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
         ``[M, N]`` in ``out``'s dtype (default ``x.dtype``), accumulated in float32.
     """
     _check_base(x, weight_t, bias, out)
-    block_k = _base_block_k(block_k, x, mma, compact)
+    block_n, block_k, num_warps = _base_tiles(block_n, block_k, num_warps, x, mma, compact)
     _check_blocks(block_n, block_k)
     _thr(threshold, x.dtype)  # a bad threshold or pdl is refused on every path
     pdl = _pdl(pdl, x)
@@ -511,7 +516,7 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
 def sparse_base_linears(x: torch.Tensor, weights_t: Sequence[torch.Tensor],
                         biases: Optional[Sequence[Optional[torch.Tensor]]] = None, *,
                         threshold: Optional[float] = None, out: Optional[torch.Tensor] = None,
-                        block_n: int = 64, block_k: Optional[int] = None, num_warps: int = 2, mma: bool = False,
+                        block_n: Optional[int] = None, block_k: Optional[int] = None, num_warps: Optional[int] = None, mma: bool = False,
                         compact: bool = True, pdl: Optional[int] = None, finish_kernel: bool = True,
                         lowrank: Optional[tuple] = None) -> tuple:
     """:func:`sparse_base_linear` for up to three weights that read the same input (q/k/v, gate/up),
@@ -543,7 +548,7 @@ def sparse_base_linears(x: torch.Tensor, weights_t: Sequence[torch.Tensor],
     for w, b in zip(weights_t, biases):
         _check_base(x, w, b, None)
     sizes = [w.shape[1] for w in weights_t]
-    block_k = _base_block_k(block_k, x, mma, compact)
+    block_n, block_k, num_warps = _base_tiles(block_n, block_k, num_warps, x, mma, compact)
     _check_blocks(block_n, block_k)
     _thr(threshold, x.dtype)
     pdl = _pdl(pdl, x)
@@ -562,11 +567,16 @@ def sparse_base_linears(x: torch.Tensor, weights_t: Sequence[torch.Tensor],
     return tuple(y.split(sizes, dim=1))
 
 
-def _base_block_k(block_k: Optional[int], x: torch.Tensor, mma: bool, compact: bool) -> int:
-    """The default k-tile of the base GEMV: 128 for the compacted one-row walk, else 256."""
-    if block_k is not None:
-        return block_k
-    return 128 if compact and x.dim() == 2 and x.shape[0] == 1 and not mma else 256
+def _base_tiles(block_n: Optional[int], block_k: Optional[int], num_warps: Optional[int], x: torch.Tensor,
+                mma: bool, compact: bool) -> tuple:
+    """The base kernel's ``(block_n, block_k, num_warps)``: those given, the rest from
+    :data:`SPARSE_BASE_DEFAULTS` (one row without MMA, or several rows); the masked one-row walk
+    (``compact=False``) takes k-tiles of 256."""
+    one = x.dim() == 2 and x.shape[0] == 1 and not mma
+    dn, dk, dw = SPARSE_BASE_DEFAULTS["one" if one else "rows"]
+    if block_k is None:
+        block_k = 256 if one and not compact else dk
+    return (dn if block_n is None else block_n), block_k, (dw if num_warps is None else num_warps)
 
 
 def _launch_base(x, weights_t, bias, threshold, out, block_n, block_k, num_warps, mma, compact, pdl,

@@ -33,6 +33,7 @@ from .errors import (
     DeltaZipError,
     DeltaZipFormatError,
     HubError,
+    TargetRatioTooLowError,
     UnsupportedModelError,
 )
 
@@ -40,6 +41,7 @@ __all__ = [
     "DeltaZipConfig",
     "DeltaZipError",
     "DeltaZipConfigError",
+    "TargetRatioTooLowError",
     "DeltaZipFormatError",
     "BaseMismatchError",
     "DeltaNotFoundError",

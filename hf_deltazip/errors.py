@@ -15,6 +15,18 @@ class DeltaZipConfigError(DeltaZipError, ValueError):
     """A :class:`~hf_deltazip.DeltaZipConfig` field has a value that is not allowed."""
 
 
+class TargetRatioTooLowError(DeltaZipConfigError):
+    """``target_ratio`` leaves more bytes than the most accurate settings offered would use.
+
+    ``reachable`` is the whole-file ratio those settings reach: compress with a ``target_ratio`` of at
+    least that (the most accurate delta the offered settings make), or without one.
+    """
+
+    def __init__(self, message: str, reachable: float):
+        self.reachable = reachable
+        super().__init__(message)
+
+
 class DeltaZipFormatError(DeltaZipError):
     """A ``.dz`` file (or a delta folder) is corrupt, truncated or of an unknown version.
 

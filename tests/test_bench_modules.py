@@ -412,3 +412,29 @@ def test_decode_cold_start_takes_the_number_of_reader_threads(tmp_path, monkeypa
     assert used == [2, 2, 2, 2, 2, 1, 2, 2]
     assert direct == [False] * 4 + [True] + [False] * 3  # the cache's default (3 repeats), then each way
     assert overlapped == [True] * 3 + [False] + [True] * 4  # read beside the prefill, but for the row without
+
+
+def test_a_ratio_below_the_budgets_floor_scores_ours_at_its_most_accurate_delta(tiny_pair):
+    """A target that leaves more bytes than the most accurate offered settings use: compress() refuses it with
+    TargetRatioTooLowError and the ratio those settings reach; the bench then scores ours there (fewer bytes than
+    the budget) and gives the baselines R's whole budget."""
+    from hf_deltazip import TargetRatioTooLowError
+
+    result = quality.run_quality(tiny_pair, ratios=(1.5,), methods=("ours", "RTN", "DARE"), device="cpu",
+                                 n_calibration=8, seq_len=32, ours="budget", log=lambda m: None)
+    rows = {r["method"]: r for r in result["rows"]}
+    ours = rows["ours"]
+    assert not ours.get("out_of_reach") and ours["target_ratio"] == 1.5
+    assert ours["ratio"] > 1.5 * 1.05 and "most accurate offered" in ours["setting"]
+    fp16 = ours["bytes"] * ours["ratio"]
+    assert ours["bytes"] < rows["DARE"]["bytes"] <= fp16 / 1.5 and rows["DARE"]["bytes"] > 0.9 * fp16 / 1.5
+    assert abs(rows["RTN"]["bytes"] / ours["bytes"] - 1) < 0.1  # our layout, without the solver
+    # the error itself: a DeltaZipConfigError that carries the reachable ratio, named in its message
+    from hf_deltazip import DeltaZipConfig, compress
+    from hf_deltazip.errors import DeltaZipConfigError
+
+    with pytest.raises(TargetRatioTooLowError) as info:
+        compress(tiny_pair.base_dir, tiny_pair.finetuned_dir, DeltaZipConfig(target_ratio=1.5, **quality.BUDGET_CANDIDATES),
+                 progress=False)
+    assert isinstance(info.value, DeltaZipConfigError) and info.value.reachable > 1.5
+    assert f"at least {info.value.reachable:.1f}" in str(info.value)

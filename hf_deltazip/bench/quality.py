@@ -41,7 +41,7 @@ from ..compression import lowrank
 from ..compression.solver import storage_nbytes
 from ..config import BUDGET_WEIGHTINGS, DeltaZipConfig
 from ..delta import delta_bytes_report
-from ..errors import DeltaZipConfigError
+from ..errors import DeltaZipConfigError, TargetRatioTooLowError
 from ..modeling import DeltaModel
 from ..modeling.arch import conv1d_class
 from . import metrics
@@ -343,11 +343,23 @@ def run_quality(
             cfg = our_config(ratio, measured=measured, shapes=shapes, n_samples=n_calibration, seq_len=seq_len)
             rung = ladder_name(cfg)
         unreachable = None
+        below_floor = False
         if rung not in done_rungs:
             t1 = time.perf_counter()
             try:
-                merged, report, delta = _ours(pair, cfg, calib, tok, device, fp16_bytes, measurements=shared,
-                                              progress=progress)
+                try:
+                    merged, report, delta = _ours(pair, cfg, calib, tok, device, fp16_bytes, measurements=shared,
+                                                  progress=progress)
+                except TargetRatioTooLowError as e:
+                    # more bytes than the most accurate settings use: ours is the most accurate delta, in
+                    # fewer bytes than R's budget; the baselines below still get the whole budget
+                    if ours != "budget":
+                        raise
+                    say(f"R={ratio}x: the most accurate settings offered reach {e.reachable:.2f}x; ours there")
+                    below_floor = True
+                    cfg = dataclasses.replace(cfg, target_ratio=e.reachable * (1 - 1e-6))
+                    merged, report, delta = _ours(pair, cfg, calib, tok, device, fp16_bytes, measurements=shared,
+                                                  progress=progress)
             except DeltaZipConfigError as e:  # the budget cannot land there (too high, or too low to need it)
                 if ours != "budget":
                     raise
@@ -356,7 +368,7 @@ def run_quality(
                 if ours == "budget":  # RTN below keeps the chosen per-module settings, without the budget
                     cfg = dataclasses.replace(delta.config, target_ratio=None)
                 done_rungs[rung] = {"bytes": report["total_bytes"], "compress_s": time.perf_counter() - t1,
-                                    "merged": merged, "report": report, "config": cfg,
+                                    "merged": merged, "report": report, "config": cfg, "below_floor": below_floor,
                                     "layouts": layout_counts(report),
                                     "budget_weighting": delta.summary.get("budget_weighting")}
                 if mats is None:
@@ -365,10 +377,12 @@ def run_quality(
         got = done_rungs.get(rung)
         reached = got is not None and fp16_bytes / got["bytes"] >= REACH * ratio
         if reached:
-            budget = got["bytes"]
+            floor = got.get("below_floor", False)
+            budget = budget if floor else got["bytes"]  # below ours' floor the baselines keep R's whole budget
             if "ours" in methods:
                 add("ours", rung, ratio, got["bytes"], got["merged"],
-                    {k: got[k] for k in ("compress_s", "layouts", "budget_weighting") if got.get(k) is not None})
+                    {k: got[k] for k in ("compress_s", "layouts", "budget_weighting") if got.get(k) is not None}
+                    | ({"setting": f"{rung}: most accurate offered ({fp16_bytes / got['bytes']:.1f}x)"} if floor else {}))
             if "RTN" in methods:  # our very layout and settings, no calibration
                 merged, report, _ = _ours(pair, got["config"], None, tok, device, fp16_bytes)
                 add("RTN", rung, ratio, report["total_bytes"], merged)

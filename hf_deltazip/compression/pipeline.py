@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from .._version import __version__
 from ..config import CONFIG_NAME, DeltaZipConfig, lowrank_bits_per_weight
 from ..delta import CompressedDelta, PackedModule, recorded_location
-from ..errors import DeltaZipConfigError, DeltaZipError, UnsupportedModelError
+from ..errors import DeltaZipConfigError, DeltaZipError, TargetRatioTooLowError, UnsupportedModelError
 from ..fingerprint import base_fingerprint
 from ..format import DZ_FILENAME, DeltaHeader
 from ..modeling.arch import (
@@ -576,9 +576,10 @@ class _Compression:
         most = sum(min(opts, key=lambda o: o.error).nbytes for opts in self.measured.values())
         if self.fixed_bytes + most < self.target_bytes * (1 - 0.05):
             reached = self.fp16_bytes / (self.fixed_bytes + most)
-            raise DeltaZipConfigError(
+            raise TargetRatioTooLowError(
                 f"target_ratio={self.target_ratio:g} is below what the most accurate settings offered reach "
-                f"({reached:.1f}x): choose a target_ratio of at least {reached:.1f}, or compress without one"
+                f"({reached:.1f}x): choose a target_ratio of at least {reached:.1f}, or compress without one",
+                reached,
             )
         self.chosen = chosen
         overrides = {k: v for k, v in self.config.overrides.items() if k not in chosen}

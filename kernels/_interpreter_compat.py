@@ -35,12 +35,12 @@ def ensure() -> None:
     from triton.runtime import interpreter
 
     original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None or getattr(original, "_deltazip_squeezes", False):
+    if original is None or getattr(original, "deltazip_squeezes_index", False):
         return
 
     def _patch_lang_tensor(tensor, scope):
         original(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 
-    _patch_lang_tensor._deltazip_squeezes = True
+    _patch_lang_tensor.deltazip_squeezes_index = True
     interpreter._patch_lang_tensor = _patch_lang_tensor

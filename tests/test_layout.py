@@ -21,6 +21,7 @@ FOREIGN_PRIVATE = {
     "_weight_int4pack_mm", "_convert_weight_to_int4pack",  # torch's int4 baseline in the kernel bench
     "_getframe",
     "_attn_implementation",  # transformers' config: which attention function a model runs (no public getter)
+    "_patch_lang_tensor",  # Triton's interpreter: wrapped for NumPy 2.4 on Triton 3.6 (kernels/_interpreter_compat.py)
 }
 
 

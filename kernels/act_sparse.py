@@ -516,8 +516,9 @@ def sparse_base_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: Optional[t
 def sparse_base_linears(x: torch.Tensor, weights_t: Sequence[torch.Tensor],
                         biases: Optional[Sequence[Optional[torch.Tensor]]] = None, *,
                         threshold: Optional[float] = None, out: Optional[torch.Tensor] = None,
-                        block_n: Optional[int] = None, block_k: Optional[int] = None, num_warps: Optional[int] = None, mma: bool = False,
-                        compact: bool = True, pdl: Optional[int] = None, finish_kernel: bool = True,
+                        block_n: Optional[int] = None, block_k: Optional[int] = None,
+                        num_warps: Optional[int] = None, mma: bool = False, compact: bool = True,
+                        pdl: Optional[int] = None, finish_kernel: bool = True,
                         lowrank: Optional[tuple] = None) -> tuple:
     """:func:`sparse_base_linear` for up to three weights that read the same input (q/k/v, gate/up),
     in one launch: the same result as one call per weight, with the launch and the tail of two

@@ -350,11 +350,9 @@ def run_quality(
                 try:
                     merged, report, delta = _ours(pair, cfg, calib, tok, device, fp16_bytes, measurements=shared,
                                                   progress=progress)
-                except TargetRatioTooLowError as e:
+                except TargetRatioTooLowError as e:  # only the budget raises it
                     # more bytes than the most accurate settings use: ours is the most accurate delta, in
                     # fewer bytes than R's budget; the baselines below still get the whole budget
-                    if ours != "budget":
-                        raise
                     say(f"R={ratio}x: the most accurate settings offered reach {e.reachable:.2f}x; ours there")
                     below_floor = True
                     cfg = dataclasses.replace(cfg, target_ratio=e.reachable * (1 - 1e-6))
@@ -380,9 +378,10 @@ def run_quality(
             floor = got.get("below_floor", False)
             budget = budget if floor else got["bytes"]  # below ours' floor the baselines keep R's whole budget
             if "ours" in methods:
-                add("ours", rung, ratio, got["bytes"], got["merged"],
-                    {k: got[k] for k in ("compress_s", "layouts", "budget_weighting") if got.get(k) is not None}
-                    | ({"setting": f"{rung}: most accurate offered ({fp16_bytes / got['bytes']:.1f}x)"} if floor else {}))
+                extra = {k: got[k] for k in ("compress_s", "layouts", "budget_weighting") if got.get(k) is not None}
+                if floor:
+                    extra["setting"] = f"{rung}: most accurate offered ({fp16_bytes / got['bytes']:.1f}x)"
+                add("ours", rung, ratio, got["bytes"], got["merged"], extra)
             if "RTN" in methods:  # our very layout and settings, no calibration
                 merged, report, _ = _ours(pair, got["config"], None, tok, device, fp16_bytes)
                 add("RTN", rung, ratio, report["total_bytes"], merged)

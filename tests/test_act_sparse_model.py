@@ -44,7 +44,7 @@ def thresholds():
     return S.ActivationThresholds(0.5, {n: th.thresholds[n] for n in LAYERS}, rank=4)
 
 
-def _models(th, kernels, deltas=(("d4", 4, 1), ("d2", 2, 2)), capacity=None):
+def _models(th, kernels, deltas=(("d4", 4, 1), ("d2", 2, 2)), capacity=None, base_rows=1):
     ker = DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="always")
     ref = DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="never")
     for m in (ker, ref):
@@ -52,8 +52,9 @@ def _models(th, kernels, deltas=(("d4", 4, 1), ("d2", 2, 2)), capacity=None):
             m.configure_cache(max_resident=capacity)
         for name, bits, seed in deltas:
             m.add_delta(_delta(bits, seed), name)
-    assert ker.set_activation_sparsity(th, kernels=kernels, strict=False) == len(th.thresholds)
-    ref.set_activation_sparsity(th, strict=False)
+    assert ker.set_activation_sparsity(th, kernels=kernels, strict=False,
+                                       threshold_base_rows=base_rows) == len(th.thresholds)
+    ref.set_activation_sparsity(th, strict=False, threshold_base_rows=base_rows)
     return ker, ref
 
 
@@ -86,7 +87,7 @@ def _decode_step(model, ids, rows):
 
 
 def test_decode_steps_through_the_sparse_kernels_equal_the_thresholded_model(interpret, monkeypatch, thresholds):
-    ker, ref = _models(thresholds, True)
+    ker, ref = _models(thresholds, True, base_rows=None)  # the base thresholded in every step
     calls = _Calls(monkeypatch)
     ids = calibration_ids(n=4, length=6, seed=5)
     rows = ["d4", None, "d2", "d4"]
@@ -104,12 +105,12 @@ def test_decode_steps_through_the_sparse_kernels_equal_the_thresholded_model(int
     # the model-speed bench's layer check: every thresholded layer compared, on the input it got in the model
     from hf_deltazip.bench.act_sparsity import _layer_errors
 
-    assert _layer_errors(ker, thresholds, ids[:, :1], rows, True) < 1e-4
+    assert _layer_errors(ker, thresholds, ids[:, :1], rows, True, base_rows=None) < 1e-4
     assert calls.base == 2 * n  # the checked forward on the kernel route; the layers again in PyTorch
     with pytest.raises(DeltaZipError, match="no thresholded delta layer"):
         _layer_errors(DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="always"), thresholds,
-                      ids[:, :1], [None] * 4, True)
-    ker.set_activation_sparsity(thresholds, kernels=True, strict=False)
+                      ids[:, :1], [None] * 4, True, base_rows=None)
+    ker.set_activation_sparsity(thresholds, kernels=True, strict=False, threshold_base_rows=None)
     # prompts (several tokens per row) take the ordinary route, thresholded in PyTorch
     before = calls.base
     with torch.no_grad():
@@ -130,6 +131,76 @@ def test_base_rows_alone_and_one_delta_for_every_row(interpret, monkeypatch, thr
     with torch.no_grad():
         torch.testing.assert_close(ker(input_ids=ids[:, :1]).logits, ref(input_ids=ids[:, :1]).logits,
                                    atol=2e-4, rtol=2e-4)
+
+
+def _layer_io(model, name, ids, rows):
+    """The input and output of the delta layer ``name`` in one decode step of ``rows``."""
+    layer = model.base_model.get_submodule(name)
+    assert isinstance(layer, DeltaLinear)
+    seen = {}
+    handle = layer.register_forward_hook(lambda mod, args, out: seen.update(x=args[0].detach(), y=out.detach()))
+    try:
+        _decode_step(model, ids, rows)
+    finally:
+        handle.remove()
+    return layer, seen["x"], seen["y"]
+
+
+def _by_hand(model, layer, x, rows, threshold, base_exact):
+    """``W x + b`` (or ``W x_kept + b``: then without the compensation) plus each row's ``Δ x_kept``."""
+    w = layer.base_weight_nk().float()
+    kept = torch.where(x.abs() > threshold, x, torch.zeros_like(x)).float()
+    y = torch.nn.functional.linear(x.float() if base_exact else kept, w, layer.base_layer.bias)
+    for r, name in enumerate(rows):
+        if name is not None:
+            slot = model._cache.slot_of(name)
+            y[r] += torch.nn.functional.linear(kept[r], layer.merged_weight(slot, torch.float32) - w)
+    return y
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["pytorch", "kernels"])
+def test_a_step_of_several_rows_multiplies_the_base_by_the_whole_input(interpret, monkeypatch, thresholds, kernels):
+    """The default ``threshold_base_rows=1``: in a one-token step of several rows the base weights read the
+    whole input (exact, no compensation needed) and each row's delta its thresholded input; a step of one row
+    thresholds both; ``None`` thresholds the base at every row count, ``0`` at none."""
+    ker, ref = _models(thresholds, True)
+    model = ker if kernels else ref
+    calls = _Calls(monkeypatch)
+    ids = calibration_ids(n=4, length=3, seed=11)
+    rows = ["d4", None, "d2", "d4"]
+    for name in LAYERS:
+        layer, x, got = _layer_io(model, name, ids, rows)
+        want = _by_hand(model, layer, x, rows, thresholds.thresholds[name], base_exact=True)
+        torch.testing.assert_close(got.float(), want, atol=2e-4, rtol=2e-4)
+        # and the exact base is not what thresholding it would give
+        assert not torch.allclose(_by_hand(model, layer, x, rows, thresholds.thresholds[name], False), want, atol=1e-3)
+    assert calls.base == 0  # no sparse base kernel in a step of four rows
+    steps = len(LAYERS)  # one decode step per layer checked, two format classes (4- and 2-bit) per layer
+    assert calls.delta == (steps * 2 * len(LAYERS) if kernels else 0)  # each row's delta still reads kept inputs only
+    # the base-only row is the plain base model's row, exactly as without thresholds
+    plain = DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="never")
+    torch.testing.assert_close(_decode_step(model, ids, rows)[1], _decode_step(plain, ids, [None] * 4)[1],
+                               atol=2e-4, rtol=2e-4)
+    # kernel route and PyTorch route agree on the whole model
+    torch.testing.assert_close(_decode_step(ker, ids, rows), _decode_step(ref, ids, rows), atol=2e-4, rtol=2e-4)
+
+    one = ["d2"]
+    before = calls.base
+    layer, x, got = _layer_io(model, LAYERS[0], ids[:1], one)  # one row: the base is thresholded too
+    assert calls.base == before + (len(LAYERS) if kernels else 0)
+    assert not torch.allclose(got.float(), _by_hand(model, layer, x, one, thresholds.thresholds[LAYERS[0]], True),
+                              atol=1e-3)
+    model.set_activation_sparsity(thresholds, strict=False, threshold_base_rows=0)  # the base never thresholded
+    layer, x, got = _layer_io(model, LAYERS[0], ids[:1], one)
+    torch.testing.assert_close(got.float(), _by_hand(model, layer, x, one, thresholds.thresholds[LAYERS[0]], True),
+                               atol=2e-4, rtol=2e-4)
+    model.set_activation_sparsity(thresholds, strict=False, threshold_base_rows=None)  # always thresholded
+    layer, x, got = _layer_io(model, LAYERS[0], ids, rows)
+    assert not torch.allclose(got.float(), _by_hand(model, layer, x, rows, thresholds.thresholds[LAYERS[0]], True),
+                              atol=1e-3)
+    for bad in (-1, 1.5, True, "1"):
+        with pytest.raises(ValueError, match="threshold_base_rows"):
+            model.set_activation_sparsity(thresholds, strict=False, threshold_base_rows=bad)
 
 
 def test_captured_style_static_routing_gives_the_host_routed_result(interpret, thresholds):
@@ -164,7 +235,7 @@ def test_a_delta_written_into_free_room_later_is_served_from_its_input_major_cop
 
 def test_three_bit_deltas_fall_back_to_the_dense_delta_kernel_on_thresholded_inputs(interpret, monkeypatch,
                                                                                    thresholds):
-    ker, ref = _models(thresholds, True, deltas=(("d3", 3, 1),))
+    ker, ref = _models(thresholds, True, deltas=(("d3", 3, 1),), base_rows=None)
     calls = _Calls(monkeypatch)
     assert not any(m.stacks.input_major_ready for m in _linears(ker))
     ids = calibration_ids(n=2, length=2, seed=9)
@@ -247,7 +318,10 @@ def test_a_conv1d_base_is_read_in_place_and_keeps_its_bias(interpret, monkeypatc
     ids = calibration_ids(n=2, length=2, seed=12)
     torch.testing.assert_close(_decode_step(ker, ids, ["ft", None]), _decode_step(ref, ids, ["ft", None]),
                                atol=2e-4, rtol=2e-4)
-    assert calls.base == 2 and calls.delta == 2
+    assert calls.base == 0 and calls.delta == 2  # two rows: the base by the dense matmul on the whole input
+    torch.testing.assert_close(_decode_step(ker, ids[:1], ["ft"]), _decode_step(ref, ids[:1], ["ft"]),
+                               atol=2e-4, rtol=2e-4)
+    assert calls.base == 2 and calls.delta == 4  # one row: the sparse base kernel, reading the weight in place
 
 
 def test_the_byte_budget_counts_the_input_major_copies(interpret, thresholds):
@@ -322,12 +396,15 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @needs_cuda
+@pytest.mark.parametrize("base_rows", [None, 1], ids=["base-thresholded", "base-whole-input"])
 @pytest.mark.parametrize("deltas", [(("d4", 4, 1), ("d2", 2, 2), ("d8", 8, 3)), (("d4", 4, 1), ("d3", 3, 2))],
                          ids=["input-major", "3-bit fallback"])
-def test_compiled_sparse_route_matches_pytorch_thresholding_on_gpu(monkeypatch, deltas):
+def test_compiled_sparse_route_matches_pytorch_thresholding_on_gpu(monkeypatch, deltas, base_rows):
     """The compiled kernels in eager and in a decode engine's captured steps. Whole-model outputs in float32
     (in bf16 a rounding either way moves inputs across their thresholds, and the outputs part); bf16 (which the
-    interpreter is not trusted with) layer by layer, on the inputs each layer got in the model."""
+    interpreter is not trusted with) layer by layer, on the inputs each layer got in the model. With
+    ``threshold_base_rows=None`` the base of these four-row steps takes the sparse base kernel; with the
+    default (1) the dense matmul on the whole input."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     from hf_deltazip.bench.act_sparsity import _layer_errors
     from hf_deltazip.serving import DecodeEngine
@@ -342,19 +419,23 @@ def test_compiled_sparse_route_matches_pytorch_thresholding_on_gpu(monkeypatch, 
         for name, bits, seed in deltas:
             model.add_delta(_delta(bits, seed, device="cuda"), name)
     model = models[torch.float32]
-    model.set_activation_sparsity(th, kernels=False)
+    model.set_activation_sparsity(th, kernels=False, threshold_base_rows=base_rows)
     with torch.no_grad():
         want = model(input_ids=ids[:, :1], delta_names=rows).logits
     calls = _Calls(monkeypatch)
-    assert model.set_activation_sparsity(th) == len(th.thresholds)  # kernels on by default on a GPU
+    # kernels on by default on a GPU
+    assert model.set_activation_sparsity(th, threshold_base_rows=base_rows) == len(th.thresholds)
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids[:, :1], delta_names=rows).logits, want, atol=1e-4, rtol=1e-4)
-    assert _layer_errors(models[torch.bfloat16], th, ids[:, :1], rows, True) < 2e-2
-    assert calls.base >= 2 * len(th.thresholds)
+    assert _layer_errors(models[torch.bfloat16], th, ids[:, :1], rows, True, base_rows) < 2e-2
+    if base_rows is None:
+        assert calls.base >= 2 * len(th.thresholds)
+    else:  # a step of four rows: the base by the dense matmul
+        assert calls.base == 0
     assert calls.delta == (0 if len(deltas) == 2 else 3 * 2 * len(th.thresholds))
     outs = {}
     for kernels in (False, True):  # greedy decoding through captured steps
-        model.set_activation_sparsity(th, kernels=kernels)
+        model.set_activation_sparsity(th, kernels=kernels, threshold_base_rows=base_rows)
         engine = DecodeEngine(model, max_batch_size=4, max_length=32)
         engine.add([ids[i].tolist() for i in range(4)], rows, max_new_tokens=6)
         logits = []

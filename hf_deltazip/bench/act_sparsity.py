@@ -617,16 +617,17 @@ def run_model_speed(args) -> dict:
     # the kernel route against thresholding in PyTorch, layer by layer on the inputs one decode-shaped forward of
     # mixed rows gives each layer (whole-model outputs are no check in bf16: a rounding either way moves inputs
     # across their thresholds, and a random model's logits amplify that)
-    err = _layer_errors(model, th[max(targets)], ids, names[:7] + [None], True)
+    err = max(_layer_errors(model, th[max(targets)], ids, names[:7] + [None], True, base_rows)
+              for base_rows in (1, None))
     cases = [("base, batch 1", [None]), ("1 delta, batch 1", names[:1]), (f"{len(names)} deltas, batch {len(names)}", names)]
     rows = []
 
-    def measure(setting, sparsity, kernels):
+    def measure(setting, sparsity, kernels, base_rows=1, which=cases):
         if sparsity:
-            model.set_activation_sparsity(th[sparsity], kernels=kernels)
+            model.set_activation_sparsity(th[sparsity], kernels=kernels, threshold_base_rows=base_rows)
         else:
             model.set_activation_sparsity(None)
-        for case, rows_names in cases:
+        for case, rows_names in which:
             tps = engine_tokens_per_s(model, rows_names, len(rows_names), args.prompt_len, args.steps)
             rows.append({"case": case, "rows": len(rows_names), "sparsity": sparsity, "path": setting,
                          "tokens_per_s": tps})
@@ -636,6 +637,9 @@ def run_model_speed(args) -> dict:
     packed = model.memory_footprint()["deltas"][names[0]]  # no sparse route: the packed stacks alone
     for s in targets:
         measure("sparse kernels (kernels=True)", s, True)
+        # the same with the base thresholded at every row count too (threshold_base_rows=None): its sparse kernel
+        # in the steps of several rows, where the default multiplies it by the whole input
+        measure("sparse kernels, base thresholded too", s, True, None, cases[-1:])
     mem = model.memory_footprint()  # the route on: the input-major copies held too
     measure("thresholds in PyTorch (kernels=False)", max(targets), False)
     dense = {r["case"]: r["tokens_per_s"] for r in rows if r["sparsity"] == 0.0}
@@ -648,12 +652,13 @@ def run_model_speed(args) -> dict:
             "delta_gib_each": mem["deltas"][names[0]] / 2**30, "delta_gib_each_packed": packed / 2**30, "rows": rows, "seconds": round(time.time() - t0, 1)}
 
 
-def _layer_errors(model, thresholds, ids, rows, kernels) -> float:
+def _layer_errors(model, thresholds, ids, rows, kernels, base_rows=1) -> float:
     """Largest ``max |y_kernels - y_pytorch| / max |y_pytorch|`` over the thresholded delta layers of ``model``,
-    each fed the input it got in one forward of ``ids`` with ``kernels`` (``delta_names=rows``)."""
+    each fed the input it got in one forward of ``ids`` with ``kernels`` (``delta_names=rows``); ``base_rows``:
+    ``threshold_base_rows`` of both (see ``DeltaModel.set_activation_sparsity``)."""
     from ..modeling.layers import DeltaLinear
 
-    model.set_activation_sparsity(thresholds, kernels=kernels, strict=False)
+    model.set_activation_sparsity(thresholds, kernels=kernels, strict=False, threshold_base_rows=base_rows)
     mods = {n: m for n, m in model.base_model.named_modules()
             if isinstance(m, DeltaLinear) and acts.has_activation_sparsity(m.base_layer)}
     if not mods:
@@ -667,7 +672,7 @@ def _layer_errors(model, thresholds, ids, rows, kernels) -> float:
     finally:
         for h in hooks:
             h.remove()
-    model.set_activation_sparsity(thresholds, kernels=False, strict=False)
+    model.set_activation_sparsity(thresholds, kernels=False, strict=False, threshold_base_rows=base_rows)
     worst = 0.0
     with torch.no_grad(), model.route(rows):
         for n, (x, y) in seen.items():

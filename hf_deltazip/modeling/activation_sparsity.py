@@ -32,6 +32,12 @@ from +2.6 % to +1.0 % (H200, bf16; less so at a document's late positions: BENCH
 Not supported on a tensor-parallel model (``rank=0`` there). In a ``DeltaModel`` the factors are the base weight's; a delta's
 own dropped inputs are not compensated.
 
+**Which weights.** In a ``DeltaModel`` decode step of several rows, the base weights serve every row and the
+rows' kept inputs together cover nearly every column, so skipping columns saves the base no bytes;
+``DeltaModel.set_activation_sparsity`` therefore thresholds the base's input only in steps of at most
+``threshold_base_rows`` rows (1 by default) and lets it multiply the whole input, exactly, in larger ones,
+where each row's delta still reads only the columns of its own kept inputs (:func:`base_sees_whole_input`).
+
 **Which tokens.** By default every token's inputs are thresholded. ``decode_only=True`` leaves a forward
 over several tokens per row (a prompt's prefill) dense and thresholds one-token decode steps only: the
 sparse kernels pay only where decoding is memory-bound, and a dense prompt keeps what the answer attends
@@ -71,6 +77,7 @@ __all__ = [
     "activation_sparsity_of",
     "sparsify_module_input",
     "add_sparsity_correction",
+    "base_sees_whole_input",
     "low_rank_factors",
     "sparsify_positions_from",
     "sparsity_targets",
@@ -261,11 +268,12 @@ class _Rule:
     drops), or recording for calibration."""
 
     def __init__(self, threshold: Optional[float] = None, recorder=None, decode_only: bool = False,
-                 factors: Optional[tuple] = None):
+                 factors: Optional[tuple] = None, base_rows: Optional[int] = None):
         self.threshold = threshold
         self.recorder = recorder
         self.decode_only = decode_only
         self.factors = factors  # (A [r, in], B [out, r]) or None
+        self.base_rows = base_rows  # the base sees its whole input in one-token steps of more rows (None: never)
         self.handles = []
         self.last_out = None  # weakref to the last tensor produced: not processed twice
         self.pending = None  # (input, thresholded input) of the call in flight through the hooks
@@ -286,6 +294,15 @@ class _Rule:
             a, b = self.factors
             self._kernel_factors = (key, input_major_low_rank([(a.to(device, dtype), b.to(device, dtype))]))
         return self._kernel_factors[1]
+
+    def base_exact(self, x) -> bool:
+        """Whether the base multiplies all of ``x``: a step of one token per row (what decoding feeds a layer)
+        with more than ``base_rows`` rows, outside a :func:`sparsify_positions_from` block."""
+        if self.base_rows is None or self.recorder is not None or self.threshold is None or not torch.is_tensor(x):
+            return False
+        if x.dim() < 2 or (x.dim() >= 3 and x.shape[-2] != 1) or x.shape[-1] == 0 or decode_start() is not None:
+            return False
+        return x.numel() // x.shape[-1] > self.base_rows
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         return torch.where(x.abs() > self.threshold, x, torch.zeros((), dtype=x.dtype, device=x.device))
@@ -348,12 +365,27 @@ def kernel_sparsity(module: nn.Module, x: torch.Tensor) -> Optional[tuple]:
     return rule.threshold, rule.kernel_lowrank(x.dtype, x.device)
 
 
-def add_sparsity_correction(module: nn.Module, x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out`` plus the low-rank compensation of the inputs ``module``'s thresholds dropped from ``x`` (``y``
-    is ``sparsify_module_input(module, x)``); ``out`` itself when there is none. For a module whose
+def base_sees_whole_input(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether ``module``'s installed thresholds leave its base weight the whole of ``x``: a one-token step of
+    more rows than the ``threshold_base_rows`` they were installed with (only the deltas' inputs are then
+    thresholded; see :func:`install_activation_sparsity`)."""
+    rule = _RULES.get(module)
+    return rule is not None and rule.base_exact(x)
+
+
+def add_sparsity_correction(module: nn.Module, x: torch.Tensor, y: torch.Tensor, out: torch.Tensor,
+                            base_weight=None) -> torch.Tensor:
+    """``out`` plus what the inputs ``module``'s thresholds dropped from ``x`` would add (``y`` is
+    ``sparsify_module_input(module, x)``): through the low-rank compensation, or, in a step where the base
+    sees its whole input (:func:`base_sees_whole_input`), through the whole base weight, ``base_weight()``
+    (a callable giving it as ``[out, in]``); ``out`` itself when there is nothing to add. For a module whose
     forward the caller computes itself (a ``DeltaModel`` layer); plain modules get it from a hook."""
     rule = _RULES.get(module)
-    c = None if rule is None else rule.correction(x, y)
+    if rule is not None and base_weight is not None and y is not x and rule.base_exact(x):
+        w = base_weight()
+        c = nn.functional.linear((x - y).to(w.dtype), w)
+    else:
+        c = None if rule is None else rule.correction(x, y)
     if c is None:
         return out
     n = c.shape[-1]
@@ -366,7 +398,7 @@ def add_sparsity_correction(module: nn.Module, x: torch.Tensor, y: torch.Tensor,
 
 def _pre_hook(rule: _Rule, module, args):
     # bound to its rule: a hook carried over by a deep copy of the module (merge_and_unload) does nothing
-    if _RULES.get(module) is not rule or not args:
+    if _RULES.get(module) is not rule or not args or rule.base_exact(args[0]):
         return None
     y = rule(args[0])
     if y is args[0]:
@@ -437,8 +469,16 @@ def remove_activation_sparsity(model: nn.Module) -> None:
         _uninstall(mod)
 
 
+def _check_base_rows(rows) -> Optional[int]:
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 0):
+        raise ValueError(f"threshold_base_rows must be None (every step) or an integer >= 0 (the most rows of a decode "
+                         f"step whose base input is thresholded), got {rows!r}")
+    return rows
+
+
 def install_activation_sparsity(model: nn.Module, thresholds: Optional[ActivationThresholds], *,
-                                strict: bool = True, decode_only: bool = False, rank: Optional[int] = None) -> int:
+                                strict: bool = True, decode_only: bool = False, rank: Optional[int] = None,
+                                threshold_base_rows: Optional[int] = None) -> int:
     """Zero each target layer's inputs with ``|x| <= threshold`` (``None``: turn it off). Returns the
     number of layers thresholded.
 
@@ -448,11 +488,16 @@ def install_activation_sparsity(model: nn.Module, thresholds: Optional[Activatio
     prefill) stays dense, Jacobi steps count as decode steps (see the module docstring).
     ``rank``: the low-rank compensation's rank (``None``: the thresholds' own ``rank``; 0: none). Its
     factors are computed here from each layer's weight (a few seconds for an 8B model on a GPU).
+    ``threshold_base_rows``: in a step of one token per row with more rows than this, the base weights
+    multiply the whole input (exact: no thresholding, no compensation) and only a ``DeltaModel``'s deltas see
+    the thresholded input; a plain model's layers are then not thresholded at all. ``None`` (the default
+    here): every step is thresholded. Ignored on a tensor-parallel model (every step thresholded there).
 
     Raises:
         DeltaZipError: ``strict`` and a threshold names a module the model does not have, or the model
             has target layers without a threshold (thresholds of another model); a compensation rank on a
             tensor-parallel model (not supported).
+        ValueError: ``threshold_base_rows`` is neither None nor an integer >= 0.
     """
     if thresholds is None:
         remove_activation_sparsity(model)
@@ -461,10 +506,14 @@ def install_activation_sparsity(model: nn.Module, thresholds: Optional[Activatio
         raise TypeError(f"thresholds must be ActivationThresholds (see calibrate_activation_thresholds) or None, "
                         f"got {type(thresholds).__name__}")
     rank = thresholds.rank if rank is None else _check_rank(rank)
-    if rank:
-        from . import tensor_parallel
+    base_rows = _check_base_rows(threshold_base_rows)
+    from . import tensor_parallel
 
-        if tensor_parallel.tp_size(_transformers_root(model)) > 1:
+    sharded = tensor_parallel.tp_size(_transformers_root(model)) > 1
+    if sharded:  # a sharded layer's base shard cannot add the exact product of the dropped inputs
+        base_rows = None
+    if rank:
+        if sharded:
             raise DeltaZipError(
                 "the low-rank compensation of dropped inputs is not supported on a tensor-parallel model (its "
                 f"weights are sharded over the ranks); these thresholds ask for rank {rank}: install them with rank=0 "
@@ -482,7 +531,7 @@ def install_activation_sparsity(model: nn.Module, thresholds: Optional[Activatio
     factors = [low_rank_factors(_dense_weight(mod), rank) if rank else None for mod, _ in chosen]
     remove_activation_sparsity(model)  # only now: a refused call leaves what was installed before
     for (mod, t), f in zip(chosen, factors):
-        _install_rule(mod, _Rule(threshold=t, decode_only=decode_only, factors=f))
+        _install_rule(mod, _Rule(threshold=t, decode_only=decode_only, factors=f, base_rows=base_rows))
     return len(chosen)
 
 

@@ -27,7 +27,7 @@ from ..delta import PackedModule
 from ..errors import DeltaZipError
 from ..packing import dequantize, unpack_codes
 from ..quantization import dequantize_module_weight, logical_weight_shape
-from .activation_sparsity import add_sparsity_correction, kernel_sparsity, sparsify_module_input
+from .activation_sparsity import add_sparsity_correction, base_sees_whole_input, kernel_sparsity, sparsify_module_input
 from .arch import conv1d_class
 from .quantized import base_runs_itself, unhooked
 from .routing import KernelPolicy, LayoutVersion, Router
@@ -323,6 +323,11 @@ class DeltaLinear(DeltaModule):
         xs = sparsify_module_input(self.base_layer, x)  # activation sparsity (off unless installed)
         if xs is x:
             return self._forward(x)
+        if self.tp is None and base_sees_whole_input(self.base_layer, x):
+            # a decode step of many rows: the base multiplies the whole input, the deltas the thresholded one
+            if not self.packed and not self.overrides and self.stacks is None:
+                return self._forward(x)
+            return add_sparsity_correction(self.base_layer, x, xs, self._forward(xs), self.base_weight_nk)
         return add_sparsity_correction(self.base_layer, x, xs, self._forward(xs))
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -581,7 +586,11 @@ class DeltaLinear(DeltaModule):
         bias = self.base_layer.bias
         lead = x.shape[:-1]
         x2 = x.reshape(rows, k)
-        y = sparse_base_linear(x2, wt, None if bias is None else bias.to(x.dtype), threshold=threshold, lowrank=lowrank)
+        bias = None if bias is None else bias.to(x.dtype)
+        if base_sees_whole_input(self.base_layer, x):  # many rows: their kept inputs cover almost every column
+            y = F.linear(x2, wt.t(), bias)
+        else:
+            y = sparse_base_linear(x2, wt, bias, threshold=threshold, lowrank=lowrank)
         if not self.packed and not self.overrides and self.stacks is None:
             return y.reshape(*lead, y.shape[-1])
         routing = self.router.current

@@ -91,7 +91,9 @@ class DeltaModel(nn.Module):
                 calibrated from ``activation_calibration``); or thresholds / their file (see
                 :mod:`.activation_sparsity` and :meth:`set_activation_sparsity`).
             activation_calibration: texts or token ids to calibrate thresholds on when none are saved.
-            activation_decode_only: threshold one-token decode steps only (prompts run dense).
+            activation_decode_only: threshold one-token decode steps only (prompts run dense). Decode steps of
+                several rows threshold the deltas' inputs only (the base multiplies the whole input); change that
+                with :meth:`set_activation_sparsity` (``threshold_base_rows``).
             base_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (dtype, device_map, tp_plan,
                 quantization_config, ...). A bitsandbytes base (``BitsAndBytesConfig(load_in_4bit=True)``,
                 nf4 or fp4, double quantization, or ``load_in_8bit=True``) computes its own matmuls and the
@@ -358,7 +360,8 @@ class DeltaModel(nn.Module):
         return self._placer.graph_safe()
 
     def set_activation_sparsity(self, thresholds, *, decode_only: bool = False, rank: Optional[int] = None,
-                                kernels: Optional[bool] = None, strict: bool = True) -> int:
+                                kernels: Optional[bool] = None, strict: bool = True,
+                                threshold_base_rows: Optional[int] = 1) -> int:
         """Zero each linear layer's small inputs (``|x| <= threshold``), for the base and every delta;
         ``None`` turns it off. Returns the number of layers thresholded.
 
@@ -373,9 +376,20 @@ class DeltaModel(nn.Module):
         the thresholds that name a layer of this model and leave the other layers dense (default: refuse
         thresholds that do not cover exactly this model's layers).
 
+        ``threshold_base_rows`` (default 1): decode steps (one token per row) of at most this many rows threshold
+        the base's input as well as the deltas'; in a step of more rows the base weights multiply the whole
+        input, exactly, and only each row's delta reads the thresholded one. Skipping columns saves bytes only
+        where few rows share a weight: a delta serves one row or a few, but the base serves every row of the
+        step, and at 2-8 rows their kept inputs together cover nearly every column, so the sparse base kernel
+        is slower there than the dense matmul on the whole input (BENCHMARKS.md section 8). A row's output
+        then depends on how many rows its step has: alone it is the thresholded model's, beside others its base
+        part is exact (closer to the dense model). ``None``: threshold the base in every step (each row's output
+        the thresholded model's whatever the batch); ``0``: never threshold the base (deltas only).
+        Prompts and other steps of several tokens per row follow ``decode_only``, whatever their rows.
+
         ``kernels``: whether decode steps (one token per row, up to 16 rows) of the delta-carrying layers
         run the activation-sparse kernels, which read only the weight columns of kept inputs (the point:
-        speed; the results are those of the thresholded model either way):
+        speed; the results are the same either way):
 
         * ``None`` (default): ``True`` when the model runs the Triton kernels (CUDA), else ``False``;
         * ``True``: the base's matmul and each row's delta. Every 2-, 4- or 8-bit delta's codes are then held
@@ -408,7 +422,7 @@ class DeltaModel(nn.Module):
                 f"{self._placer.device} (use_kernels={self.kernel_policy.mode!r}): move it to a CUDA device, "
                 "or leave kernels=None")
         n = install_activation_sparsity(self, resolve_activation_sparsity(self, thresholds), decode_only=decode_only,
-                                        rank=rank, strict=strict)
+                                        rank=rank, strict=strict, threshold_base_rows=threshold_base_rows)
         self.layout_version.bump()  # captured decode steps hold the old thresholds: capture again
         on = bool(n) and (self.uses_kernels() if kernels is None else kernels)
         self._placer.set_sparse_kernels(on)

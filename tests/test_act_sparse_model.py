@@ -133,14 +133,16 @@ def test_base_rows_alone_and_one_delta_for_every_row(interpret, monkeypatch, thr
                                    atol=2e-4, rtol=2e-4)
 
 
-def _layer_io(model, name, ids, rows):
-    """The input and output of the delta layer ``name`` in one decode step of ``rows``."""
+def _layer_io(model, name, ids, rows, tokens=1):
+    """The input and output of the delta layer ``name`` in one forward of ``rows`` (``tokens`` each: 1, a
+    decode step)."""
     layer = model.base_model.get_submodule(name)
     assert isinstance(layer, DeltaLinear)
     seen = {}
     handle = layer.register_forward_hook(lambda mod, args, out: seen.update(x=args[0].detach(), y=out.detach()))
     try:
-        _decode_step(model, ids, rows)
+        with torch.no_grad():
+            model(input_ids=ids[:, :tokens], delta_names=rows)
     finally:
         handle.remove()
     return layer, seen["x"], seen["y"]
@@ -194,6 +196,13 @@ def test_a_step_of_several_rows_multiplies_the_base_by_the_whole_input(interpret
     layer, x, got = _layer_io(model, LAYERS[0], ids[:1], one)
     torch.testing.assert_close(got.float(), _by_hand(model, layer, x, one, thresholds.thresholds[LAYERS[0]], True),
                                atol=2e-4, rtol=2e-4)
+    layer, x, got = _layer_io(model, LAYERS[1], ids, rows, tokens=3)  # nor in a pass of several tokens per row
+    torch.testing.assert_close(got.float(), _by_hand(model, layer, x, rows, thresholds.thresholds[LAYERS[1]], True),
+                               atol=2e-4, rtol=2e-4)
+    model.set_activation_sparsity(thresholds, strict=False)  # the default: such a pass thresholds the base too
+    layer, x, got = _layer_io(model, LAYERS[1], ids, rows, tokens=3)
+    assert not torch.allclose(got.float(), _by_hand(model, layer, x, rows, thresholds.thresholds[LAYERS[1]], True),
+                              atol=1e-3)
     model.set_activation_sparsity(thresholds, strict=False, threshold_base_rows=None)  # always thresholded
     layer, x, got = _layer_io(model, LAYERS[0], ids, rows)
     assert not torch.allclose(got.float(), _by_hand(model, layer, x, rows, thresholds.thresholds[LAYERS[0]], True),

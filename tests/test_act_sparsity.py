@@ -998,7 +998,14 @@ def test_quality_bench_runs_the_measured_allocation(tmp_path):
                        "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["allocation"] == "measured"
-    assert {x["model"] for x in r["rows"]} == {"fine-tune", "DeltaModel (compressed delta)"}
+    assert {x["model"] for x in r["rows"]} == {"fine-tune", "DeltaModel (compressed delta)", "DeltaModel, delta only"}
+    nll = {(x["model"], x["sparsity"]): x["nll"] for x in r["rows"]}
+    # no thresholds: the compressed delta's NLL whichever weights would be thresholded
+    assert nll[("DeltaModel, delta only", 0.0)] == nll[("DeltaModel (compressed delta)", 0.0)]
+    # thresholds: the delta's inputs alone change the NLL, less than the base's and the delta's together
+    dense = nll[("DeltaModel (compressed delta)", 0.0)]
+    assert nll[("DeltaModel, delta only", 0.5)] != dense
+    assert abs(nll[("DeltaModel, delta only", 0.5)] - dense) < abs(nll[("DeltaModel (compressed delta)", 0.5)] - dense)
 
 
 def test_model_speed_table_gives_each_case_against_dense_and_both_memory_figures():

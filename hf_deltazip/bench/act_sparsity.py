@@ -245,10 +245,10 @@ def _only(th, layers):
 
 
 def _sweep(model, calib, evals, sparsities, batch_size, save_dir=None, dense_prefix=None, lengths=None,
-           layers=None, allocation="uniform", rank: int = acts.DEFAULT_RANK) -> dict:
+           layers=None, allocation="uniform", rank: int = acts.DEFAULT_RANK, base_rows=None) -> dict:
     """NLL per eval set at each sparsity, thresholds calibrated on ``model`` itself (``dense_prefix``: see
     :func:`_prefix_nll`; ``layers``: see :func:`_only`; ``allocation``, ``rank``: see
-    ``calibrate_activation_thresholds``)."""
+    ``calibrate_activation_thresholds``; ``base_rows``: a ``DeltaModel``'s ``threshold_base_rows``)."""
     out = {}
     targets = [s for s in sparsities if s > 0]
     ths = acts.calibrate_activation_thresholds(model, calib, targets, allocation=allocation, rank=rank) if targets else {}
@@ -257,7 +257,7 @@ def _sweep(model, calib, evals, sparsities, batch_size, save_dir=None, dense_pre
         if th is not None and save_dir is not None:
             th.save(save_dir)
         if hasattr(model, "set_activation_sparsity"):
-            model.set_activation_sparsity(th)
+            model.set_activation_sparsity(th, threshold_base_rows=base_rows)
         else:
             acts.install_activation_sparsity(model, th)
         out[s] = _nlls(model, evals, batch_size, dense_prefix, lengths)
@@ -325,10 +325,13 @@ def _delta_sweeps(args, pair, calib, evals, sparsities, delta_model_cls) -> list
         dm = delta_model_cls(copy.deepcopy(pair["base"]), use_kernels="auto")
         dm.load_delta(delta, delta_name="ft")
         dm.set_delta("ft")
-        return [("DeltaModel (compressed delta)", _sweep(dm, calib, evals, sparsities, args.batch_size,
-                                                         dense_prefix=args.dense_prefix,
-                                                         lengths=pair.get("prompt_lengths"), layers=args.layers,
-                                                         allocation=args.allocation, rank=args.rank))]
+        # base and delta thresholded (a decode step of one row), then the delta alone with the base exact (what
+        # the steps of several rows compute: threshold_base_rows=0 applies that rule to every forward)
+        return [(name, _sweep(dm, calib, evals, sparsities, args.batch_size, dense_prefix=args.dense_prefix,
+                              lengths=pair.get("prompt_lengths"), layers=args.layers, allocation=args.allocation,
+                              rank=args.rank, base_rows=base_rows))
+                for name, base_rows in (("DeltaModel (compressed delta)", None),
+                                        ("DeltaModel, delta only", 0))]
     finally:
         if tmp is not None:
             tmp.cleanup()

@@ -296,10 +296,13 @@ class _Rule:
         return self._kernel_factors[1]
 
     def base_exact(self, x) -> bool:
-        """Whether the base multiplies all of ``x``: a step of one token per row (what decoding feeds a layer)
-        with more than ``base_rows`` rows, outside a :func:`sparsify_positions_from` block."""
+        """Whether the base multiplies all of ``x``: always with ``base_rows == 0``; else in a step of one token
+        per row (what decoding feeds a layer) with more than ``base_rows`` rows, outside a
+        :func:`sparsify_positions_from` block."""
         if self.base_rows is None or self.recorder is not None or self.threshold is None or not torch.is_tensor(x):
             return False
+        if self.base_rows == 0:
+            return True
         if x.dim() < 2 or (x.dim() >= 3 and x.shape[-2] != 1) or x.shape[-1] == 0 or decode_start() is not None:
             return False
         return x.numel() // x.shape[-1] > self.base_rows
@@ -490,8 +493,10 @@ def install_activation_sparsity(model: nn.Module, thresholds: Optional[Activatio
     factors are computed here from each layer's weight (a few seconds for an 8B model on a GPU).
     ``threshold_base_rows``: in a step of one token per row with more rows than this, the base weights
     multiply the whole input (exact: no thresholding, no compensation) and only a ``DeltaModel``'s deltas see
-    the thresholded input; a plain model's layers are then not thresholded at all. ``None`` (the default
-    here): every step is thresholded. Ignored on a tensor-parallel model (every step thresholded there).
+    the thresholded input; a plain model's layers are then not thresholded at all. ``0``: the base multiplies
+    the whole input in every forward, prompts and teacher-forced passes included (what a ``DeltaModel``'s
+    steps of several rows compute, for measuring their quality). ``None`` (the default here): every step is
+    thresholded. Ignored on a tensor-parallel model (every step thresholded there).
 
     Raises:
         DeltaZipError: ``strict`` and a threshold names a module the model does not have, or the model

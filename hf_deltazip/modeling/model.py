@@ -384,8 +384,10 @@ class DeltaModel(nn.Module):
         is slower there than the dense matmul on the whole input (BENCHMARKS.md section 8). A row's output
         then depends on how many rows its step has: alone it is the thresholded model's, beside others its base
         part is exact (closer to the dense model). ``None``: threshold the base in every step (each row's output
-        the thresholded model's whatever the batch); ``0``: never threshold the base (deltas only).
-        Prompts and other steps of several tokens per row follow ``decode_only``, whatever their rows.
+        the thresholded model's whatever the batch); ``0``: never threshold the base, in any forward (deltas
+        only; a teacher-forced pass then scores what steps of several rows compute). With ``1`` or more, prompts
+        and other steps of several tokens per row threshold the base as they do the deltas (``decode_only``
+        leaves them dense).
 
         ``kernels``: whether decode steps (one token per row, up to 16 rows) of the delta-carrying layers
         run the activation-sparse kernels, which read only the weight columns of kept inputs (the point:

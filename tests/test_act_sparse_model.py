@@ -183,8 +183,13 @@ def test_a_step_of_several_rows_multiplies_the_base_by_the_whole_input(interpret
     plain = DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="never")
     torch.testing.assert_close(_decode_step(model, ids, rows)[1], _decode_step(plain, ids, [None] * 4)[1],
                                atol=2e-4, rtol=2e-4)
-    # kernel route and PyTorch route agree on the whole model
+    # kernel route and PyTorch route agree on the whole model, and layer by layer (the model-speed bench's check)
     torch.testing.assert_close(_decode_step(ker, ids, rows), _decode_step(ref, ids, rows), atol=2e-4, rtol=2e-4)
+    if kernels:
+        from hf_deltazip.bench.act_sparsity import _layer_errors
+
+        assert _layer_errors(ker, thresholds, ids[:, :1], rows, True) < 1e-4
+        ker.set_activation_sparsity(thresholds, kernels=True, strict=False)
 
     one = ["d2"]
     before = calls.base

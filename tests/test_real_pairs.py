@@ -196,6 +196,61 @@ def test_benchmarks_take_a_real_pair_folder(tmp_path, base_dir, capsys):
         real_pairs.real_pair_texts(tmp_path / "nothing")
 
 
+def test_act_sparsity_quality_scores_exact_match_every_token_and_decode_only(tmp_path, base_dir):
+    """`act_sparsity quality --real-pair --exact-match`: the pair's held-out examples answered greedily under each
+    sparsity's thresholds, once with the prompt thresholded too and once with it dense (decode only), with the
+    exact-match gain kept against the base and the dense fine-tune."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_deltazip.bench import act_sparsity, metrics
+    from hf_deltazip.modeling import activation_sparsity as S
+
+    pair = real_pairs.build_real_pair(tmp_path, "dates", base_dir=base_dir, **dict(SMALL, n_eval=6, n_calibration=8))
+    pair_dir = tmp_path / "dates"
+    tok = AutoTokenizer.from_pretrained(pair_dir / "finetuned")
+    ft = AutoModelForCausalLM.from_pretrained(pair_dir / "finetuned", dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    # a 3-step pair answers nothing right: make each reference answer the dense fine-tune's own greedy answer, so
+    # the dense fine-tune scores 1 and the thresholds can only lose answers
+    path = pair_dir / "eval_data.json"
+    data = json.loads(path.read_text())
+    for ex in data["eval_examples"]:
+        prompt = torch.tensor([tok(ex["prompt"], add_special_tokens=False)["input_ids"]])
+        new = metrics._greedy(ft, prompt, pair.max_new_tokens, tok.eos_token_id, metrics._pad_id(tok))[0].tolist()
+        new = new[: new.index(tok.eos_token_id)] if tok.eos_token_id in new else new
+        ex["answer"] = tok.decode(new, skip_special_tokens=True).strip()
+    path.write_text(json.dumps(data))
+    examples = real_pairs.load_real_pair(pair_dir, base_dir=base_dir).eval_examples
+
+    out = tmp_path / "em.json"
+    assert act_sparsity.main(["quality", "--real-pair", str(pair_dir), "--base", str(base_dir), "--sparsity", "0.9",
+                              "--device", "cpu", "--exact-match", "--batch-size", "4", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {(r["sparsity"], r["mode"]): r for r in result["exact_match_rows"]}
+    assert result["exact_match_examples"] == 6 and set(rows) == {(s, m) for s in (0.0, 0.9)
+                                                                   for m in ("every token", "decode only")}
+    base_em = metrics.exact_match(base, tok, examples, max_new_tokens=pair.max_new_tokens)
+    assert all(r["base_exact_match"] == base_em and r["finetune_exact_match"] == 1.0 for r in rows.values())
+    assert rows[0.0, "every token"]["exact_match"] == rows[0.0, "decode only"]["exact_match"] == 1.0
+
+    # the same thresholds installed by hand (calibrated as the bench does, on the pair's calibration texts)
+    _, calib_texts = real_pairs.real_pair_texts(pair_dir)
+    th = S.calibrate_activation_thresholds(ft, act_sparsity._ids(tok, calib_texts[:6], 512), [0.9])[0.9]
+    want = {}
+    for mode, decode_only in (("every token", False), ("decode only", True)):
+        S.install_activation_sparsity(ft, th, decode_only=decode_only)
+        want[mode] = metrics.exact_match(ft, tok, examples, max_new_tokens=pair.max_new_tokens)
+        got = rows[0.9, mode]
+        assert got["exact_match"] == want[mode]
+        expect_gain = (want[mode] - base_em) / (1.0 - base_em) if base_em < 1.0 else None
+        assert got["gain_kept"] == (pytest.approx(expect_gain) if expect_gain is not None else None)
+    S.remove_activation_sparsity(ft)
+    assert min(want.values()) < 1.0  # at 90 % the thresholds do cost answers: the scores above are not vacuous
+    assert "exact match on the pair's 6 held-out examples" in act_sparsity.quality_table(result)
+    with pytest.raises(SystemExit, match="--exact-match needs --real-pair"):
+        act_sparsity.main(["quality", "--tiny", "--sparsity", "0.5", "--device", "cpu", "--exact-match"])
+
+
 def test_jacobi_bench_scores_the_pair_task_for_every_model_and_delta(tmp_path, base_dir):
     """`bench.jacobi --pair` adds exact match and answer NLL on the pair's held-out examples, the measure
     of task gain that the continuation NLL cannot give for a consistency model."""

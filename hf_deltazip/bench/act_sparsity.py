@@ -9,6 +9,10 @@ with the compressed delta (the serving path: base and delta rows both see the sp
 Pairs: ``--pair DIR`` (a :mod:`~hf_deltazip.bench.pairs` folder: its task and general texts),
 ``--base DIR --finetune DIR`` (plain model folders; held-out stdlib text unless ``--texts FILE``),
 or ``--tiny`` (a tiny llama pair trained on the spot from token patterns, a CPU smoke test).
+``--real-pair DIR --exact-match`` adds the greedy exact match of the pair's held-out examples at each
+sparsity (and its gain kept against base and dense fine-tune), twice: every token thresholded, and
+decode only (the prompt dense): on a pair of memorised facts the paraphrase NLL can fall under the
+thresholds while answers are lost, so exact match is the measure there.
 
 **speed** (H200): one decoder block's seven linear layers at 8B shapes (Llama-3-8B: 4096 hidden,
 14336 MLP, 8 KV heads), random bf16 weights and random 4-bit deltas (group 128), timed as one CUDA
@@ -123,7 +127,7 @@ def tiny_pair(steps: int = 60, seed: int = 0) -> dict:
 def _load_pair(args, device, dtype) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    prompt_lengths = None
+    prompt_lengths = examples = None
 
     if args.tiny:
         return tiny_pair()
@@ -141,6 +145,11 @@ def _load_pair(args, device, dtype) -> dict:
         evals = {"text": _ids(tok, eval_texts[:n], args.max_length)}
         name = f"{base_dir} -> {pair_dir / 'finetuned'}"
         prompt_lengths = _prompt_lengths(tok, pair_dir, base_dir, evals["text"])
+        if getattr(args, "exact_match", False):
+            from .real_pairs import load_real_pair
+
+            real = load_real_pair(pair_dir, base_dir=base_dir)
+            examples = (tok, real.eval_examples, real.max_new_tokens)
     elif args.pair:
         from .pairs import load_pair
 
@@ -173,6 +182,8 @@ def _load_pair(args, device, dtype) -> dict:
            "eval": evals, "name": name}
     if prompt_lengths is not None:
         out["prompt_lengths"] = {"text": prompt_lengths}
+    if examples is not None:
+        out["examples"] = examples
     return out
 
 
@@ -245,22 +256,40 @@ def _only(th, layers):
 
 
 def _sweep(model, calib, evals, sparsities, batch_size, save_dir=None, dense_prefix=None, lengths=None,
-           layers=None, allocation="uniform", rank: int = acts.DEFAULT_RANK, base_rows=None) -> dict:
+           layers=None, allocation="uniform", rank: int = acts.DEFAULT_RANK, base_rows=None,
+           examples=None, em_out: Optional[dict] = None) -> dict:
     """NLL per eval set at each sparsity, thresholds calibrated on ``model`` itself (``dense_prefix``: see
     :func:`_prefix_nll`; ``layers``: see :func:`_only`; ``allocation``, ``rank``: see
-    ``calibrate_activation_thresholds``; ``base_rows``: a ``DeltaModel``'s ``threshold_base_rows``)."""
+    ``calibrate_activation_thresholds``; ``base_rows``: a ``DeltaModel``'s ``threshold_base_rows``).
+
+    ``examples`` (``(tokenizer, examples, max_new_tokens)``): also the greedy exact match of the examples at
+    each sparsity, written into ``em_out[sparsity]`` as ``{"every token": em, "decode only": em}`` (the
+    prompt thresholded too, or the prompt dense and only the one-token steps thresholded)."""
     out = {}
     targets = [s for s in sparsities if s > 0]
     ths = acts.calibrate_activation_thresholds(model, calib, targets, allocation=allocation, rank=rank) if targets else {}
+
+    def install(th, decode_only=False):
+        if hasattr(model, "set_activation_sparsity"):
+            model.set_activation_sparsity(th, threshold_base_rows=base_rows, decode_only=decode_only)
+        else:
+            acts.install_activation_sparsity(model, th, decode_only=decode_only)
+
     for s in sparsities:
         th = _only(ths.get(s), layers)
         if th is not None and save_dir is not None:
             th.save(save_dir)
-        if hasattr(model, "set_activation_sparsity"):
-            model.set_activation_sparsity(th, threshold_base_rows=base_rows)
-        else:
-            acts.install_activation_sparsity(model, th)
+        install(th)
         out[s] = _nlls(model, evals, batch_size, dense_prefix, lengths)
+        if examples is not None:
+            tok, exs, max_new = examples
+            every = metrics.exact_match(model, tok, exs, max_new_tokens=max_new, batch_size=batch_size)
+            if th is not None:
+                install(th, decode_only=True)
+                dec = metrics.exact_match(model, tok, exs, max_new_tokens=max_new, batch_size=batch_size)
+            else:
+                dec = every
+            em_out[s] = {"every token": every, "decode only": dec}
     acts.remove_activation_sparsity(model)
     return out
 
@@ -289,21 +318,44 @@ def run_quality(args) -> dict:
     if prefix == "prompt" and lengths is None:
         raise SystemExit("--dense-prefix prompt needs --real-pair with evaluation texts that start with their "
                          "examples' prompts (the date pair); give a share such as 0.7 instead")
+    examples = pair.get("examples")
+    if getattr(args, "exact_match", False) and examples is None:
+        raise SystemExit("--exact-match needs --real-pair (a pair whose held-out examples have one exact answer each)")
     base_nll = _nlls(base, evals, args.batch_size, prefix, lengths)
+    base_em = None
+    if examples is not None:
+        tok, exs, max_new = examples
+        base_em = metrics.exact_match(base, tok, exs, max_new_tokens=max_new, batch_size=args.batch_size)
+    ems = {"fine-tune": {}}
     ft_sweep = _sweep(ft, calib, evals, sparsities, args.batch_size, args.save_thresholds, prefix, lengths,
-                      args.layers, args.allocation, args.rank)
-    rows = []
-    for kind, sweep in [("fine-tune", ft_sweep)] + _delta_sweeps(args, pair, calib, evals, sparsities, DeltaModel):
+                      args.layers, args.allocation, args.rank, examples=examples, em_out=ems["fine-tune"])
+    rows, em_rows = [], []
+    for kind, sweep in [("fine-tune", ft_sweep)] + _delta_sweeps(args, pair, calib, evals, sparsities, DeltaModel,
+                                                                  ems):
         for s in sparsities:
             for k in sweep[s]:  # the eval sets (with --dense-prefix: each scored two ways)
                 nll, dense = sweep[s][k], ft_sweep[0.0][k]
                 gain = _gain(nll, base_nll[k], dense)
                 rows.append({"model": kind, "eval": k, "sparsity": s, "nll": nll, "base_nll": base_nll[k],
                              "finetune_nll": dense, "rel_nll_increase": nll / dense - 1.0, "gain_kept": gain})
-    return {"mode": "quality", "pair": pair["name"], "device": device, "dtype": str(dtype).replace("torch.", ""),
-            "calibration_sequences": len(calib), "dense_prefix": prefix, "layers": args.layers,
-            "allocation": args.allocation, "rank": args.rank, "rows": rows,
-            "seconds": round(time.time() - t0, 1)}
+            for mode, em in ems.get(kind, {}).get(s, {}).items():
+                ft_em = ems["fine-tune"][0.0]["every token"]
+                em_rows.append({"model": kind, "mode": mode, "sparsity": s, "exact_match": em, "base_exact_match": base_em,
+                                "finetune_exact_match": ft_em, "gain_kept": _em_gain(em, base_em, ft_em)})
+    out = {"mode": "quality", "pair": pair["name"], "device": device, "dtype": str(dtype).replace("torch.", ""),
+           "calibration_sequences": len(calib), "dense_prefix": prefix, "layers": args.layers,
+           "allocation": args.allocation, "rank": args.rank, "rows": rows,
+           "seconds": round(time.time() - t0, 1)}
+    if examples is not None:
+        out.update(exact_match_examples=len(examples[1]), exact_match_rows=em_rows)
+    return out
+
+
+def _em_gain(em, base_em, ft_em) -> Optional[float]:
+    try:
+        return metrics.gain_kept(em, base_em, ft_em)
+    except ValueError:
+        return None
 
 
 def _gain(nll, base_nll, ft_nll) -> Optional[float]:
@@ -313,7 +365,7 @@ def _gain(nll, base_nll, ft_nll) -> Optional[float]:
         return None
 
 
-def _delta_sweeps(args, pair, calib, evals, sparsities, delta_model_cls) -> list:
+def _delta_sweeps(args, pair, calib, evals, sparsities, delta_model_cls, ems: Optional[dict] = None) -> list:
     delta = args.delta
     tmp = None
     if delta is None and args.tiny:
@@ -327,9 +379,11 @@ def _delta_sweeps(args, pair, calib, evals, sparsities, delta_model_cls) -> list
         dm.set_delta("ft")
         # base and delta thresholded (a decode step of one row), then the delta alone with the base exact (what
         # the steps of several rows compute: threshold_base_rows=0 applies that rule to every forward)
+        ems = {} if ems is None else ems
         return [(name, _sweep(dm, calib, evals, sparsities, args.batch_size, dense_prefix=args.dense_prefix,
                               lengths=pair.get("prompt_lengths"), layers=args.layers, allocation=args.allocation,
-                              rank=args.rank, base_rows=base_rows))
+                              rank=args.rank, base_rows=base_rows, examples=pair.get("examples"),
+                              em_out=ems.setdefault(name, {})))
                 for name, base_rows in (("DeltaModel (compressed delta)", None),
                                         ("DeltaModel, delta only", 0))]
     finally:
@@ -351,6 +405,15 @@ def quality_table(result: dict) -> str:
         gain = "n/a" if r["gain_kept"] is None else f"{r['gain_kept']:.3f}"
         lines.append(f"{r['model']:<30} {r['eval']:<20} {r['sparsity']:>8.0%} {r['nll']:>8.4f} "
                      f"{r['rel_nll_increase']:>+9.2%} {gain:>9}")
+    if result.get("exact_match_rows"):
+        first = result["exact_match_rows"][0]
+        lines += ["", f"exact match on the pair's {result['exact_match_examples']} held-out examples (greedy; base "
+                      f"{first['base_exact_match']:.3f}, fine-tune {first['finetune_exact_match']:.3f}; gain kept against "
+                      f"them; decode only: the prompt dense, the one-token steps thresholded)",
+                  f"{'model':<30} {'thresholded':<20} {'sparsity':>8} {'EM':>8} {'gain kept':>9}"]
+        for r in result["exact_match_rows"]:
+            gain = "n/a" if r["gain_kept"] is None else f"{r['gain_kept']:.3f}"
+            lines.append(f"{r['model']:<30} {r['mode']:<20} {r['sparsity']:>8.0%} {r['exact_match']:>8.3f} {gain:>9}")
     return "\n".join(lines)
 
 
@@ -732,6 +795,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     q.add_argument("--base", help="base model folder")
     q.add_argument("--finetune", help="fine-tuned model folder (its tokenizer is used)")
     q.add_argument("--delta", help="also measure this compressed delta folder through DeltaModel")
+    q.add_argument("--exact-match", action="store_true", help="with --real-pair: also the greedy exact match of the "
+                   "pair's held-out examples at each sparsity, every token thresholded and decode only")
     q.add_argument("--texts", help="a .jsonl ({'text': ...} per line) or .txt file: first half calibrates, second half "
                                    f"scores; '{PYTHON_DOCS}': the Python language reference's topics (English prose "
                                    "that ships with CPython)")

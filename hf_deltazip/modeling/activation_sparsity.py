@@ -370,8 +370,9 @@ def kernel_sparsity(module: nn.Module, x: torch.Tensor) -> Optional[tuple]:
 
 def base_sees_whole_input(module: nn.Module, x: torch.Tensor) -> bool:
     """Whether ``module``'s installed thresholds leave its base weight the whole of ``x``: a one-token step of
-    more rows than the ``threshold_base_rows`` they were installed with (only the deltas' inputs are then
-    thresholded; see :func:`install_activation_sparsity`)."""
+    more rows than the ``threshold_base_rows`` they were installed with, or any forward when that was ``0``
+    (only the deltas' inputs are then thresholded; see :func:`install_activation_sparsity`). ``False`` where
+    no thresholds are installed or ``threshold_base_rows`` was ``None``."""
     rule = _RULES.get(module)
     return rule is not None and rule.base_exact(x)
 

@@ -16,13 +16,29 @@ from hf_deltazip.serving.ray_app import build_app  # noqa: E402
 from serve_factory import BASE, KEY, build_world, chat_ids, expected, free_port  # noqa: E402
 
 
+def _start_serve(tries: int = 3) -> int:
+    """Start Serve's HTTP proxy on a free port, probed only now that Ray runs: Ray's own processes take
+    ephemeral ports as they start, and one of them once took a port probed before ``ray.init`` (the proxy then
+    failed to bind). A bind that still loses the race is retried on another port."""
+    for attempt in range(tries):
+        port = free_port()
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            return port
+        except ray.exceptions.RayTaskError as err:
+            if "Failed to bind" not in str(err) or attempt == tries - 1:
+                raise
+            serve.shutdown()
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     world = build_world(tmp_path_factory.mktemp("ray"))
-    root, port = world["root"], free_port()
+    root = world["root"]
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port = _start_serve()
         app = build_app(base=str(root / "base"), deltas={f"d{i}": str(root / f"d{i}") for i in (1, 2, 3)},
                         base_name=BASE, api_key=KEY, num_replicas=2, max_deltas_per_replica=2,
                         replica_actor_options={"num_cpus": 1}, device="cpu", dtype="float32",

@@ -341,7 +341,7 @@ def run_quality(args) -> dict:
             for mode, em in ems.get(kind, {}).get(s, {}).items():
                 ft_em = ems["fine-tune"][0.0]["every token"]
                 em_rows.append({"model": kind, "mode": mode, "sparsity": s, "exact_match": em, "base_exact_match": base_em,
-                                "finetune_exact_match": ft_em, "gain_kept": _em_gain(em, base_em, ft_em)})
+                                "finetune_exact_match": ft_em, "gain_kept": _kept(em, base_em, ft_em)})
     out = {"mode": "quality", "pair": pair["name"], "device": device, "dtype": str(dtype).replace("torch.", ""),
            "calibration_sequences": len(calib), "dense_prefix": prefix, "layers": args.layers,
            "allocation": args.allocation, "rank": args.rank, "rows": rows,
@@ -351,18 +351,16 @@ def run_quality(args) -> dict:
     return out
 
 
-def _em_gain(em, base_em, ft_em) -> Optional[float]:
+def _kept(score, base_score, ft_score) -> Optional[float]:
+    """``metrics.gain_kept`` of a higher-is-better score, ``None`` where the fine-tune gained nothing."""
     try:
-        return metrics.gain_kept(em, base_em, ft_em)
+        return metrics.gain_kept(score, base_score, ft_score)
     except ValueError:
         return None
 
 
 def _gain(nll, base_nll, ft_nll) -> Optional[float]:
-    try:
-        return metrics.gain_kept(-nll, -base_nll, -ft_nll)
-    except ValueError:
-        return None
+    return _kept(-nll, -base_nll, -ft_nll)
 
 
 def _delta_sweeps(args, pair, calib, evals, sparsities, delta_model_cls, ems: Optional[dict] = None) -> list:

@@ -438,3 +438,27 @@ def test_a_ratio_below_the_budgets_floor_scores_ours_at_its_most_accurate_delta(
                  progress=False)
     assert isinstance(info.value, DeltaZipConfigError) and info.value.reachable > 1.5
     assert f"at least {info.value.reachable:.1f}" in str(info.value)
+
+
+def test_decode_kernel_kinds_sort_the_kernels_a_step_launches():
+    assert decode.kernel_kind("planar_delta_linear_kernel") == "delta kernels"
+    assert decode.kernel_kind("sparse_delta_kernel") == "delta kernels"
+    assert decode.kernel_kind("nvjet_tst_64x8_64x16_4x1_v_bz_TNT") == "base matmuls (cuBLAS)"
+    assert decode.kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64") == "base matmuls (cuBLAS)"
+    assert decode.kernel_kind("void flash_fwd_splitkv_kernel<...>") == "attention"
+    assert decode.kernel_kind("void at::native::elementwise_kernel<128, 2>") == "other"
+
+
+def test_decode_profile_of_engine_steps_adds_up_on_cpu():
+    from hf_deltazip import DeltaModel
+
+    model = decode.build_base("tiny", "cpu").float()
+    dm = DeltaModel(model)
+    dm.add_delta(decode.random_delta(model, bits=4, group_size=64, seed=0), "d0")
+    dm.add_delta(decode.random_delta(model, bits=4, group_size=64, seed=1), "d1")
+    prof = decode.profile_engine_step(dm, ["d0", "d1", "d0"], rows=3, prompt_len=5, steps=2)
+    assert prof["rows"] == 3 and prof["distinct_deltas"] == 2 and prof["cuda_graphs"] is False
+    assert prof["wall_ms_per_step"] > 0 and prof["gpu_busy_ms_per_step"] > 0
+    total = sum(v["ms_per_step"] for v in prof["by_kind"].values())
+    assert total == pytest.approx(prof["gpu_busy_ms_per_step"], rel=1e-6)
+    assert prof["top_kernels"] and prof["top_kernels"][0]["ms_per_step"] >= prof["top_kernels"][-1]["ms_per_step"]

@@ -709,11 +709,25 @@ def run_model_speed(args) -> dict:
     dense = {r["case"]: r["tokens_per_s"] for r in rows if r["sparsity"] == 0.0}
     for r in rows:
         r["vs_dense"] = r["tokens_per_s"] / dense[r["case"]]
+    profiles = {}
+    if getattr(args, "profile", False):  # where the several-delta step's GPU time goes, dense and at each sparsity
+        from .decode import print_profile, profile_engine_step
+
+        for s in [0.0] + targets:
+            if s:
+                model.set_activation_sparsity(th[s], kernels=True)
+            else:
+                model.set_activation_sparsity(None)
+            label = f"{len(names)} deltas, batch {len(names)}, {s:.0%}"
+            profiles[label] = profile_engine_step(model, names, len(names), args.prompt_len)
+            print_profile(label, profiles[label])
+        model.set_activation_sparsity(None)
     return {"mode": "model-speed", "device": torch.cuda.get_device_name(), "layers": args.layers,
             "shape": "Llama-3-8B (random weights)", "delta_bits": args.bits, "group_size": args.group_size,
             "deltas": len(names), "rank": args.rank, "steps": args.steps, "prompt_len": args.prompt_len,
             "max_rel_error_vs_pytorch": err, "base_gib": mem["base"] / 2**30,
-            "delta_gib_each": mem["deltas"][names[0]] / 2**30, "delta_gib_each_packed": packed / 2**30, "rows": rows, "seconds": round(time.time() - t0, 1)}
+            "delta_gib_each": mem["deltas"][names[0]] / 2**30, "delta_gib_each_packed": packed / 2**30, "rows": rows,
+            **({"profiles": profiles} if profiles else {}), "seconds": round(time.time() - t0, 1)}
 
 
 def _layer_errors(model, thresholds, ids, rows, kernels, base_rows=1) -> float:
@@ -832,6 +846,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ms.add_argument("--deltas", type=int, default=8)
     ms.add_argument("--steps", type=int, default=64, help="decode steps timed per case (default 64)")
     ms.add_argument("--prompt-len", type=int, default=32)
+    ms.add_argument("--profile", action="store_true", help="also profile the steps of several deltas (dense and each "
+                    "sparsity): GPU time per step by kernel kind")
     for sp in (q, s, ms):
         sp.add_argument("--rank", type=int, default=acts.DEFAULT_RANK,
                         help=f"rank of the low-rank compensation of the dropped inputs (default "

@@ -108,6 +108,83 @@ def engine_tokens_per_s(model, names, rows: int, prompt_len: int, steps: int) ->
     return rows * (steps - 3) / (time.perf_counter() - t)
 
 
+#: kernel-name patterns of :func:`profile_engine_step`'s categories, first match wins
+KERNEL_KINDS = (
+    ("delta kernels", ("multi_delta", "delta_", "_planar", "act_sparse", "segment")),
+    ("attention", ("attn", "attention", "flash", "sdpa", "softmax")),
+    ("base matmuls (cuBLAS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, patterns in KERNEL_KINDS:
+        if any(p in low for p in patterns):
+            return kind
+    return "other"
+
+
+def profile_engine_step(model, names, rows: int, prompt_len: int, steps: int = 16, cuda_graphs=None,
+                        top: int = 12) -> dict:
+    """Where one DecodeEngine decode step's GPU time goes: ``steps`` steps under ``torch.profiler`` after
+    warm-up, device time per step summed by kernel kind (:data:`KERNEL_KINDS`) and by kernel name (the
+    ``top`` largest), against the step's wall time measured on its own without the profiler. On a CPU
+    (a smoke test) the same for the host's operators, by their own time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..serving import DecodeEngine
+
+    engine = DecodeEngine(model, max_batch_size=rows, max_length=prompt_len + 3 * steps + 16, cuda_graphs=cuda_graphs)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 1000, (prompt_len,), generator=gen).tolist() for _ in range(rows)]
+    engine.add(prompts, names, max_new_tokens=3 * steps + 8)
+    for _ in range(3):  # capture and warm up
+        engine.step()
+    _sync()
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    _sync()
+    wall_ms = 1e3 * (time.perf_counter() - t) / steps
+    on_gpu = engine.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+        _sync()
+    by_name: dict = {}
+    for ev in prof.events():
+        if on_gpu and ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        # GPU: kernel time; CPU (a smoke test): each op's own time, so nested ops are not counted twice
+        us = getattr(ev, "device_time_total", 0) if on_gpu else ev.self_cpu_time_total
+        d = by_name.setdefault(ev.name, [0.0, 0])
+        d[0] += us
+        d[1] += 1
+    kinds: dict = {}
+    for name, (us, n) in by_name.items():
+        k = kinds.setdefault(kernel_kind(name), [0.0, 0])
+        k[0] += us
+        k[1] += n
+    busy = sum(v[0] for v in by_name.values()) / steps / 1e3
+    return {
+        "rows": rows, "distinct_deltas": len(set(n for n in (names or []) if n is not None)),
+        "cuda_graphs": engine.cuda_graphs, "wall_ms_per_step": wall_ms, "gpu_busy_ms_per_step": busy,
+        "by_kind": {k: {"ms_per_step": v[0] / steps / 1e3, "launches_per_step": v[1] / steps}
+                    for k, v in sorted(kinds.items(), key=lambda kv: -kv[1][0])},
+        "top_kernels": [{"name": n[:120], "ms_per_step": v[0] / steps / 1e3, "launches_per_step": v[1] / steps}
+                        for n, v in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]],
+    }
+
+
+def print_profile(label: str, prof: dict) -> None:
+    print(f"profile, {label}: wall {prof['wall_ms_per_step']:.2f} ms/step, GPU busy {prof['gpu_busy_ms_per_step']:.2f} "
+          f"ms/step (cuda graphs {prof['cuda_graphs']})", flush=True)
+    for k, v in prof["by_kind"].items():
+        print(f"  {k:24s} {v['ms_per_step']:8.3f} ms/step  {v['launches_per_step']:7.1f} launches", flush=True)
+    for v in prof["top_kernels"]:
+        print(f"    {v['ms_per_step']:8.3f} ms  x{v['launches_per_step']:6.1f}  {v['name']}", flush=True)
+
+
 def prefill_ms(model, ids, names, repeats: int = 5) -> float:
     """Median milliseconds of one forward over ``ids`` (a prefill, no KV cache kept), row i with delta ``names[i]``."""
     kw = {} if names is None else {"delta_names": names}
@@ -446,6 +523,8 @@ def main(argv=None) -> int:
     p.add_argument("--peft", action="store_true",
                    help="also time transformers + PEFT generate with max(--deltas) LoRA adapters in one mixed batch")
     p.add_argument("--lora-rank", type=int, default=16, help="--peft: rank of each LoRA adapter (default 16)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile engine decode steps (base alone and each U): GPU time per step by kernel kind")
     p.add_argument("--json")
     p.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
@@ -468,6 +547,10 @@ def main(argv=None) -> int:
         e = engine_tokens_per_s(base, None, args.rows, args.prompt_len, steps)
         result["decode"][-1]["engine_tokens_per_s"] = e
         print(f"base alone, engine (static cache, CUDA graphs): {e:8.1f} tokens/s", flush=True)
+        if args.profile:
+            prof = profile_engine_step(base, None, args.rows, args.prompt_len)
+            result["decode"][-1]["profile"] = prof
+            print_profile("base alone", prof)
         if args.peft:
             u = max(args.deltas)
             tps, base = peft_generate(base, ids, u, args.lora_rank, args.new_tokens)
@@ -492,6 +575,10 @@ def main(argv=None) -> int:
                                  "tokens_per_s": args.rows * args.new_tokens / t, "engine_tokens_per_s": e, "gpu_gib": mem})
         print(f"U={u:3d}: generate {args.rows * args.new_tokens / t:8.1f} tokens/s, engine {e:8.1f} tokens/s, "
               f"GPU memory {mem:.1f} GiB", flush=True)
+        if args.profile:
+            prof = profile_engine_step(dm, names, args.rows, args.prompt_len)
+            result["decode"][-1]["profile"] = prof
+            print_profile(f"U={u}", prof)
         if args.peft and u == max(args.deltas) and not args.cold_start_only:
             result["decode"][-1]["engine_x_peft"] = e / peft_tps
             result["decode"][-1]["generate_x_peft"] = args.rows * args.new_tokens / t / peft_tps

@@ -462,3 +462,16 @@ def test_decode_profile_of_engine_steps_adds_up_on_cpu():
     total = sum(v["ms_per_step"] for v in prof["by_kind"].values())
     assert total == pytest.approx(prof["gpu_busy_ms_per_step"], rel=1e-6)
     assert prof["top_kernels"] and prof["top_kernels"][0]["ms_per_step"] >= prof["top_kernels"][-1]["ms_per_step"]
+
+
+def test_decode_profile_of_a_prefill_forward_adds_up_on_cpu():
+    from hf_deltazip import DeltaModel
+
+    model = decode.build_base("tiny", "cpu").float()
+    dm = DeltaModel(model)
+    dm.add_delta(decode.random_delta(model, bits=4, group_size=64, seed=0), "d0")
+    ids = torch.randint(0, 100, (2, 6))
+    prof = decode.profile_prefill(dm, ids, ["d0", None], calls=2)
+    assert prof["rows"] == 2 and prof["tokens"] == 12 and prof["wall_ms_per_step"] > 0
+    total = sum(v["ms_per_step"] for v in prof["by_kind"].values())
+    assert total == pytest.approx(prof["gpu_busy_ms_per_step"], rel=1e-6)

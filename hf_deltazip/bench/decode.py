@@ -124,14 +124,41 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
-def profile_engine_step(model, names, rows: int, prompt_len: int, steps: int = 16, cuda_graphs=None,
-                        top: int = 12) -> dict:
-    """Where one DecodeEngine decode step's GPU time goes: ``steps`` steps under ``torch.profiler`` after
-    warm-up, device time per step summed by kernel kind (:data:`KERNEL_KINDS`) and by kernel name (the
-    ``top`` largest), against the step's wall time measured on its own without the profiler. On a CPU
-    (a smoke test) the same for the host's operators, by their own time."""
+def profile_calls(fn, calls: int, on_gpu: bool, top: int = 12) -> dict:
+    """GPU time of ``calls`` calls of ``fn`` under ``torch.profiler``, per call: summed by kernel kind
+    (:data:`KERNEL_KINDS`) and by kernel name (the ``top`` largest). On a CPU (a smoke test) the same for
+    the host's operators, by each one's own time so nested operators are not counted twice."""
     from torch.profiler import ProfilerActivity, profile
 
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        _sync()
+    by_name: dict = {}
+    for ev in prof.events():
+        if on_gpu and ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = getattr(ev, "device_time_total", 0) if on_gpu else ev.self_cpu_time_total
+        d = by_name.setdefault(ev.name, [0.0, 0])
+        d[0] += us
+        d[1] += 1
+    kinds: dict = {}
+    for name, (us, n) in by_name.items():
+        k = kinds.setdefault(kernel_kind(name), [0.0, 0])
+        k[0] += us
+        k[1] += n
+    return {
+        "gpu_busy_ms_per_step": sum(v[0] for v in by_name.values()) / calls / 1e3,
+        "by_kind": {k: {"ms_per_step": v[0] / calls / 1e3, "launches_per_step": v[1] / calls}
+                    for k, v in sorted(kinds.items(), key=lambda kv: -kv[1][0])},
+        "top_kernels": [{"name": n[:120], "ms_per_step": v[0] / calls / 1e3, "launches_per_step": v[1] / calls}
+                        for n, v in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]],
+    }
+
+
+def profile_engine_step(model, names, rows: int, prompt_len: int, steps: int = 16, cuda_graphs=None) -> dict:
+    """Where one DecodeEngine decode step's GPU time goes (:func:`profile_calls` over ``steps`` steps after
+    warm-up), against the step's wall time measured on its own without the profiler."""
     from ..serving import DecodeEngine
 
     engine = DecodeEngine(model, max_batch_size=rows, max_length=prompt_len + 3 * steps + 16, cuda_graphs=cuda_graphs)
@@ -146,39 +173,29 @@ def profile_engine_step(model, names, rows: int, prompt_len: int, steps: int = 1
         engine.step()
     _sync()
     wall_ms = 1e3 * (time.perf_counter() - t) / steps
-    on_gpu = engine.device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            engine.step()
-        _sync()
-    by_name: dict = {}
-    for ev in prof.events():
-        if on_gpu and ev.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        # GPU: kernel time; CPU (a smoke test): each op's own time, so nested ops are not counted twice
-        us = getattr(ev, "device_time_total", 0) if on_gpu else ev.self_cpu_time_total
-        d = by_name.setdefault(ev.name, [0.0, 0])
-        d[0] += us
-        d[1] += 1
-    kinds: dict = {}
-    for name, (us, n) in by_name.items():
-        k = kinds.setdefault(kernel_kind(name), [0.0, 0])
-        k[0] += us
-        k[1] += n
-    busy = sum(v[0] for v in by_name.values()) / steps / 1e3
-    return {
-        "rows": rows, "distinct_deltas": len(set(n for n in (names or []) if n is not None)),
-        "cuda_graphs": engine.cuda_graphs, "wall_ms_per_step": wall_ms, "gpu_busy_ms_per_step": busy,
-        "by_kind": {k: {"ms_per_step": v[0] / steps / 1e3, "launches_per_step": v[1] / steps}
-                    for k, v in sorted(kinds.items(), key=lambda kv: -kv[1][0])},
-        "top_kernels": [{"name": n[:120], "ms_per_step": v[0] / steps / 1e3, "launches_per_step": v[1] / steps}
-                        for n, v in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]],
-    }
+    prof = profile_calls(engine.step, steps, engine.device.type == "cuda")
+    return {"rows": rows, "distinct_deltas": len(set(n for n in (names or []) if n is not None)),
+            "cuda_graphs": engine.cuda_graphs, "wall_ms_per_step": wall_ms, **prof}
+
+
+def profile_prefill(model, ids, names, calls: int = 3) -> dict:
+    """Where one prefill forward's GPU time goes (row i with delta ``names[i]``; no KV cache kept), as
+    :func:`profile_calls` gives it, with its median wall time from :func:`prefill_ms`."""
+    kw = {} if names is None else {"delta_names": names}
+    wall = prefill_ms(model, ids, names, repeats=calls)
+
+    def forward():
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False, **kw)
+
+    return {"rows": ids.shape[0], "tokens": ids.numel(), "wall_ms_per_step": wall,
+            **profile_calls(forward, calls, ids.device.type == "cuda")}
 
 
 def print_profile(label: str, prof: dict) -> None:
+    graphs = f" (cuda graphs {prof['cuda_graphs']})" if "cuda_graphs" in prof else ""
     print(f"profile, {label}: wall {prof['wall_ms_per_step']:.2f} ms/step, GPU busy {prof['gpu_busy_ms_per_step']:.2f} "
-          f"ms/step (cuda graphs {prof['cuda_graphs']})", flush=True)
+          f"ms/step{graphs}", flush=True)
     for k, v in prof["by_kind"].items():
         print(f"  {k:24s} {v['ms_per_step']:8.3f} ms/step  {v['launches_per_step']:7.1f} launches", flush=True)
     for v in prof["top_kernels"]:
@@ -524,7 +541,8 @@ def main(argv=None) -> int:
                    help="also time transformers + PEFT generate with max(--deltas) LoRA adapters in one mixed batch")
     p.add_argument("--lora-rank", type=int, default=16, help="--peft: rank of each LoRA adapter (default 16)")
     p.add_argument("--profile", action="store_true",
-                   help="also profile engine decode steps (base alone and each U): GPU time per step by kernel kind")
+                   help="also profile engine decode steps (base alone and each U) and the prefills (base alone, fused and "
+                   "dequant routes): GPU time per step by kernel kind")
     p.add_argument("--json")
     p.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
@@ -594,6 +612,14 @@ def main(argv=None) -> int:
                 dm.configure_kernels(prefill=route)
                 row[f"{route}_ms"] = prefill_ms(dm, ids_p, [f"d{i}" for i in range(r)])
             dm.configure_kernels(prefill="fused")
+            if args.profile:
+                row["profile"] = {"base": profile_prefill(dm, ids_p, [None] * r)}
+                print_profile(f"prefill, {r} requests, base alone", row["profile"]["base"])
+                for route in ("fused", "dequant"):
+                    dm.configure_kernels(prefill=route)
+                    row["profile"][route] = profile_prefill(dm, ids_p, [f"d{i}" for i in range(r)])
+                    print_profile(f"prefill, {r} requests, {route}", row["profile"][route])
+                dm.configure_kernels(prefill="fused")
             result["prefill"].append(row)
             print(f"prefill, {r} requests x {args.prefill_len} tokens, one delta each: base alone {row['base_ms']:.1f} ms, "
                   f"fused {row['fused_ms']:.1f} ms, dequant {row['dequant_ms']:.1f} ms, split {row['split_ms']:.1f} ms",

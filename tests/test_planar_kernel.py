@@ -341,7 +341,7 @@ def test_sass_report_counts_the_delta_loop(compiled):
     assert 1.0 < row["instructions_per_weight"] < 10.0
 
 
-@pytest.mark.parametrize("variant", ["pk1", "pm64n128", "pm128n64", "pm128n128"])
+@pytest.mark.parametrize("variant", ["pk1", "pm64n128", "pm128n64", "pm128n128", "pn128w8", "psw", "pn128w8sw"])
 @pytest.mark.parametrize("bits", [2, 4])
 def test_planar_kernel_prefill_variants_on_long_segments(interpret, variant, bits):
     """The launch variants the kernel bench offers for prefill shapes (row blocks of 64-128, x on the MMA's M

@@ -624,6 +624,15 @@ VARIANTS = {
     # 128-row tiles: two stages (three need 272-288 KB of shared memory, more than the H200's 227 KB)
     "pm128n64": dict(block_m=128, block_n=64, swap_ab=False, num_warps=4, split_k=1, num_stages=2),
     "pm128n128": dict(block_m=128, block_n=128, swap_ab=False, num_warps=8, split_k=1, num_stages=2),
+    # prefill, weights kept on the MMA's M side (the default's orientation): wider output tiles, two warpgroups,
+    # fewer / more stages, the group scale folded into the decode (one accumulator, no per-group partial)
+    "pn128w8": dict(block_n=128, num_warps=8, split_k=1),
+    "pn128w8s2": dict(block_n=128, num_warps=8, split_k=1, num_stages=2),
+    "pw8": dict(num_warps=8, split_k=1),
+    "ps2": dict(num_stages=2, split_k=1),
+    "ps4": dict(num_stages=4, split_k=1),
+    "psw": dict(scale_in_weights=True, split_k=1),
+    "pn128w8sw": dict(block_n=128, num_warps=8, split_k=1, scale_in_weights=True),
 }
 
 

@@ -598,6 +598,7 @@ VARIANTS = {
     "bn128sw": dict(block_n=128, num_warps=4, scale_in_weights=True),
     "s2wv6": dict(num_stages=2, waves=6),
     "r96s2wv6": dict(max_registers=96, num_stages=2, waves=6),
+    "r0": dict(max_registers=0),  # no cap (2-bit stacks with 16-row blocks have one by default)
     "r120": dict(max_registers=120),
     "r128": dict(max_registers=128),
     "r80wv6": dict(max_registers=80, waves=6),

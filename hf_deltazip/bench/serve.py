@@ -617,10 +617,12 @@ def _cache_length(args) -> int:
 
 
 def _make_engine(model, args):
-    from ..serving import DecodeEngine
+    from ..serving import AdmissionPolicy, DecodeEngine
 
+    bypass = getattr(args, "max_bypass", None)
+    admission = AdmissionPolicy(max_bypass=bypass) if bypass is not None else None
     return DecodeEngine(model, max_batch_size=args.batch, max_length=_cache_length(args),
-                        cuda_graphs=False if args.eager else None, max_deltas=args.max_deltas)
+                        cuda_graphs=False if args.eager else None, max_deltas=args.max_deltas, admission=admission)
 
 
 def _run(name: str, engine, trace, names, args, *, one_at_a_time: bool, switch=None, clock=None,
@@ -680,6 +682,8 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
             f"{resident} of {args.deltas} deltas resident on the GPU (LRU), the others in pinned host memory, "
             "uploaded when a request needs them")
     tier += f"; prefill route {args.prefill!r}"
+    if getattr(args, "max_bypass", None) is not None:
+        tier += f"; fairness bound {args.max_bypass} (a request is passed over by at most that many later ones)"
     how = {"deltazip": f"{tier}; continuous batching, every row its own delta",
            "one-delta-loop": f"{tier}; same engine, rows of one delta at a time"}
     dm = engine = None
@@ -1061,6 +1065,16 @@ def _environment(args, argv) -> dict:
             "command": "deltazip bench serve " + " ".join(argv)}
 
 
+def _max_bypass_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--max-bypass takes a whole number >= 0 (0: first come, first served), got {text!r}")
+    return value
+
+
 def _max_deltas_arg(text: str):
     if text in ("auto", "none"):
         return None if text == "none" else text
@@ -1098,6 +1112,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-deltas", type=_max_deltas_arg, default="auto",
                    help="deltazip: most distinct deltas among the decoding rows: a number, 'none' (no limit) or "
                         "'auto' (default: the engine picks it from measured step costs)")
+    p.add_argument("--max-bypass", type=_max_bypass_arg, help="deltazip: the fairness bound K, most later requests admitted before a "
+                   "waiting one (default: the engine's, 4 x --batch)")
     p.add_argument("--max-resident", type=int, help="deltas kept on the GPU (default: as many as fit; the others wait in pinned host memory)")
     p.add_argument("--lora-rank", type=int, default=16, help="peft: LoRA rank of each fine-tune's adapter (default 16)")
     p.add_argument("--host-buffers", type=int, default=2, help="swap-cpu: full host copies reused (default 2)")

@@ -634,6 +634,9 @@ VARIANTS = {
     "ps4": dict(num_stages=4, split_k=1),
     "psw": dict(scale_in_weights=True, split_k=1),
     "pn128w8sw": dict(block_n=128, num_warps=8, split_k=1, scale_in_weights=True),
+    # the same with K split as the default would for the tile count (few rows: one or two prompts)
+    "pn128w8a": dict(block_n=128, num_warps=8),
+    "ps4a": dict(num_stages=4),
 }
 
 

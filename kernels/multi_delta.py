@@ -241,8 +241,10 @@ def _default_config(m: int, n: int, k: int, stack: DeltaStack, device: torch.dev
     row: 2 stages, six programs per SM; planar 2-bit stacks with 16-row blocks: at most 128
     registers per thread). Row blocks are as large as the rows per delta (16 to 64), so a batch of many
     rows over few deltas streams each weight once: ``rows_per_delta`` when the caller knows it (a
-    prefill's rows mostly share one delta), else the rows spread evenly over the stack's deltas. When
-    those row blocks alone give the programs per SM aimed at (rows per delta > 16), K is not split.
+    prefill's rows mostly share one delta), else the rows spread evenly over the stack's deltas. Planar
+    stacks with row blocks of 32-64 (prefills) take their own tiles: 2-bit with 64-row blocks 128 outputs
+    per program on 8 warps, the others four pipeline stages; K is not split once one wave of row blocks
+    fills the GPU. File-layout stacks keep K unsplit when their row blocks give the programs per SM aimed at.
     """
     if device.type != "cuda":
         return MultiDeltaConfig(block_n=32, block_k=64, block_k_base=64, split_k=1, swap_ab=False, num_stages=1)
@@ -258,7 +260,18 @@ def _default_config(m: int, n: int, k: int, stack: DeltaStack, device: torch.dev
     if stack.layout_block and stack.bits == 2 and bm == 16:
         # planar 2-bit: 128 registers let four programs share an SM (uncapped: 167, three)
         cfg = replace(cfg, max_registers=128)
-    if bm > 16 and math.ceil(m / bm) * math.ceil(n / cfg.block_n) >= waves * _sm_count(device):
+    if bm > 16 and stack.layout_block:
+        # prefill-sized row blocks (H100 sweep, BENCHMARKS.md section 3, "Prefill tiles"): 2-bit with 64-row
+        # blocks: 128 outputs per program over two warpgroups (1.4-2.9x); otherwise four pipeline stages
+        # (4-bit 1.2-2.2x, 2-bit with 32-row blocks 1.1x)
+        if stack.bits == 2 and bm == 64:
+            cfg = replace(cfg, block_n=128, num_warps=8)
+        else:
+            cfg = replace(cfg, num_stages=4)
+        if math.ceil(m / bm) * math.ceil(n / cfg.block_n) >= _sm_count(device):
+            # a wave of row blocks already fills the GPU: splitting K on top only adds partial sums
+            return replace(cfg, split_k=1)
+    elif bm > 16 and math.ceil(m / bm) * math.ceil(n / cfg.block_n) >= waves * _sm_count(device):
         # prefill-sized batches (many rows per delta): the row blocks alone fill the GPU, and splitting K on
         # top only adds partial sums (H200, 512 and 2048 rows over 16 deltas: 1.1-1.9x faster unsplit;
         # BENCHMARKS.md section 3, "Prefill-sized batches")

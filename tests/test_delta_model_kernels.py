@@ -136,3 +136,28 @@ def test_prefill_sized_batches_do_not_split_k(monkeypatch):
     assert multi_delta.default_config(16, 4096, 4096, stack, cuda).split_k > 1  # decode: one row per delta
     assert multi_delta.default_config(32, 4096, 4096, stack, cuda, rows_per_delta=32).split_k > 1  # 2 row blocks
     multi_delta._DEFAULT_CONFIGS.clear()
+
+
+def test_prefill_row_blocks_take_the_prefill_tiles(monkeypatch):
+    """Planar stacks with row blocks of 32-64 (prefills) get the tiles the prefill sweep measured fastest;
+    decode-sized row blocks keep the decode tuning."""
+    from hf_deltazip.kernels import layout, multi_delta, random_delta_stack
+
+    monkeypatch.setattr(multi_delta, "_sm_count", lambda device: 132)
+    multi_delta._DEFAULT_CONFIGS.clear()
+    cuda = torch.device("cuda")
+    two = layout.prepare_stack(random_delta_stack(4, 64, 256, bits=2, group_size=128))
+    four = layout.prepare_stack(random_delta_stack(4, 64, 256, bits=4, group_size=128))
+    assert two.layout_block and four.layout_block  # planar, as the model's stacks are
+    cfg = multi_delta.default_config(512, 4096, 4096, two, cuda)  # 128 rows per delta: 64-row blocks
+    assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.split_k) == (64, 128, 8, 1)  # 8 x 32 programs: a wave
+    cfg = multi_delta.default_config(128, 4096, 4096, two, cuda, rows_per_delta=32)
+    assert (cfg.block_m, cfg.block_n, cfg.num_stages, cfg.split_k) == (32, 64, 4, 1)
+    cfg = multi_delta.default_config(512, 14336, 4096, four, cuda)
+    assert (cfg.block_m, cfg.block_n, cfg.num_stages, cfg.split_k) == (64, 64, 4, 1)
+    one = multi_delta.default_config(128, 4096, 4096, two, cuda, rows_per_delta=128)  # one prompt: 2 x 32 programs
+    assert one.block_n == 128 and one.split_k > 1
+    for stack in (two, four):  # decode: one row per delta, the decode tuning
+        dec = multi_delta.default_config(16, 14336, 4096, stack, cuda)
+        assert dec.block_m == 16 and dec.block_n == 64 and dec.num_warps == 4 and dec.split_k > 1
+    multi_delta._DEFAULT_CONFIGS.clear()

@@ -108,7 +108,7 @@ def engine_tokens_per_s(model, names, rows: int, prompt_len: int, steps: int) ->
     return rows * (steps - 3) / (time.perf_counter() - t)
 
 
-#: kernel-name patterns of :func:`profile_engine_step`'s categories, first match wins
+#: kernel-name patterns of :func:`profile_calls`' kinds, first match wins
 KERNEL_KINDS = (
     ("delta kernels", ("multi_delta", "delta_", "_planar", "act_sparse", "segment")),
     ("attention", ("attn", "attention", "flash", "sdpa", "softmax")),

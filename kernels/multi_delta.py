@@ -268,13 +268,11 @@ def _default_config(m: int, n: int, k: int, stack: DeltaStack, device: torch.dev
             cfg = replace(cfg, block_n=128, num_warps=8)
         else:
             cfg = replace(cfg, num_stages=4)
-        if math.ceil(m / bm) * math.ceil(n / cfg.block_n) >= _sm_count(device):
-            # a wave of row blocks already fills the GPU: splitting K on top only adds partial sums
-            return replace(cfg, split_k=1)
-    elif bm > 16 and math.ceil(m / bm) * math.ceil(n / cfg.block_n) >= waves * _sm_count(device):
-        # prefill-sized batches (many rows per delta): the row blocks alone fill the GPU, and splitting K on
-        # top only adds partial sums (H200, 512 and 2048 rows over 16 deltas: 1.1-1.9x faster unsplit;
-        # BENCHMARKS.md section 3, "Prefill-sized batches")
+    # prefill-sized batches (many rows per delta) whose row blocks alone fill the GPU: splitting K on top only
+    # adds partial sums (H200, 512 and 2048 rows over 16 deltas: 1.1-1.9x faster unsplit; BENCHMARKS.md section
+    # 3, "Prefill-sized batches"); planar stacks from one wave of row blocks ("Prefill tiles"), others from `waves`
+    row_programs = math.ceil(m / bm) * math.ceil(n / cfg.block_n)
+    if bm > 16 and row_programs >= (1.0 if stack.layout_block else waves) * _sm_count(device):
         return replace(cfg, split_k=1)
     return replace(cfg, split_k=auto_split_k(n, k, cfg.block_n, device, waves=waves))
 

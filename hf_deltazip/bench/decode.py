@@ -90,22 +90,34 @@ def random_delta(model, bits: int, group_size: int, seed: int) -> dict:
     return out
 
 
-def engine_tokens_per_s(model, names, rows: int, prompt_len: int, steps: int) -> float:
-    """Decode tokens/s of ``rows`` rows through a DecodeEngine (CUDA graphs on a GPU), prefill excluded."""
+def _warm_engine(model, names, rows: int, prompt_len: int, steps: int, cuda_graphs=None):
+    """A DecodeEngine with ``rows`` random prompts admitted (row i on delta ``names[i]``), room for ``steps``
+    more decode steps, and three steps already run (graph capture, warm-up)."""
     from ..serving import DecodeEngine
 
-    engine = DecodeEngine(model, max_batch_size=rows, max_length=prompt_len + steps + 8)
+    engine = DecodeEngine(model, max_batch_size=rows, max_length=prompt_len + steps + 8, cuda_graphs=cuda_graphs)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 1000, (prompt_len,), generator=gen).tolist() for _ in range(rows)]
     engine.add(prompts, names, max_new_tokens=steps + 1)
     for _ in range(3):  # capture and warm up
         engine.step()
     _sync()
+    return engine
+
+
+def _timed_steps(engine, steps: int) -> float:
+    """Seconds for ``steps`` decode steps of ``engine``."""
     t = time.perf_counter()
-    for _ in range(steps - 3):
+    for _ in range(steps):
         engine.step()
     _sync()
-    return rows * (steps - 3) / (time.perf_counter() - t)
+    return time.perf_counter() - t
+
+
+def engine_tokens_per_s(model, names, rows: int, prompt_len: int, steps: int) -> float:
+    """Decode tokens/s of ``rows`` rows through a DecodeEngine (CUDA graphs on a GPU), prefill excluded."""
+    engine = _warm_engine(model, names, rows, prompt_len, steps)
+    return rows * (steps - 3) / _timed_steps(engine, steps - 3)
 
 
 #: kernel-name patterns of :func:`profile_calls`' kinds, first match wins
@@ -159,20 +171,8 @@ def profile_calls(fn, calls: int, on_gpu: bool, top: int = 12) -> dict:
 def profile_engine_step(model, names, rows: int, prompt_len: int, steps: int = 16, cuda_graphs=None) -> dict:
     """Where one DecodeEngine decode step's GPU time goes (:func:`profile_calls` over ``steps`` steps after
     warm-up), against the step's wall time measured on its own without the profiler."""
-    from ..serving import DecodeEngine
-
-    engine = DecodeEngine(model, max_batch_size=rows, max_length=prompt_len + 3 * steps + 16, cuda_graphs=cuda_graphs)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 1000, (prompt_len,), generator=gen).tolist() for _ in range(rows)]
-    engine.add(prompts, names, max_new_tokens=3 * steps + 8)
-    for _ in range(3):  # capture and warm up
-        engine.step()
-    _sync()
-    t = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    _sync()
-    wall_ms = 1e3 * (time.perf_counter() - t) / steps
+    engine = _warm_engine(model, names, rows, prompt_len, 3 * steps + 8, cuda_graphs)
+    wall_ms = 1e3 * _timed_steps(engine, steps) / steps
     prof = profile_calls(engine.step, steps, engine.device.type == "cuda")
     return {"rows": rows, "distinct_deltas": len(set(n for n in (names or []) if n is not None)),
             "cuda_graphs": engine.cuda_graphs, "wall_ms_per_step": wall_ms, **prof}

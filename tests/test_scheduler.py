@@ -6,7 +6,7 @@ import random
 import pytest
 
 from hf_deltazip import DeltaZipError
-from hf_deltazip.serving import AdmissionPolicy, DecodeEngine, Pending, auto_max_deltas
+from hf_deltazip.serving import AdmissionPolicy, DecodeEngine, Pending, auto_max_deltas, fit_step_costs
 
 from model_factory import base_model
 
@@ -120,3 +120,56 @@ def test_stats_split_the_engine_time(lm):
     assert set(st.as_dict()) >= {"prefill_s", "decode_s", "load_s", "idle_row_s", "floor_GBps"}
     old = eng.reset_stats()
     assert old.decode_steps == 4 and eng.stats.decode_steps == 0
+
+
+def test_fit_step_costs_recovers_the_line():
+    costs = {u: (16, 16 * (0.010 + 0.002 * u)) for u in (1, 3, 6)}
+    a, b = fit_step_costs(costs)
+    assert a == pytest.approx(0.010) and b == pytest.approx(0.002)
+    assert fit_step_costs({2: (16, 0.3)}) is None
+
+
+def cost_aware(lm, rows, a, b, **kw):
+    return engine(lm, rows=rows, admission=AdmissionPolicy(cost_aware=True, step_costs=(a, b), **kw))
+
+
+def test_cost_aware_admission_holds_a_new_delta_until_it_brings_enough_rows(lm):
+    # t(U) = 10 ms + 2 ms U; 6 rows in the step, none with a delta (U = 0, t = 10 ms)
+    eng = cost_aware(lm, 8, 0.010, 0.002)
+    occupy(eng, 6)
+    # one row of "b": 7 rows in 12 ms (583 rows/s) < 6 rows in 10 ms (600): held, its row stays free
+    lone = [Pending(3, "b")]
+    assert eng.pick(lone) == []
+    # two rows of "b": 8 rows in 12 ms (667 rows/s): both admitted
+    pair = [Pending(3, "b"), Pending(3, "b")]
+    assert [pair.index(p) for p in eng.pick(pair)] == [0, 1]
+    # requests for the base add no delta bytes: never held
+    assert len(eng.pick([Pending(3, None)])) == 1
+
+
+def test_cost_aware_admission_is_off_by_default_and_admits_into_an_empty_step(lm):
+    eng = engine(lm, rows=8)
+    occupy(eng, 6)
+    assert len(eng.pick([Pending(3, "b")])) == 1  # default policy: anything that fits
+    empty = cost_aware(lm, 8, 0.010, 0.002)
+    assert len(empty.pick([Pending(3, "b")])) == 1  # nothing running: any delta raises tokens per second
+
+
+def test_cost_aware_admission_keeps_the_bypass_bound(lm):
+    """A held request at the bound stops later ones too: rows wait for it rather than pass it again."""
+    eng = cost_aware(lm, 4, 0.004, 0.002, max_bypass=1)
+    occupy(eng, 2)  # a lone "cold" row: 3 rows in 6 ms, as many rows per second as 2 in 4 ms: admitted
+    assert len(eng.pick([Pending(3, "cold")])) == 1
+    eng = cost_aware(lm, 4, 0.004, 0.002, max_bypass=1)
+    occupy(eng, 3)  # 3 rows in 4 ms (750/s) against 4 rows in 6 ms (667/s): "cold" is held
+    waiting = [Pending(3, "cold"), Pending(3, None)]
+    assert eng.pick(waiting) == [waiting[1]]  # the base request passes it once ...
+    assert waiting[0].bypassed == 1
+    later = [waiting[0], Pending(3, None)]
+    assert eng.pick(later) == []  # ... and no more: the bound holds though a row is free
+
+
+def test_bad_step_costs_are_refused(lm):
+    for bad in ((0.01,), (0.01, 0.0), (-1.0, 0.002), ("a", 0.002)):
+        with pytest.raises(DeltaZipError, match="step_costs"):
+            DecodeEngine(lm, max_batch_size=2, max_length=16, admission=AdmissionPolicy(step_costs=bad))

@@ -6,8 +6,8 @@ Both drive a :class:`~hf_deltazip.DeltaModel` through its public API only: ``mod
 ``model.route_static``, ``model.layout_version`` and ``model.graph_safe()``.
 """
 
-from .engine import AdmissionPolicy, DecodeEngine, EngineStats, Finished, Pending, auto_max_deltas
+from .engine import AdmissionPolicy, DecodeEngine, EngineStats, Finished, Pending, auto_max_deltas, fit_step_costs
 from .server import DeltaServer, QueueFullError, RequestStats, TokenStream
 
-__all__ = ["AdmissionPolicy", "DecodeEngine", "EngineStats", "Finished", "Pending", "auto_max_deltas",
+__all__ = ["AdmissionPolicy", "DecodeEngine", "EngineStats", "Finished", "Pending", "auto_max_deltas", "fit_step_costs",
            "DeltaServer", "QueueFullError", "RequestStats", "TokenStream"]

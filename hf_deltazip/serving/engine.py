@@ -61,7 +61,7 @@ from ..decoding.jacobi import JacobiGate
 from ..decoding.scope import sparsify_positions_from
 from .attention import use_grouped_attention
 
-__all__ = ["AdmissionPolicy", "DecodeEngine", "EngineStats", "Finished", "Pending", "auto_max_deltas"]
+__all__ = ["AdmissionPolicy", "DecodeEngine", "EngineStats", "Finished", "Pending", "auto_max_deltas", "fit_step_costs"]
 
 _MODEL_DEFAULT = object()  # eos_token_id not given: the model's generation config decides
 
@@ -204,25 +204,35 @@ class AdmissionPolicy:
     one request), so a burst of arrivals is prefilled over several rounds with decode steps between
     them and the running rows are never stalled by more than one bounded prefill.
 
+    **Cost-aware admission** (``cost_aware=True``): once the engine has measured its decode step time
+    as ``t(U) = a + b * U`` for ``U`` distinct deltas (:func:`fit_step_costs`), a request whose delta is
+    not in the step is admitted only if the rows its delta brings raise the step's tokens per second:
+    with ``r`` rows in the step and ``k`` rows the new delta can fill now (its waiting requests, up to
+    the free rows), ``(r + k) / t(U + 1) >= r / t(U)``, i.e. ``k * t(U) >= r * b``. Otherwise the row
+    stays free until enough rows of the step finish or enough requests for that delta queue. The
+    fairness rule still holds: nothing later passes a request at the bound, so it is admitted once the
+    step has drained enough (an empty step admits anything).
+
     Attributes:
         max_bypass: the bound K above (``None``: ``4 * max_batch_size`` of the engine).
         prefer_running: prefer requests whose delta is already in the step (``False``: arrival order).
         max_prefill_tokens: padded prompt tokens per round (``None``: no limit).
+        cost_aware: the rule above (``False``: any request that fits is admitted).
+        step_costs: ``(a, b)`` in seconds for the rule instead of the engine's measurement (``None``:
+            measured; until two different ``U`` have been seen, the rule admits as if it were off).
     """
 
     max_bypass: Optional[int] = None
     prefer_running: bool = True
     max_prefill_tokens: Optional[int] = 4096
+    cost_aware: bool = False
+    step_costs: Optional[tuple] = None
 
 
-def auto_max_deltas(step_costs: dict, *, min_steps: int = 8) -> Optional[int]:
-    """The distinct-delta cap ``max_deltas="auto"`` uses, from measured decode step times.
-
-    Fits ``t(U) = a + b * U`` by least squares to the mean step time at each number ``U`` of distinct
-    deltas seen in at least ``min_steps`` steps, and returns ``max(1, floor(a / b))``: the most
-    deltas whose reads together cost no more than the rest of the step (the base's weights, the KV
-    cache, launch overhead), so a step is at most about twice a single-delta step. ``None`` (no cap)
-    until two different ``U`` have been measured, or when deltas measure as free (``b <= 0``).
+def fit_step_costs(step_costs: dict, *, min_steps: int = 8) -> Optional[tuple]:
+    """``(a, b)`` of ``t(U) = a + b * U`` fitted by least squares to the mean decode step time at each
+    number ``U`` of distinct deltas seen in at least ``min_steps`` steps. ``None`` until two different
+    ``U`` have been measured.
 
     Args:
         step_costs: ``U -> (steps, summed seconds)``.
@@ -234,9 +244,24 @@ def auto_max_deltas(step_costs: dict, *, min_steps: int = 8) -> Optional[int]:
     mt = sum(t for _, t in points) / len(points)
     var = sum((u - mu) ** 2 for u, _ in points)
     b = sum((u - mu) * (t - mt) for u, t in points) / var
-    a = mt - b * mu
-    if b <= 0:
+    return mt - b * mu, b
+
+
+def auto_max_deltas(step_costs: dict, *, min_steps: int = 8) -> Optional[int]:
+    """The distinct-delta cap ``max_deltas="auto"`` uses, from measured decode step times.
+
+    Fits ``t(U) = a + b * U`` (:func:`fit_step_costs`) and returns ``max(1, floor(a / b))``: the most
+    deltas whose reads together cost no more than the rest of the step (the base's weights, the KV
+    cache, launch overhead), so a step is at most about twice a single-delta step. ``None`` (no cap)
+    until two different ``U`` have been measured, or when deltas measure as free (``b <= 0``).
+
+    Args:
+        step_costs: ``U -> (steps, summed seconds)``.
+    """
+    fit = fit_step_costs(step_costs, min_steps=min_steps)
+    if fit is None or fit[1] <= 0:
         return None
+    a, b = fit
     return max(1, math.floor(a / b + 1e-9)) if a > 0 else 1  # the tolerance: a/b = 5 computed as 4.999...
 
 
@@ -364,8 +389,14 @@ class DecodeEngine:
         self.admission = admission if admission is not None else AdmissionPolicy()
         if self.admission.max_bypass is not None and self.admission.max_bypass < 0:
             raise DeltaZipError(f"AdmissionPolicy.max_bypass must be >= 0 or None, got {self.admission.max_bypass}")
+        given = self.admission.step_costs
+        if given is not None and not (len(given) == 2 and all(isinstance(v, (int, float)) for v in given)
+                                      and given[0] >= 0 and given[1] > 0):
+            raise DeltaZipError(f"AdmissionPolicy.step_costs must be (a, b) seconds with a >= 0 and b > 0 "
+                                f"(a step of U distinct deltas takes a + b * U), got {given!r}")
         self.stats = EngineStats()
-        self._step_costs: dict = {}  # distinct deltas -> (steps, seconds), for max_deltas="auto"
+        self._step_costs: dict = {}  # distinct deltas -> (steps, seconds): max_deltas="auto", cost-aware admission
+        self._step_fit: Optional[tuple] = None  # (a, b) of t(U) = a + b U fitted to _step_costs
         # a one-token step of a grouped-query model without a copy of the keys and values per query head
         # (the same arithmetic; see serving.attention): True when the model was switched to it
         self.grouped_attention = use_grouped_attention(self.lm)
@@ -511,6 +542,7 @@ class DecodeEngine:
         worst = -1  # the most bypasses an earlier, unchosen request would have
         first_other = None
         prefer = self.admission.prefer_running
+        worth = self._worth_adding(waiting, chosen, taken, running)
         for j, w in enumerate(waiting):
             if j in taken:
                 later_chosen -= 1
@@ -521,12 +553,30 @@ class DecodeEngine:
             if first_other is None or (prefer and w.delta in running):
                 wide = max(width, w.prompt_len)
                 fits = not (chosen and budget is not None and wide * (len(chosen) + 1) > budget)
-                if fits and self.can_add(wide, names + [w.delta]):
+                if fits and (w.delta in running or worth(w.delta)) and self.can_add(wide, names + [w.delta]):
                     if w.delta in running or not prefer:
                         return j
                     first_other = j
             worst = max(worst, w.bypassed + later_chosen)
         return first_other
+
+    def _worth_adding(self, waiting, chosen, taken, running):
+        """``delta -> bool``: whether a delta not in the step may join it now (``AdmissionPolicy.cost_aware``)."""
+        fit = self.admission.step_costs or self._step_fit
+        if not self.admission.cost_aware or fit is None or fit[1] <= 0:
+            return lambda delta: True
+        a, b = fit
+        rows = sum(r is not None for r in self._rows) + len(chosen)
+        t = a + b * len(running - {None})
+        if t <= 0:  # a fit that says a step costs nothing: no basis for holding rows back
+            return lambda delta: True
+        free = self.max_batch_size - rows
+        queued: dict = {}
+        for j, w in enumerate(waiting):
+            if j not in taken:
+                queued[w.delta] = queued.get(w.delta, 0) + 1
+        # a delta's k rows raise tokens per second iff (rows + k) / (t + b) >= rows / t
+        return lambda delta: delta is None or min(free, queued.get(delta, 0)) * t >= rows * b
 
     def add(self, prompts: Sequence, delta_names: Optional[Sequence] = None, *,
             max_new_tokens: Union[int, Sequence[int]] = 32, eos_token_id=_MODEL_DEFAULT, do_sample: bool = False,
@@ -942,11 +992,13 @@ class DecodeEngine:
         st.bytes_read += self._base_bytes + delta_bytes + kv
         st.floor_bytes += self._base_bytes + delta_bytes + int(kv_per_entry * entries)
         st.captures = self.captures
-        if self.max_deltas == "auto" and deltas:
+        if deltas:
             n, total = self._step_costs.get(deltas, (0, 0.0))
             self._step_costs[deltas] = (n + 1, total + seconds)
             if st.decode_steps % 16 == 0:
-                st.max_deltas_auto = auto_max_deltas(self._step_costs)
+                self._step_fit = fit_step_costs(self._step_costs)
+                if self.max_deltas == "auto":
+                    st.max_deltas_auto = auto_max_deltas(self._step_costs)
 
     def _decode_step(self) -> None:
         if self.cuda_graphs and not self._graph_failed and self._graph_safe():

@@ -406,6 +406,38 @@ def test_max_deltas_flag_takes_a_number_auto_or_none():
         parse(["--max-deltas", "0"])
 
 
+def test_admission_variants_parse_and_refuse_bad_fields():
+    assert serve.parse_admission_variant("max_bypass=512, cost_aware=on") == {"max_bypass": 512, "cost_aware": True}
+    assert serve.parse_admission_variant("max_prefill_tokens=none,prefer_running=0") == {
+        "max_prefill_tokens": None, "prefer_running": False}
+    for bad in ("", "max_bypass", "max_bypass=-3", "cost_aware=maybe", "speed=9"):
+        with pytest.raises(ValueError):
+            serve.parse_admission_variant(bad)
+    parse = serve.build_parser().parse_args
+    with pytest.raises(SystemExit):
+        parse(SMOKE + ["--admission-variant", "max_bypass=lots"])
+    args = parse(SMOKE + ["--cost-aware", "--max-bypass", "7"])
+    eng = serve._make_engine(_tiny_model(), args)
+    assert eng.admission.cost_aware and eng.admission.max_bypass == 7
+
+
+def test_admission_variants_replay_the_trace_on_the_same_engine(tmp_path, capsys):
+    out = tmp_path / "v.json"
+    rc = serve.main(SMOKE + ["--systems", "deltazip,swap-cpu", "--admission-variant", "max_bypass=0",
+                             "--admission-variant", "cost_aware=on,max_bypass=512", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    names = ["deltazip", "deltazip[max_bypass=0]", "deltazip[cost_aware=on,max_bypass=512]", "swap-cpu"]
+    assert list(report["systems"]) == names
+    for name in names:
+        assert report["systems"][name]["completed"] == 6, name
+    assert "cost_aware=True" in report["systems"][names[2]]["how"]
+    swap = report["systems"]["swap-cpu"]
+    for v in names[1:3]:
+        assert swap["variant_speedups"][v] == pytest.approx(report["systems"][v]["tokens_per_s"] / swap["tokens_per_s"])
+    assert f"- {names[1]} / swap-cpu:" in capsys.readouterr().out
+
+
 def test_max_bypass_flag_sets_the_engines_fairness_bound():
     parse = serve.build_parser().parse_args
     model = _tiny_model()

@@ -616,13 +616,58 @@ def _cache_length(args) -> int:
     return 2 * (args.prompt_len + args.new_tokens)
 
 
-def _make_engine(model, args):
-    from ..serving import AdmissionPolicy, DecodeEngine
+def _admission(args, **changes):
+    """The engine's :class:`~hf_deltazip.serving.AdmissionPolicy` from ``--max-bypass`` and ``--cost-aware``,
+    with ``changes`` (an ``--admission-variant``'s fields) on top."""
+    from ..serving import AdmissionPolicy
 
-    bypass = getattr(args, "max_bypass", None)
-    admission = AdmissionPolicy(max_bypass=bypass) if bypass is not None else None
+    fields = {"max_bypass": getattr(args, "max_bypass", None), "cost_aware": getattr(args, "cost_aware", False)}
+    return AdmissionPolicy(**{**fields, **changes})
+
+
+def _make_engine(model, args):
+    from ..serving import DecodeEngine
+
     return DecodeEngine(model, max_batch_size=args.batch, max_length=_cache_length(args),
-                        cuda_graphs=False if args.eager else None, max_deltas=args.max_deltas, admission=admission)
+                        cuda_graphs=False if args.eager else None, max_deltas=args.max_deltas,
+                        admission=_admission(args))
+
+
+_VARIANT_FIELDS = {"max_bypass": "count", "cost_aware": "bool", "prefer_running": "bool", "max_prefill_tokens": "count"}
+
+
+def parse_admission_variant(text: str) -> dict:
+    """``"max_bypass=512,cost_aware=on"`` -> ``{"max_bypass": 512, "cost_aware": True}`` (``--admission-variant``).
+
+    Fields: ``max_bypass`` and ``max_prefill_tokens`` (a whole number >= 0, or ``none``), ``cost_aware`` and
+    ``prefer_running`` (``on``/``off``, ``true``/``false``, ``1``/``0``).
+    """
+    out = {}
+    for part in [p.strip() for p in text.split(",") if p.strip()]:
+        key, eq, value = part.partition("=")
+        key, value = key.strip(), value.strip().lower()
+        if not eq or key not in _VARIANT_FIELDS:
+            raise ValueError(f"{part!r}: expected FIELD=VALUE with FIELD one of {', '.join(_VARIANT_FIELDS)}")
+        if _VARIANT_FIELDS[key] == "bool":
+            if value not in ("on", "off", "true", "false", "1", "0"):
+                raise ValueError(f"{part!r}: {key} takes on or off")
+            out[key] = value in ("on", "true", "1")
+        elif value == "none":
+            out[key] = None
+        elif value.isdigit():
+            out[key] = int(value)
+        else:
+            raise ValueError(f"{part!r}: {key} takes a whole number >= 0 or none")
+    if not out:
+        raise ValueError(f"{text!r}: give at least one FIELD=VALUE")
+    return out
+
+
+def _variant_arg(text: str) -> tuple:
+    try:
+        return text, parse_admission_variant(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _run(name: str, engine, trace, names, args, *, one_at_a_time: bool, switch=None, clock=None,
@@ -684,6 +729,8 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
     tier += f"; prefill route {args.prefill!r}"
     if getattr(args, "max_bypass", None) is not None:
         tier += f"; fairness bound {args.max_bypass} (a request is passed over by at most that many later ones)"
+    if getattr(args, "cost_aware", False):
+        tier += "; cost-aware admission (a new delta joins the step only when its rows raise tokens per second)"
     how = {"deltazip": f"{tier}; continuous batching, every row its own delta",
            "one-delta-loop": f"{tier}; same engine, rows of one delta at a time"}
     dm = engine = None
@@ -700,12 +747,16 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
             for i, n in enumerate(names):  # the most popular ones start resident
                 dm.add_delta(random_delta(base, args.bits, args.group_size, seed=i), n, resident=i < resident)
         engine = _make_engine(dm, args)
-        for system in wanted:
-            results[system], run = _run(system, engine, trace, names, args, one_at_a_time=system == "one-delta-loop",
-                                        warm_names=names[:resident])
-            results[system]["how"] = how[system]
-            results[system]["resident_deltas"] = resident
-            outcomes[system] = run.outcomes
+        runs = [(system, system, None) for system in wanted]
+        if "deltazip" in wanted:  # the same model and engine (measured step costs kept), admission changed
+            runs += [(f"deltazip[{text}]", "deltazip", fields) for text, fields in getattr(args, "admission_variant", [])]
+        for name, system, fields in runs:
+            engine.admission = _admission(args, **(fields or {}))
+            results[name], run = _run(name, engine, trace, names, args, one_at_a_time=system == "one-delta-loop",
+                                      warm_names=names[:resident])
+            results[name]["how"] = how[system] + (f"; admission {engine.admission}" if fields else "")
+            results[name]["resident_deltas"] = resident
+            outcomes[name] = run.outcomes
     except torch.cuda.OutOfMemoryError as e:
         for system in wanted:
             if system not in results:
@@ -1114,6 +1165,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "'auto' (default: the engine picks it from measured step costs)")
     p.add_argument("--max-bypass", type=_max_bypass_arg, help="deltazip: the fairness bound K, most later requests admitted before a "
                    "waiting one (default: the engine's, 4 x --batch)")
+    p.add_argument("--cost-aware", action="store_true",
+                   help="deltazip: admit a request for a delta not in the step only when its rows raise the step's tokens/s "
+                        "(AdmissionPolicy.cost_aware)")
+    p.add_argument("--admission-variant", action="append", default=[], type=_variant_arg, metavar="FIELD=VALUE,...",
+                   help="deltazip: one more replay on the same model and engine with these AdmissionPolicy fields changed "
+                        "(max_bypass, max_prefill_tokens: a number or none; cost_aware, prefer_running: on/off), reported "
+                        "as deltazip[FIELD=VALUE,...]; repeatable")
     p.add_argument("--max-resident", type=int, help="deltas kept on the GPU (default: as many as fit; the others wait in pinned host memory)")
     p.add_argument("--lora-rank", type=int, default=16, help="peft: LoRA rank of each fine-tune's adapter (default 16)")
     p.add_argument("--host-buffers", type=int, default=2, help="swap-cpu: full host copies reused (default 2)")
@@ -1211,17 +1269,25 @@ def main(argv=None) -> int:
     if "peft" in systems:
         run_peft_system(trace, args, results, skipped, outcomes)
 
-    ordered = {s: results[s] for s in SYSTEMS if s in results}
+    ordered = {}
+    for s in SYSTEMS:  # each deltazip variant right after deltazip
+        ordered.update({name: r for name, r in results.items() if name == s or (s == "deltazip" and name.startswith("deltazip["))})
     ours = ordered.get("deltazip", {}).get("tokens_per_s")
     for name, r in ordered.items():
-        if ours and r["tokens_per_s"] and name != "deltazip":
+        if ours and r["tokens_per_s"] and not name.startswith("deltazip"):
             r["deltazip_speedup"] = ours / r["tokens_per_s"]
+            for v, rv in ordered.items():  # each variant against this baseline too
+                if v.startswith("deltazip[") and rv["tokens_per_s"]:
+                    r.setdefault("variant_speedups", {})[v] = rv["tokens_per_s"] / r["tokens_per_s"]
     report["systems"] = ordered
     if args.per_request:
         report["requests"] = {s: [asdict(o) | {"tokens": len(o.tokens)} for o in outs] for s, outs in outcomes.items()}
 
     print()
     print(markdown_table(ordered))
+    for name, r in ordered.items():
+        for v, x in r.get("variant_speedups", {}).items():
+            print(f"- {v} / {name}: {x:.2f}x")
     print()
     print("Where the time goes (loads: deltas becoming resident, or whole fine-tunes copied in; other: waiting "
           "for arrivals and host work between steps):")

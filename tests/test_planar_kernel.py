@@ -295,6 +295,26 @@ def test_gpu_planar_real_sizes(compiled, dtype, bits, m, scale_w):
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("rows_per_delta", [24, 128])
+@pytest.mark.parametrize("n", [1024, 4096])
+def test_gpu_prefill_default_tiles(compiled, dtype, bits, rows_per_delta, n):
+    """The default launch for prefill-sized row blocks (no config: 32- or 64-row blocks; 2-bit 64-row blocks
+    128 outputs on 8 warps, the rest four stages; K split only while the row blocks do not fill the GPU)
+    on segments of one delta each, base rows among them, against the reference."""
+    g = torch.Generator().manual_seed(bits * rows_per_delta + n)
+    st = L.prepare_stack(K.random_delta_stack(4, n, 4096, bits=bits, group_size=128, scale_range=(0.01, 0.03),
+                                              generator=g)).to("cuda")
+    rows = [0] * rows_per_delta + [-1] * 7 + [1] * rows_per_delta + [2] * rows_per_delta + [3] * rows_per_delta
+    x = torch.randn(len(rows), 4096, generator=g).to("cuda", dtype)
+    w = (0.05 * torch.randn(n, 4096, generator=g)).to("cuda", dtype)
+    b = torch.randn(n, generator=g).to("cuda", dtype)
+    rd = torch.tensor(rows, dtype=torch.int32, device="cuda")
+    check(x, w, b, st, rd, None, tol=1e-3, segments=L.build_row_segments(rd))
+
+
+@needs_cuda
 def test_gpu_planar_graph_replay_follows_new_row_mix(compiled):
     g = torch.Generator().manual_seed(1)
     st = L.prepare_stack(K.random_delta_stack(8, 2048, 4096, bits=2, group_size=128, scale_range=(0.01, 0.03),

@@ -173,3 +173,40 @@ def test_bad_step_costs_are_refused(lm):
     for bad in ((0.01,), (0.01, 0.0), (-1.0, 0.002), ("a", 0.002)):
         with pytest.raises(DeltaZipError, match="step_costs"):
             DecodeEngine(lm, max_batch_size=2, max_length=16, admission=AdmissionPolicy(step_costs=bad))
+
+
+def test_fit_weighs_each_step_so_a_few_warm_up_steps_cannot_tip_the_cap():
+    # 10 ms + 2 ms U over thousands of steps, and 8 steps of 32 deltas 1.5x slower than the line (a warm-up's
+    # full batch over every delta): fitted to the five means alike, the line would tip to a / b = 1.1 (a cap of
+    # one delta per step); weighted by steps it moves little
+    costs = {u: (1000, 1000 * (0.010 + 0.002 * u)) for u in (2, 4, 6, 8)}
+    costs[32] = (8, 8 * 1.5 * (0.010 + 0.002 * 32))
+    a, b = fit_step_costs(costs)
+    assert a == pytest.approx(0.010, abs=0.002) and b == pytest.approx(0.002, rel=0.2)
+    assert auto_max_deltas(costs) == 3
+
+
+def test_steps_that_capture_a_graph_are_no_cost_samples(lm, monkeypatch):
+    """A decode step that captured a CUDA graph (on a GPU: kernels compiled, the graph recorded) is left out
+    of the step costs ``max_deltas="auto"`` fits; the other steps are in."""
+    from hf_deltazip import DeltaModel
+    from hf_deltazip.bench.decode import build_base, random_delta
+
+    base = build_base("tiny", "cpu")
+    dm = DeltaModel(base)
+    dm.add_delta(random_delta(base, 4, 64, seed=0), "x")
+    eng = DecodeEngine(dm, max_batch_size=2, max_length=16)
+    real = eng._decode_step
+    calls = []
+
+    def step_that_captures_first():  # the CPU has no graphs: count the first step as a capture
+        calls.append(1)
+        if len(calls) == 1:
+            eng.captures += 1
+        real()
+
+    monkeypatch.setattr(eng, "_decode_step", step_that_captures_first)
+    eng.add([[1, 2, 3]], ["x"], max_new_tokens=6, eos_token_id=None)
+    while eng.active:
+        eng.step()
+    assert len(calls) == 5 and eng.step_costs[1][0] == 4

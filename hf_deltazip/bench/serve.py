@@ -686,6 +686,9 @@ def _run(name: str, engine, trace, names, args, *, one_at_a_time: bool, switch=N
     stats = summarize(run, trace)
     stats["peak_gpu_gib"] = _peak_gib(device)
     stats["time_split"] = time_split(getattr(engine, "stats", None), run)
+    if hasattr(engine, "step_costs"):  # what max_deltas="auto" has fitted its cap to, so far
+        stats["step_costs"] = {str(u): {"steps": n, "mean_ms": 1e3 * total / n} for u, (n, total) in
+                               sorted(engine.step_costs.items())}
     stats["grouped_attention"] = getattr(engine, "grouped_attention", None)  # one-token steps without per-head key copies
     print(f"[{name}] {stats['completed']}/{stats['requests']} requests, "
           f"{_fmt(stats['tokens_per_s'], '.1f')} tokens/s, mean latency {_fmt(stats['latency_mean_s'], '.2f')} s"

@@ -230,20 +230,21 @@ class AdmissionPolicy:
 
 
 def fit_step_costs(step_costs: dict, *, min_steps: int = 8) -> Optional[tuple]:
-    """``(a, b)`` of ``t(U) = a + b * U`` fitted by least squares to the mean decode step time at each
-    number ``U`` of distinct deltas seen in at least ``min_steps`` steps. ``None`` until two different
-    ``U`` have been measured.
+    """``(a, b)`` of ``t(U) = a + b * U`` fitted by least squares to the decode step times, each step one
+    sample (each ``U`` seen in at least ``min_steps`` steps; a ``U`` seen in a few steps, such as a
+    warm-up's, weighs as little as it was seen). ``None`` until two different ``U`` have been measured.
 
     Args:
         step_costs: ``U -> (steps, summed seconds)``.
     """
-    points = [(u, total / n) for u, (n, total) in step_costs.items() if n >= min_steps]
-    if len({u for u, _ in points}) < 2:
+    points = [(u, n, total / n) for u, (n, total) in step_costs.items() if n >= min_steps]
+    if len(points) < 2:
         return None
-    mu = sum(u for u, _ in points) / len(points)
-    mt = sum(t for _, t in points) / len(points)
-    var = sum((u - mu) ** 2 for u, _ in points)
-    b = sum((u - mu) * (t - mt) for u, t in points) / var
+    steps = sum(n for _, n, _ in points)
+    mu = sum(n * u for u, n, _ in points) / steps
+    mt = sum(n * t for _, n, t in points) / steps
+    var = sum(n * (u - mu) ** 2 for u, n, _ in points)
+    b = sum(n * (u - mu) * (t - mt) for u, n, t in points) / var
     return mt - b * mu, b
 
 
@@ -499,6 +500,12 @@ class DecodeEngine:
     def delta_limit(self) -> Optional[int]:
         """The distinct-delta cap in force now (``max_deltas``, or what ``"auto"`` has measured; ``None``: none)."""
         return self.stats.max_deltas_auto if self.max_deltas == "auto" else self.max_deltas
+
+    @property
+    def step_costs(self) -> dict:
+        """The decode step times behind ``max_deltas="auto"`` and cost-aware admission: ``U -> (steps,
+        summed seconds)`` for ``U`` distinct deltas in the step (steps that captured a graph left out)."""
+        return dict(self._step_costs)
 
     def reset_stats(self) -> EngineStats:
         """Start :attr:`stats` afresh (e.g. after a warm-up); returns the old one. Step-cost samples for
@@ -852,6 +859,7 @@ class DecodeEngine:
             width = min(width, self.max_length - self._ptr)
         t0 = time.perf_counter()
         used = self._step_usage()
+        captures = self.captures
         accepted = None
         if width > 1:
             accepted = self._jacobi_step(width)
@@ -859,7 +867,8 @@ class DecodeEngine:
             self._decode_step()
             self._after_step()  # reads the tokens back: the step is done
         seconds = time.perf_counter() - t0
-        self._count_step(used, seconds)
+        # a step that captured a CUDA graph (and compiled its kernels) is no sample of a step's cost
+        self._count_step(used, seconds, sample=self.captures == captures)
         for delta, gate in self._consulted.items():
             if width <= 1:
                 gate.record(False, seconds)
@@ -979,7 +988,7 @@ class DecodeEngine:
         entries = sum(self._ptr + 1 - r.start for r in rows)
         return len(rows), len(deltas), nbytes, entries
 
-    def _count_step(self, used: tuple, seconds: float) -> None:
+    def _count_step(self, used: tuple, seconds: float, sample: bool = True) -> None:
         rows, deltas, delta_bytes, entries = used
         st = self.stats
         st.decode_s += seconds
@@ -992,7 +1001,7 @@ class DecodeEngine:
         st.bytes_read += self._base_bytes + delta_bytes + kv
         st.floor_bytes += self._base_bytes + delta_bytes + int(kv_per_entry * entries)
         st.captures = self.captures
-        if deltas:
+        if deltas and sample:
             n, total = self._step_costs.get(deltas, (0, 0.0))
             self._step_costs[deltas] = (n + 1, total + seconds)
             if st.decode_steps % 16 == 0:

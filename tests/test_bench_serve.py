@@ -442,7 +442,7 @@ def test_max_bypass_flag_sets_the_engines_fairness_bound():
     parse = serve.build_parser().parse_args
     model = _tiny_model()
     default = serve._make_engine(model, parse(SMOKE))
-    assert parse(SMOKE).max_bypass is None and default.admission.max_bypass is None  # the engine's 4 x batch
+    assert parse(SMOKE).max_bypass is None and default.admission.max_bypass is None  # the engine's 16 x batch
     strict = serve._make_engine(model, parse(SMOKE + ["--max-bypass", "0"]))
     assert strict.admission.max_bypass == 0 and strict.admission.prefer_running
     assert serve._make_engine(model, parse(SMOKE + ["--max-bypass", "512"])).admission.max_bypass == 512

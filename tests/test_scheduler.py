@@ -210,3 +210,12 @@ def test_steps_that_capture_a_graph_are_no_cost_samples(lm, monkeypatch):
     while eng.active:
         eng.step()
     assert len(calls) == 5 and eng.step_costs[1][0] == 4
+
+
+def test_default_bypass_bound_is_sixteen_per_row(lm):
+    eng = engine(lm, rows=2)  # default policy: 16 x 2 = 32 later requests may pass a waiting one
+    occupy(eng, 1)
+    stuck = Pending(70, "b", bypassed=31)  # cannot fit max_length=64: passed over while the bound allows
+    waiting = [stuck, Pending(3, None)]
+    assert eng.pick(waiting) == [waiting[1]] and stuck.bypassed == 32
+    assert eng.pick([stuck, Pending(3, None)]) == []

@@ -1167,7 +1167,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="deltazip: most distinct deltas among the decoding rows: a number, 'none' (no limit) or "
                         "'auto' (default: the engine picks it from measured step costs)")
     p.add_argument("--max-bypass", type=_max_bypass_arg, help="deltazip: the fairness bound K, most later requests admitted before a "
-                   "waiting one (default: the engine's, 4 x --batch)")
+                   "waiting one (default: the engine's, 16 x --batch)")
     p.add_argument("--cost-aware", action="store_true",
                    help="deltazip: admit a request for a delta not in the step only when its rows raise the step's tokens/s "
                         "(AdmissionPolicy.cost_aware)")

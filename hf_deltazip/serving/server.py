@@ -17,7 +17,7 @@ past it.
 
 Admission (continuous mode) follows the engine's :class:`~hf_deltazip.serving.AdmissionPolicy`:
 waiting requests whose delta is already decoding go first (they add rows, not bytes, to a step), but
-no request is passed over by more than ``max_bypass`` later ones (default ``4 * max_batch_size``);
+no request is passed over by more than ``max_bypass`` later ones (default ``16 * max_batch_size``);
 one round prefills at most ``max_prefill_tokens`` prompt tokens, so a burst of arrivals does not stall
 the decoding rows for long. :attr:`DeltaServer.engine_stats` says where the time went (prefill,
 loads, decode steps, idle rows; distinct deltas and bytes per step).

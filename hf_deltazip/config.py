@@ -119,8 +119,9 @@ class DeltaZipConfig:
     sparsity: Sparsity = field(
         default=None,
         metadata={"help": 'None (dense), "2:4" (2 of every 4 inputs kept), a fraction in (0, 1) pruned unstructured, or '
-                          '"lowrank:x": singular directions in bands of 8/4/3/2 bits taking x bits per weight (linear layers; '
-                          'served as bits-bit codes on group_size groups rebuilt from them on load).'},
+                          '"lowrank:x": singular directions in bands of 8/4/3/2 bits taking x bits per weight (linear layers, and '
+                          'embeddings and the LM head through overrides or the budget; served as bits-bit codes on '
+                          'group_size groups rebuilt from them on load).'},
     )
     group_size: int = field(
         default=128, metadata={"help": "Inputs sharing one scale and zero point; -1 = one per output row."}
@@ -160,8 +161,8 @@ class DeltaZipConfig:
         default_factory=lambda: [2, 3, 4, 8], metadata={"help": "Bits the target_ratio budget may choose from."})
     budget_sparsity: list = field(
         default_factory=lambda: [None, "2:4", 0.5, 0.75, 0.9],
-        metadata={"help": 'Sparsities the budget may choose from (None = dense; "2:4" and "lowrank:x" are not offered to '
-                          'input embeddings; "lowrank:x" is offered once, served at the largest budget_bits on the smallest '
+        metadata={"help": 'Sparsities the budget may choose from (None = dense; "2:4" is not offered to input embeddings; '
+                          '"lowrank:x" is offered once, served at the largest budget_bits on the smallest '
                           'budget_group_sizes).'})
     budget_group_sizes: list = field(
         default_factory=lambda: [64, 128, -1], metadata={"help": "Group sizes the budget may choose from."})

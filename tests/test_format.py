@@ -285,10 +285,10 @@ def test_header_edits_are_caught(saved, tmp_path, edit, fragment):
 def test_unknown_version_and_stale_header_crc(saved, tmp_path):
     data = (saved[0] / DZ_FILENAME).read_bytes()
     st, payload = split(data)
-    st["__metadata__"]["dz_format_version"] = "4"
-    (tmp_path / "v4.dz").write_bytes(join(st, payload))
+    st["__metadata__"]["dz_format_version"] = "5"
+    (tmp_path / "v5.dz").write_bytes(join(st, payload))
     with pytest.raises(DeltaZipFormatError, match="upgrade hf-deltazip"):
-        DeltaZipFile(tmp_path / "v4.dz")
+        DeltaZipFile(tmp_path / "v5.dz")
     (tmp_path / "crc.dz").write_bytes(edit_dz(data, _set(["base_model"], "other"), fix_crc=False))
     with pytest.raises(DeltaZipFormatError, match="dz_header checksum"):
         DeltaZipFile(tmp_path / "crc.dz")

@@ -119,14 +119,92 @@ def test_the_budget_chooses_lowrank_where_the_delta_is_low_rank():
                  calibration=calibration_ids(), progress=False)
 
 
-def test_lowrank_is_offered_to_linear_layers_only():
+def test_lowrank_is_offered_to_linear_layers_and_embeddings():
     from hf_deltazip.compression.budget import candidates
 
-    cfg = DeltaZipConfig(target_ratio=8, budget_bits=[2, 3], budget_sparsity=[None, "lowrank:0.5"],
+    cfg = DeltaZipConfig(target_ratio=8, budget_bits=[2, 3], budget_sparsity=[None, "2:4", "lowrank:0.5"],
                          budget_group_sizes=[64, -1])
-    lin = [c for c in candidates(cfg, "linear") if c.sparsity == "lowrank:0.5"]
-    assert [(c.bits, c.group_size) for c in lin] == [(3, 64)]  # served once, at the most precise grid offered
-    assert all(c.sparsity != "lowrank:0.5" for c in candidates(cfg, "embedding"))
+    for kind in ("linear", "embedding"):
+        lr = [c for c in candidates(cfg, kind) if c.sparsity == "lowrank:0.5"]
+        assert [(c.bits, c.group_size) for c in lr] == [(3, 64)], kind  # served once, at the most precise grid offered
+    assert not any(c.sparsity == "2:4" for c in candidates(cfg, "embedding"))  # the lookup reads dense rows
+
+
+def _vocab_finetune(base, rank=2, seed=4, scale=0.02):
+    """A copy of ``base`` whose input embedding (tied to the LM head when the model ties them) moved by an exact
+    rank-``rank`` delta, and whose decoder linears moved a little."""
+    ft = _low_rank_finetune(base, rank=1, scale=0.01)
+    emb = ft.get_input_embeddings().weight
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        emb.add_(scale * torch.randn(emb.shape[0], rank, generator=gen) @ torch.randn(rank, emb.shape[1], generator=gen))
+    return ft
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_a_lowrank_vocabulary_delta_serves_like_the_merged_model(tied, tmp_path):
+    """``lowrank:x`` on the embedding (and an untied LM head) through overrides: the factors are stored, the
+    served codes of their product are what DeltaModel adds, as a merge does."""
+    base = tiny_model("llama", vocab_size=VOCAB, seed=0, hidden_size=64, num_layers=2, tie_word_embeddings=tied)
+    ft = _vocab_finetune(base)
+    if not tied:
+        with torch.no_grad():
+            ft.lm_head.weight.add_(0.02 * torch.randn(VOCAB, 1, generator=torch.Generator().manual_seed(9))
+                                   @ torch.randn(1, 64, generator=torch.Generator().manual_seed(8)))
+    vocab = {"sparsity": "lowrank:2", "bits": 8, "group_size": -1}
+    cfg = DeltaZipConfig(bits=4, group_size=32, n_samples=8, seq_len=24,
+                         overrides={"model.embed_tokens": vocab, "lm_head": vocab})
+    delta = compress(base, ft, cfg, calibration=calibration_ids(), progress=False)
+    vocab_names = [n for n, m in delta.modules.items() if m.kind == "embedding"]
+    assert len(vocab_names) == (1 if tied else 2), vocab_names
+    for n in vocab_names:
+        m = delta.modules[n]
+        assert m.factors is not None and m.nbytes < m.resident_nbytes, n
+        d = (ft.get_submodule(n).weight - base.get_submodule(n).weight).detach().float()
+        assert float((m.dequantize() - d).norm() / d.norm()) < 0.05, n  # a rank-2 delta on an 8-bit grid
+    delta.save_pretrained(tmp_path)
+    with DeltaZipFile(tmp_path / DZ_FILENAME) as dz:
+        assert dz.format_version == 4  # lowrank embeddings are new in version 4
+        assert {dz.modules[n].sparsity for n in vocab_names} == {"lowrank"}
+    again = CompressedDelta.from_pretrained(tmp_path)
+    for n in vocab_names:
+        assert torch.equal(again.modules[n].dequantize(), delta.modules[n].dequantize()), n
+    if tied:  # a reader of version 3 did not know lowrank embeddings: a file stamped 3 that has one is refused
+        from test_format import edit_dz
+
+        data = (tmp_path / DZ_FILENAME).read_bytes()
+        (tmp_path / "v3.dz").write_bytes(edit_dz(data, lambda dz, st: st["__metadata__"].update(dz_format_version="3")))
+        with pytest.raises(DeltaZipFormatError, match="format version 3"):
+            DeltaZipFile(tmp_path / "v3.dz")
+    model = DeltaModel(copy.deepcopy(base))
+    model.load_delta(tmp_path, delta_name="v")
+    ids = calibration_ids(n=2, length=10, seed=5)
+    with torch.no_grad():
+        got = model(input_ids=ids, delta_names=["v", None]).logits
+        want = merged_by_hand(base, delta)(input_ids=ids).logits
+        plain = base(input_ids=ids).logits
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[1], plain[1], rtol=1e-4, atol=1e-4)
+
+
+def test_the_budget_chooses_lowrank_for_a_low_rank_embedding_delta():
+    """At a tight budget the embedding's few-direction delta goes to the lowrank layout, which keeps it far
+    closer than quantized rows at the same bytes."""
+    base = tiny_model("llama", vocab_size=1024, seed=0, hidden_size=128, num_layers=2)
+    ft = _vocab_finetune(base, rank=1, scale=0.05)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():  # full-rank moves of the linears: lowrank cannot take them cheaply
+        for name, mod in ft.named_modules():
+            if isinstance(mod, torch.nn.Linear) and ".layers." in name:
+                mod.weight.add_(0.01 * torch.randn(mod.weight.shape, generator=gen))
+    common = dict(target_ratio=14, budget_bits=[2, 4], budget_group_sizes=[-1], n_samples=8, seq_len=24)
+    delta = compress(base, ft, DeltaZipConfig(budget_sparsity=[None, 0.9, 0.98, "lowrank:0.25"], **common),
+                     calibration=calibration_ids(), progress=False)
+    name = next(n for n, m in delta.modules.items() if m.kind == "embedding")
+    assert str(delta.config.overrides[name]["sparsity"]) == "lowrank:0.25"
+    d = (ft.get_submodule(name).weight - base.get_submodule(name).weight).detach().float()
+    assert float((delta.modules[name].dequantize() - d).norm() / d.norm()) < 0.1
+    assert abs(delta.summary["reached_ratio"] / 14 - 1) <= 0.05
 
 
 @pytest.mark.parametrize("bad", ["lowrank:0", "lowrank:abc", "lowrank:17", "lowrank", "low-rank:1"])
@@ -157,7 +235,11 @@ def test_the_objective_of_a_lowrank_option_is_that_of_the_served_codes():
     served = lowrank_module(d, 1.0, bits=4, group_size=16)
     assert opt.error == pytest.approx(objective(d, served.dequantize(), h), rel=1e-6)
     assert opt.candidate.settings()["sparsity"] == "lowrank:1.0"
-    assert measure_module(d, candidates=[Candidate(4, "lowrank:1.0", 16)], kind="embedding") == []
+    # an embedding's lowrank option: the plain squared error of the same served codes (no inputs to weigh it)
+    (emb,) = measure_module(d, candidates=[Candidate(4, "lowrank:1.0", 16)], kind="embedding")
+    assert emb.error == pytest.approx(float((lowrank_module(d, 1.0, bits=4, group_size=16, kind="embedding").dequantize()
+                                            - d).pow(2).sum()), rel=1e-6)
+    assert emb.layout[0] == "embedding" and emb.layout[2] == "lowrank"
 
 
 def test_lowrank_on_transposed_conv1d_layers_serves_like_the_merged_model(tmp_path):

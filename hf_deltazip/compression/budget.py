@@ -64,12 +64,14 @@ def candidates(config, kind: str) -> tuple:
     """The settings ``config.budget_bits`` x ``budget_sparsity`` x ``budget_group_sizes`` offer a module.
 
     Linear layers (the LM head included) get every one (every layout the kernels serve). Input embeddings
-    (``kind="embedding"``) get no 2:4: the embedding lookup on the GPU reads dense rows.
+    (``kind="embedding"``) get no 2:4: the embedding lookup on the GPU reads dense rows. Both get the lowrank
+    layout (served as dense codes of the factors' product): a fine-tune moves a vocabulary's delta in few
+    directions, which a handful of singular vectors store in a fraction of what quantized rows take.
     """
     lowrank = [s for s in config.budget_sparsity if lowrank_bits_per_weight(s) is not None]
     sparsities = [s for s in config.budget_sparsity if s not in lowrank and (kind == "linear" or s != "2:4")]
     out = [Candidate(b, s, g) for b in config.budget_bits for s in sparsities for g in config.budget_group_sizes]
-    if kind == "linear" and lowrank:  # served at the most precise grid offered: one candidate per factor size
+    if lowrank:  # served at the most precise grid offered: one candidate per factor size
         groups = [g for g in config.budget_group_sizes if g != -1]
         served = (max(config.budget_bits), min(groups) if groups else -1)
         out += [Candidate(served[0], s, served[1]) for s in lowrank]
@@ -177,8 +179,8 @@ def measure_module(
     k = delta.shape[1]
     options = []
     lowrank = [c for c in candidates if lowrank_bits_per_weight(c.sparsity) is not None]
-    if lowrank and kind == "linear":
-        options += _measure_lowrank(delta, lowrank, hessian, symmetric, zstd_level, error_of)
+    if lowrank:
+        options += _measure_lowrank(delta, lowrank, hessian, symmetric, zstd_level, error_of, kind)
     candidates = [c for c in candidates if c not in lowrank and not (c.sparsity == "2:4" and k % 4)]
     solved, masks = {}, {}
     if hessian is not None:  # one stacked OBS pass per group size (2:4 goes one by one)
@@ -210,9 +212,9 @@ def measure_module(
     return options
 
 
-def _measure_lowrank(delta, candidates, hessian, symmetric, zstd_level, error_of) -> list:
-    """The lowrank candidates of one linear module: one SVD shared by every factor size; the error is that of
-    the served codes (the factors' product rounded to the candidate's grid), as kernels and merges see it."""
+def _measure_lowrank(delta, candidates, hessian, symmetric, zstd_level, error_of, kind="linear") -> list:
+    """The lowrank candidates of one module: one SVD shared by every factor size; the error is that of the
+    served codes (the factors' product rounded to the candidate's grid), as kernels and merges see it."""
     from .lowrank import lowrank_module
 
     d = delta.detach().float()
@@ -220,10 +222,10 @@ def _measure_lowrank(delta, candidates, hessian, symmetric, zstd_level, error_of
     out = []
     for cand in candidates:
         packed = lowrank_module(d, lowrank_bits_per_weight(cand.sparsity), bits=cand.bits, group_size=cand.group_size,
-                                symmetric=symmetric, factors=factors, hessian=hessian)
+                                symmetric=symmetric, factors=factors, hessian=hessian, kind=kind)
         error = error_of(packed.dequantize().to(d.device))
         nbytes = sum(encoded_nbytes(t, zstd_level) for t in packed.tensors().values())
-        layout = ("linear", tuple(packed.shape), "lowrank", None, packed.symmetric,
+        layout = (kind, tuple(packed.shape), "lowrank", None, packed.symmetric,
                   tuple((role, tuple(t.shape), t.dtype) for role, t in packed.tensors().items()))
         out.append(Option(cand, nbytes, error, layout, tuple((int(a.shape[0]), b) for b, a, _ in packed.factors)))
     return out

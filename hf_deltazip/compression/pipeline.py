@@ -390,10 +390,15 @@ class _Compression:
         sparsity = settings.sparsity
         if sparsity == "2:4" and delta.shape[1] % 4:
             sparsity = None
-        if lowrank_bits_per_weight(sparsity) is not None:
-            logger.warning("%s: the lowrank layout is for linear layers; this vocabulary delta is stored dense", name)
-            sparsity = None
         delta = delta.to(self.dev)  # the vocabulary's selection and grids: seconds on a GPU, minutes on a CPU
+        bpw = lowrank_bits_per_weight(sparsity)
+        if bpw is not None:  # factors of the whole [V, D] delta (an LM head's fine-tune moves it in few directions)
+            self.modules[name] = lowrank_module(delta, bpw, bits=settings.bits, group_size=settings.group_size,
+                                                symmetric=settings.symmetric, kind="embedding", hessian=hessian)
+            approx = self.modules[name].dequantize().to(delta.device).float()
+            self.layer_errors[name] = (relative_objective(delta, approx, hessian) if hessian is not None else
+                                       float(((approx - delta).norm() / delta.norm().clamp_min(1e-30)) ** 2))
+            return
         if hessian is not None:
             res = obs_compress(delta, hessian, bits=settings.bits, group_size=settings.group_size,
                                symmetric=settings.symmetric, sparsity=sparsity, block_size=settings.block_size,

@@ -34,8 +34,10 @@ from .header import HEADER_TABLES, DeltaHeader, HeaderError
 
 logger = logging.getLogger(__name__)
 
-DZ_FORMAT_VERSION = 3  # 2 added the "rows" layout, 3 "lowrank"; a file is written as the oldest version its layouts allow
-SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)
+DZ_FORMAT_VERSION = 4  # 2 added the "rows" layout, 3 "lowrank", 4 "lowrank" embeddings and LM heads; a file is
+# written as the oldest version its layouts allow
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4)
+LOWRANK_VOCAB_SINCE = 4  # the lowrank layout on an "embedding" module (an input embedding or LM head)
 # the first format version each layout exists in
 LAYOUT_SINCE = {"dense": 1, "2:4": 1, "bitmask": 1, "rows": 2, "lowrank": 3}
 FORMAT_TAG = "hf-deltazip"
@@ -148,7 +150,13 @@ def _encode(raw: bytes, level: int) -> tuple[str, bytes]:
 
 def format_version_for(records: Iterable[ModuleRecord]) -> int:
     """The format version a file of these module records is written as: the oldest that has all their layouts."""
-    return max([1] + [LAYOUT_SINCE[r.sparsity] for r in records])
+    return max([1] + [_record_version(r) for r in records])
+
+
+def _record_version(rec: ModuleRecord) -> int:
+    if rec.sparsity == "lowrank" and rec.kind == "embedding":
+        return LOWRANK_VOCAB_SINCE
+    return LAYOUT_SINCE[rec.sparsity]
 
 
 def encoded_nbytes(t: torch.Tensor, zstd_level: int) -> int:
@@ -499,11 +507,13 @@ class DeltaZipFile:
                 self._fail(f"module {name!r}: bad nnz {rec.nnz!r}")
         if rec.sparsity == "lowrank":
             bands = rec.bands
-            ok = isinstance(bands, list) and rec.nnz is None and rec.kind == "linear" and all(
+            if rec.kind == "embedding" and self.format_version < LOWRANK_VOCAB_SINCE:
+                self._fail(f"module {name!r}: a lowrank embedding does not exist in format version {self.format_version}")
+            ok = isinstance(bands, list) and rec.nnz is None and rec.kind in ("linear", "embedding") and all(
                 isinstance(b, list) and len(b) == 2 and _is_int(b[0]) and b[0] >= 1 and _is_int(b[1]) and b[1] in CODE_BITS
                 for b in bands)
             if not ok or sum(b[0] for b in bands) > min(rec.shape):
-                self._fail(f"module {name!r}: bad lowrank bands {bands!r} (a linear module's [[directions, bits], ...], "
+                self._fail(f"module {name!r}: bad lowrank bands {bands!r} (a linear or embedding module's [[directions, bits], ...], "
                            f"at most {min(rec.shape)} directions in all, no nnz)")
             rec.bands = [tuple(b) for b in bands]
         elif rec.bands is not None:

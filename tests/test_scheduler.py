@@ -130,7 +130,7 @@ def test_fit_step_costs_recovers_the_line():
 
 
 def cost_aware(lm, rows, a, b, **kw):
-    return engine(lm, rows=rows, admission=AdmissionPolicy(cost_aware=True, step_costs=(a, b), **kw))
+    return engine(lm, rows=rows, admission=AdmissionPolicy(cost_aware=True, step_cost_line=(a, b), **kw))
 
 
 def test_cost_aware_admission_holds_a_new_delta_until_it_brings_enough_rows(lm):
@@ -171,8 +171,8 @@ def test_cost_aware_admission_keeps_the_bypass_bound(lm):
 
 def test_bad_step_costs_are_refused(lm):
     for bad in ((0.01,), (0.01, 0.0), (-1.0, 0.002), ("a", 0.002)):
-        with pytest.raises(DeltaZipError, match="step_costs"):
-            DecodeEngine(lm, max_batch_size=2, max_length=16, admission=AdmissionPolicy(step_costs=bad))
+        with pytest.raises(DeltaZipError, match="step_cost_line"):
+            DecodeEngine(lm, max_batch_size=2, max_length=16, admission=AdmissionPolicy(step_cost_line=bad))
 
 
 def test_fit_weighs_each_step_so_a_few_warm_up_steps_cannot_tip_the_cap():

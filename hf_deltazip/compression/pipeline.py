@@ -393,25 +393,25 @@ class _Compression:
         delta = delta.to(self.dev)  # the vocabulary's selection and grids: seconds on a GPU, minutes on a CPU
         bpw = lowrank_bits_per_weight(sparsity)
         if bpw is not None:  # factors of the whole [V, D] delta (an LM head's fine-tune moves it in few directions)
-            self.modules[name] = lowrank_module(delta, bpw, bits=settings.bits, group_size=settings.group_size,
-                                                symmetric=settings.symmetric, kind="embedding", hessian=hessian)
-            approx = self.modules[name].dequantize().to(delta.device).float()
-            self.layer_errors[name] = (relative_objective(delta, approx, hessian) if hessian is not None else
-                                       float(((approx - delta).norm() / delta.norm().clamp_min(1e-30)) ** 2))
-            return
-        if hessian is not None:
-            res = obs_compress(delta, hessian, bits=settings.bits, group_size=settings.group_size,
-                               symmetric=settings.symmetric, sparsity=sparsity, block_size=settings.block_size,
-                               damp=settings.damp)
-            self.layer_errors[name] = relative_objective(delta, res.dequantize(), hessian)
+            module = lowrank_module(delta, bpw, bits=settings.bits, group_size=settings.group_size,
+                                    symmetric=settings.symmetric, kind="embedding", hessian=hessian)
+            approx = module.dequantize().to(delta.device).float()
         else:
-            res = rtn_compress(delta, bits=settings.bits, group_size=settings.group_size,
-                               symmetric=settings.symmetric, sparsity=sparsity)
-            self.layer_errors[name] = float(((res.dequantize() - delta).norm() / delta.norm().clamp_min(1e-30)) ** 2)
-        self.modules[name] = PackedModule.from_codes(
-            res.codes, res.scales, res.zeros, res.mask, bits=res.bits, group_size=res.group_size,
-            symmetric=res.symmetric, two_four=sparsity == "2:4", kind="embedding", skip_zero_rows=True,
-        )
+            if hessian is not None:
+                res = obs_compress(delta, hessian, bits=settings.bits, group_size=settings.group_size,
+                                   symmetric=settings.symmetric, sparsity=sparsity, block_size=settings.block_size,
+                                   damp=settings.damp)
+            else:
+                res = rtn_compress(delta, bits=settings.bits, group_size=settings.group_size,
+                                   symmetric=settings.symmetric, sparsity=sparsity)
+            approx = res.dequantize()
+            module = PackedModule.from_codes(
+                res.codes, res.scales, res.zeros, res.mask, bits=res.bits, group_size=res.group_size,
+                symmetric=res.symmetric, two_four=sparsity == "2:4", kind="embedding", skip_zero_rows=True,
+            )
+        self.layer_errors[name] = (relative_objective(delta, approx, hessian) if hessian is not None else
+                                   float(((approx - delta).norm() / delta.norm().clamp_min(1e-30)) ** 2))
+        self.modules[name] = module
 
     # ------------------------------------------------------------------ the byte budget
     def budget(self) -> None:

@@ -223,7 +223,7 @@ class AdmissionPolicy:
         prefer_running: prefer requests whose delta is already in the step (``False``: arrival order).
         max_prefill_tokens: padded prompt tokens per round (``None``: no limit).
         cost_aware: the rule above (``False``: any request that fits is admitted).
-        step_costs: ``(a, b)`` in seconds for the rule instead of the engine's measurement (``None``:
+        step_cost_line: ``(a, b)`` in seconds for the rule instead of the engine's measurement (``None``:
             measured; until two different ``U`` have been seen, the rule admits as if it were off).
     """
 
@@ -231,7 +231,7 @@ class AdmissionPolicy:
     prefer_running: bool = True
     max_prefill_tokens: Optional[int] = 4096
     cost_aware: bool = False
-    step_costs: Optional[tuple] = None
+    step_cost_line: Optional[tuple] = None
 
 
 def fit_step_costs(step_costs: dict, *, min_steps: int = 8) -> Optional[tuple]:
@@ -264,7 +264,11 @@ def auto_max_deltas(step_costs: dict, *, min_steps: int = 8) -> Optional[int]:
     Args:
         step_costs: ``U -> (steps, summed seconds)``.
     """
-    fit = fit_step_costs(step_costs, min_steps=min_steps)
+    return _cap_of(fit_step_costs(step_costs, min_steps=min_steps))
+
+
+def _cap_of(fit: Optional[tuple]) -> Optional[int]:
+    """:func:`auto_max_deltas`' cap from a fitted ``(a, b)``."""
     if fit is None or fit[1] <= 0:
         return None
     a, b = fit
@@ -395,10 +399,10 @@ class DecodeEngine:
         self.admission = admission if admission is not None else AdmissionPolicy()
         if self.admission.max_bypass is not None and self.admission.max_bypass < 0:
             raise DeltaZipError(f"AdmissionPolicy.max_bypass must be >= 0 or None, got {self.admission.max_bypass}")
-        given = self.admission.step_costs
+        given = self.admission.step_cost_line
         if given is not None and not (len(given) == 2 and all(isinstance(v, (int, float)) for v in given)
                                       and given[0] >= 0 and given[1] > 0):
-            raise DeltaZipError(f"AdmissionPolicy.step_costs must be (a, b) seconds with a >= 0 and b > 0 "
+            raise DeltaZipError(f"AdmissionPolicy.step_cost_line must be (a, b) seconds with a >= 0 and b > 0 "
                                 f"(a step of U distinct deltas takes a + b * U), got {given!r}")
         self.stats = EngineStats()
         self._step_costs: dict = {}  # distinct deltas -> (steps, seconds): max_deltas="auto", cost-aware admission
@@ -574,7 +578,7 @@ class DecodeEngine:
 
     def _worth_adding(self, waiting, chosen, taken, running):
         """``delta -> bool``: whether a delta not in the step may join it now (``AdmissionPolicy.cost_aware``)."""
-        fit = self.admission.step_costs or self._step_fit
+        fit = self.admission.step_cost_line or self._step_fit
         if not self.admission.cost_aware or fit is None or fit[1] <= 0:
             return lambda delta: True
         a, b = fit
@@ -1012,7 +1016,7 @@ class DecodeEngine:
             if st.decode_steps % 16 == 0:
                 self._step_fit = fit_step_costs(self._step_costs)
                 if self.max_deltas == "auto":
-                    st.max_deltas_auto = auto_max_deltas(self._step_costs)
+                    st.max_deltas_auto = _cap_of(self._step_fit)
 
     def _decode_step(self) -> None:
         if self.cuda_graphs and not self._graph_failed and self._graph_safe():

@@ -475,3 +475,33 @@ def test_decode_profile_of_a_prefill_forward_adds_up_on_cpu():
     assert prof["rows"] == 2 and prof["tokens"] == 12 and prof["wall_ms_per_step"] > 0
     total = sum(v["ms_per_step"] for v in prof["by_kind"].values())
     assert total == pytest.approx(prof["gpu_busy_ms_per_step"], rel=1e-6)
+
+
+@pytest.mark.parametrize("flag, levels", [
+    ([], list(quality.LOWRANK_LEVELS)),               # left out: the default levels
+    (["--lowrank"], list(quality.LOWRANK_LEVELS)),    # bare: the default levels too (it once meant none, silently)
+    (["--lowrank", "none"], []),
+    (["--lowrank", "0.25", "1"], [0.25, 1.0]),
+])
+def test_quality_cli_lowrank_levels(monkeypatch, flag, levels):
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_run_quality(pair, **kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(quality, "_pairs", lambda args: ["pair"])
+    monkeypatch.setattr(quality, "run_quality", fake_run_quality)
+    with pytest.raises(Stop):
+        quality.main(["--ours", "budget", "--ratios", "32", *flag])
+    assert seen["lowrank"] == levels
+
+
+@pytest.mark.parametrize("bad", [["--lowrank", "two"], ["--lowrank", "0"], ["--lowrank", "none", "0.5"]])
+def test_quality_cli_refuses_bad_lowrank_levels(bad, capsys):
+    with pytest.raises(SystemExit):
+        quality.main(["--ours", "budget", *bad])
+    assert "--lowrank" in capsys.readouterr().err

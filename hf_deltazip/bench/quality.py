@@ -563,6 +563,22 @@ def _pairs(args) -> list:
     return [pair]
 
 
+def _lowrank_levels(parser, given) -> list:
+    """``--lowrank``'s values as bits per weight: the default levels when it is left out or given bare (a bare
+    flag once meant "none", silently), none for ``none``."""
+    if not given:
+        return list(LOWRANK_LEVELS)
+    if [g.lower() for g in given] == ["none"]:
+        return []
+    try:
+        levels = [float(g) for g in given]
+    except ValueError:
+        parser.error(f"--lowrank takes bits per weight (e.g. 0.25 0.5) or 'none', not {' '.join(given)!r}")
+    if any(not 0 < x <= 16 for x in levels):
+        parser.error(f"--lowrank: bits per weight must be in (0, 16], got {levels}")
+    return levels
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="deltazip bench quality", description=__doc__.splitlines()[0])
     p.add_argument("--pairs", choices=["real", "tiny"], default="real",
@@ -580,8 +596,9 @@ def main(argv=None) -> int:
     p.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
     p.add_argument("--ours", choices=["ladder", "budget"], default="ladder",
                    help="ours at R: the nearest fixed-setting rung (ladder) or DeltaZipConfig(target_ratio=R) (budget)")
-    p.add_argument("--lowrank", nargs="*", type=float, default=list(LOWRANK_LEVELS),
-                   help="--ours budget: bits per weight of the lowrank candidates (none given: no lowrank candidates)")
+    p.add_argument("--lowrank", nargs="*", default=None, metavar="BITS",
+                   help=("--ours budget: bits per weight of the lowrank candidates; left out or given bare: "
+                         + ", ".join(f"{x:g}" for x in LOWRANK_LEVELS) + "; 'none': no lowrank candidates"))
     p.add_argument("--weighting", choices=BUDGET_WEIGHTINGS, default="fisher",
                    help="--ours budget: how the budget weighs module errors (DeltaZipConfig.budget_weighting)")
     p.add_argument("--n-calibration", type=int, default=128)
@@ -592,6 +609,7 @@ def main(argv=None) -> int:
     p.add_argument("--plot", help="write the plot (PNG) here, e.g. docs/quality_gemma3_270m.png")
     p.add_argument("--out", help="path prefix: writes PREFIX.json, PREFIX.md and PREFIX.png")
     args = p.parse_args(argv)
+    args.lowrank = _lowrank_levels(p, args.lowrank)
     if args.out:
         args.json, args.md, args.plot = (args.json or f"{args.out}.json", args.md or f"{args.out}.md",
                                          args.plot or f"{args.out}.png")

@@ -138,6 +138,30 @@ def test_prefill_sized_batches_do_not_split_k(monkeypatch):
     multi_delta._DEFAULT_CONFIGS.clear()
 
 
+def test_decode_steps_of_two_row_blocks_split_k_half_as_much(monkeypatch):
+    """A decode step of 17-32 rows (one or a few per delta) runs two 16-row blocks; they share the programs per
+    SM that one block of 16 rows gets from the K split, so K is split half as much. One block, and three or
+    more, keep the split of one."""
+    from hf_deltazip.kernels import layout, multi_delta, random_delta_stack
+
+    monkeypatch.setattr(multi_delta, "_sm_count", lambda device: 132)
+    multi_delta._DEFAULT_CONFIGS.clear()
+    cuda = torch.device("cuda")
+    for bits in (2, 4):
+        stack = layout.prepare_stack(random_delta_stack(32, 64, 256, bits=bits, group_size=128))
+        for n, k in ((4096, 4096), (14336, 4096), (4096, 14336)):
+            one = multi_delta.default_config(16, n, k, stack, cuda)
+            waves = 6.0 if bits == 4 and n >= 8192 else 4.0
+            assert one.split_k == multi_delta.auto_split_k(n, k, one.block_n, cuda, waves=waves)
+            for m in (17, 24, 32):
+                cfg = multi_delta.default_config(m, n, k, stack, cuda)
+                assert cfg.block_m == 16
+                assert cfg.split_k == multi_delta.auto_split_k(n, k, cfg.block_n, cuda, waves=waves / 2)
+                assert cfg.split_k < one.split_k
+            assert multi_delta.default_config(48, n, k, stack, cuda).split_k == one.split_k
+    multi_delta._DEFAULT_CONFIGS.clear()
+
+
 def test_prefill_row_blocks_take_the_prefill_tiles(monkeypatch):
     """Planar stacks with row blocks of 32-64 (prefills) get the tiles the prefill sweep measured fastest;
     decode-sized row blocks keep the decode tuning."""

@@ -591,6 +591,8 @@ VARIANTS = {
     "s5": dict(num_stages=5),
     "w2": dict(waves=2),
     "w8": dict(waves=8),
+    "w4": dict(waves=4),  # the split before row blocks were counted (2-bit, and 4-bit below 8192 outputs)
+    "w6": dict(waves=6),  # ... and 4-bit on layers of 8192 outputs or more
     "bn128": dict(block_n=128, num_warps=8),
     "bn128w4": dict(block_n=128, num_warps=4),
     "bn256": dict(block_n=256, num_warps=4),
@@ -607,6 +609,11 @@ VARIANTS = {
     "r64s2wv8": dict(max_registers=64, num_stages=2, waves=8),
     "r80s2wv8": dict(max_registers=80, num_stages=2, waves=8),
     "r80s4wv6": dict(max_registers=80, num_stages=4, waves=6),
+    # decode steps of 17-32 rows: one row block instead of two (the base and a straddling delta read once per tile)
+    "bm32": dict(block_m=32),
+    "bm32r0": dict(block_m=32, max_registers=0),
+    "bm32wv8": dict(block_m=32, waves=8),
+    "bm32s2wv8": dict(block_m=32, num_stages=2, waves=8),
     "ns64": dict(swap_ab=False),
     "ns64wv8": dict(swap_ab=False, waves=8),
     "ns128": dict(swap_ab=False, block_n=128, num_warps=4),

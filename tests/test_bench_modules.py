@@ -137,6 +137,9 @@ def test_quality_end_to_end_on_a_tiny_pair(tiny_pair, tmp_path):
     assert all(r["bytes"] <= fp16 / 8 for r in out if not r.get("out_of_reach"))
     sign = next(r for r in rows if r["method"] == "sign+scale")
     assert sign["bytes"] < ours["bytes"]  # 1 bit a weight, below ours at 4x
+    # GPU-resident bytes beside the file's: RTN has our very layout and settings, so the same resident bytes
+    rtn = next(r for r in at4 if r["method"] == "RTN")
+    assert ours["resident_bytes"] > 0 and rtn["resident_bytes"] == ours["resident_bytes"]
     # the gain formula on the recorded scores
     b, f = p["base"]["task_nll"], p["finetune"]["task_nll"]
     for r in rows:
@@ -144,6 +147,7 @@ def test_quality_end_to_end_on_a_tiny_pair(tiny_pair, tmp_path):
             assert r["gain_kept_nll"] == pytest.approx((b - r["task_nll"]) / (b - f))
             assert 0.0 <= r["agreement"] <= 1.0 and r["kl"] >= 0.0
     md = quality.to_markdown(result, "deltazip bench quality --pairs tiny")
+    assert f"4× ours {ours['resident_bytes']:,d}" in md  # the resident bytes are in the Markdown too
     table, _, judged = md.partition("Ours against the best baseline")
     assert "| target | method |" in table and "commit" in table and table.count("\n| ") == len(rows) + 1
     # the verdict table below it: a header and one line per target where ours and a baseline both ran

@@ -329,7 +329,8 @@ def run_quality(
         rows.append({"method": method, "setting": setting, "target_ratio": target, "bytes": int(nbytes),
                      "ratio": fp16_bytes / nbytes, **(extra or {}), **s, **gains(s, s_base, s_ft)})
         say(f"R={target}x {method} ({setting}): {_fmt_row(rows[-1])}"
-            + (f"; layouts {rows[-1]['layouts']}" if "layouts" in rows[-1] else ""))
+            + (f"; layouts {rows[-1]['layouts']}" if "layouts" in rows[-1] else "")
+            + (f"; GPU-resident {rows[-1]['resident_bytes']:,d} bytes" if "resident_bytes" in rows[-1] else ""))
         if on_row is not None:
             on_row(result(partial=True))
 
@@ -367,7 +368,7 @@ def run_quality(
                     cfg = dataclasses.replace(delta.config, target_ratio=None)
                 done_rungs[rung] = {"bytes": report["total_bytes"], "compress_s": time.perf_counter() - t1,
                                     "merged": merged, "report": report, "config": cfg, "below_floor": below_floor,
-                                    "layouts": layout_counts(report),
+                                    "layouts": layout_counts(report), "resident_bytes": report["resident_bytes"],
                                     "budget_weighting": delta.summary.get("budget_weighting")}
                 if mats is None:
                     mats = _matrices(base, ft, list(delta.modules))
@@ -378,13 +379,14 @@ def run_quality(
             floor = got.get("below_floor", False)
             budget = budget if floor else got["bytes"]  # below ours' floor the baselines keep R's whole budget
             if "ours" in methods:
-                extra = {k: got[k] for k in ("compress_s", "layouts", "budget_weighting") if got.get(k) is not None}
+                extra = {k: got[k] for k in ("compress_s", "layouts", "budget_weighting", "resident_bytes")
+                         if got.get(k) is not None}
                 if floor:
                     extra["setting"] = f"{rung}: most accurate offered ({fp16_bytes / got['bytes']:.1f}x)"
                 add("ours", rung, ratio, got["bytes"], got["merged"], extra)
             if "RTN" in methods:  # our very layout and settings, no calibration
                 merged, report, _ = _ours(pair, got["config"], None, tok, device, fp16_bytes)
-                add("RTN", rung, ratio, report["total_bytes"], merged)
+                add("RTN", rung, ratio, report["total_bytes"], merged, {"resident_bytes": report["resident_bytes"]})
                 del merged
         elif unreachable is not None:
             say(f"R={ratio}x: {unreachable}")
@@ -480,6 +482,11 @@ def to_markdown(result: dict, command: str) -> str:
             f"{'' if gk is None else f'{100 * gk:.1f}%'} | {r['task_nll']:.3f} | {100 * r['gain_kept_nll']:.1f}% | "
             f"{r.get('agreement', float('nan')):.3f} | {r.get('kl', float('nan')):.4f} |"
         )
+    resident = [r for r in result["rows"] if r.get("resident_bytes")]
+    if resident:  # what a GPU holds of the delta (decoded layouts, no zstd) beside the file's bytes
+        lines += ["", "GPU-resident bytes (decoded layouts the kernels read, no zstd) against file bytes: " + "; ".join(
+            f"{r['target_ratio']:.0f}× {r['method']} {r['resident_bytes']:,d} ({r['resident_bytes'] / r['bytes']:.2f}x the file)"
+            for r in resident) + "."]
     cells = verdicts(result)
     if cells:
         lines += ["", "Ours against the best baseline at each target (gain kept: exact match, NLL where EM has no gain):", "",

@@ -274,12 +274,12 @@ def _default_config(m: int, n: int, k: int, stack: DeltaStack, device: torch.dev
     row_programs = math.ceil(m / bm) * math.ceil(n / cfg.block_n)
     if bm > 16 and row_programs >= (1.0 if stack.layout_block else waves) * _sm_count(device):
         return replace(cfg, split_k=1)
-    if bm == 16 and stack.layout_block and m <= 2 * bm:
-        # decode steps of 17-32 rows run two row blocks, which share the programs per SM aimed at: K is
-        # split half as much (H200, 32 rows: 1.03x geometric mean over 1-32 deltas on the 8B layers, up to 1.20x at
-        # 4-8 deltas; three row blocks
-        # split a third as much were slower; BENCHMARKS.md section 3, "Decode steps of 32 rows")
-        waves /= math.ceil(m / bm)
+    if bm == 16 and stack.layout_block and bm < m <= 2 * bm:
+        # decode steps of 17-32 rows run two row blocks, which share the programs per SM aimed at: K is split
+        # half as much (H200, 32 rows: 1.03x geometric mean over 1-32 deltas on the 8B layers, up to 1.20x at
+        # 4 deltas; three row blocks split a third as much were slower; BENCHMARKS.md section 3, "Decode steps
+        # of 32 rows")
+        waves /= 2
     return replace(cfg, split_k=auto_split_k(n, k, cfg.block_n, device, waves=waves))
 
 

@@ -344,8 +344,12 @@ def _sparse3(part, xa, xb, xc, xd, m0, m1, m2, ratio, S: tl.constexpr, PER_ELEM:
 
 
 @triton.jit
-def _finish(res, bias_ptr, offs_n, nmask, bad2, out_ptr, o_off, o_mask, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # + bias, NaN for rows with a bad delta id, store in the output dtype
+def _finish(res, bias_ptr, offs_n, nmask, bad2, out_ptr, o_off, o_mask, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+            ACCUM: tl.constexpr):
+    # + bias, NaN for rows with a bad delta id, store in the output dtype; ACCUM: added to what the output
+    # holds (the base's product, computed before this launch)
+    if ACCUM:
+        res += tl.load(out_ptr + o_off, mask=o_mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         b = tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
         if SWAP:
@@ -359,7 +363,7 @@ def _finish(res, bias_ptr, offs_n, nmask, bad2, out_ptr, o_off, o_mask, SWAP: tl
 @triton.jit
 def _epilogue(acc, rows, slot, valid, bad, offs_n, nmask, bias_ptr, out_ptr, ws_ptr, cnt_ptr, N, stride_om,
               pid_n, pid_r, pid_s, n_rblocks, BM: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr,
-              HAS_BIAS: tl.constexpr):
+              HAS_BIAS: tl.constexpr, ACCUM: tl.constexpr):
     # SPLIT == 1: add bias and store the rows where they came from. SPLIT > 1: store the fp32
     # partial, count arrivals on the tile's semaphore; the last program sums the partials in split
     # order (deterministic), adds bias, stores, and resets the semaphore for the next launch.
@@ -375,7 +379,7 @@ def _epilogue(acc, rows, slot, valid, bad, offs_n, nmask, bias_ptr, out_ptr, ws_
         bad2 = bad[:, None]
         ws_off = slot.to(tl.int64)[:, None] * N + offs_n64[None, :]
     if SPLIT == 1:
-        _finish(acc, bias_ptr, offs_n, nmask, bad2, out_ptr, o_off, o_mask, SWAP, HAS_BIAS)
+        _finish(acc, bias_ptr, offs_n, nmask, bad2, out_ptr, o_off, o_mask, SWAP, HAS_BIAS, ACCUM)
     else:
         split_stride = n_rblocks * BM * N  # ws is [SPLIT, n_rblocks * BM, N] fp32
         tl.store(ws_ptr + pid_s * split_stride + ws_off, acc, mask=o_mask)
@@ -386,7 +390,7 @@ def _epilogue(acc, rows, slot, valid, bad, offs_n, nmask, bias_ptr, out_ptr, ws_
             res = acc * 0.0
             for s in tl.static_range(SPLIT):  # fixed order: deterministic sums
                 res += tl.load(ws_ptr + s * split_stride + ws_off, mask=o_mask, other=0.0, cache_modifier=".cg")
-            _finish(res, bias_ptr, offs_n, nmask, bad2, out_ptr, o_off, o_mask, SWAP, HAS_BIAS)
+            _finish(res, bias_ptr, offs_n, nmask, bad2, out_ptr, o_off, o_mask, SWAP, HAS_BIAS, ACCUM)
             tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
 
 
@@ -661,7 +665,7 @@ def multi_delta_linear_kernel(
     # ---------------------------------------------------------------- epilogue
     bad = valid & ((dl < -1) | (dl >= U))  # out-of-range delta ids give NaN rows, never a bad read
     _epilogue(acc, rows, slot, valid, bad, offs_n, nmask, bias_ptr, out_ptr, ws_ptr, cnt_ptr, N, stride_om,
-              pid_n, pid_r, pid_s, n_rblocks, BM, SPLIT, SWAP, HAS_BIAS)
+              pid_n, pid_r, pid_s, n_rblocks, BM, SPLIT, SWAP, HAS_BIAS, False)
 
 
 # =====================================================================================================
@@ -757,7 +761,7 @@ def planar_delta_linear_kernel(
     out_ptr, ws_ptr, cnt_ptr,
     M, N, K, U, QROW_E, G, LOG2_GS, K_CHUNK,
     stride_xm, stride_wn, stride_om,
-    BITS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LUT: tl.constexpr,
+    BITS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LUT: tl.constexpr, HAS_BASE: tl.constexpr, ACCUM: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BKP: tl.constexpr, BKB: tl.constexpr, PPG: tl.constexpr,
     SPLIT: tl.constexpr, SWAP: tl.constexpr, MAGIC: tl.constexpr, MAGICF: tl.constexpr, PW: tl.constexpr,
     SCALE_W: tl.constexpr, DOT_PREC: tl.constexpr, FAST: tl.constexpr,
@@ -799,13 +803,14 @@ def planar_delta_linear_kernel(
         acc = tl.full([BN, BM], 0.0, tl.float32)
     else:
         acc = tl.full([BM, BN], 0.0, tl.float32)
-    offs_kb = tl.arange(0, BKB)
-    w_rows = w_ptr + offs_n64[:, None] * stride_wn
-    for k0 in range(k_begin, k_end, BKB):
-        cols = k0 + offs_kb
-        xt = tl.load(x_rows + cols[None, :], mask=valid[:, None], other=0.0)
-        wt = tl.load(w_rows + cols[None, :], mask=nmask[:, None], other=0.0)
-        acc = _mma(acc, xt, wt, SWAP, DOT_PREC)
+    if HAS_BASE:  # off: the deltas alone (the base's product is already in the output, ACCUM)
+        offs_kb = tl.arange(0, BKB)
+        w_rows = w_ptr + offs_n64[:, None] * stride_wn
+        for k0 in range(k_begin, k_end, BKB):
+            cols = k0 + offs_kb
+            xt = tl.load(x_rows + cols[None, :], mask=valid[:, None], other=0.0)
+            wt = tl.load(w_rows + cols[None, :], mask=nmask[:, None], other=0.0)
+            acc = _mma(acc, xt, wt, SWAP, DOT_PREC)
 
     # ------------------------------------------------ delta passes: one flat loop over (segment, k-step)
     qe_ptr = q_ptr.to(tl.pointer_type(tl.uint16))
@@ -896,7 +901,7 @@ def planar_delta_linear_kernel(
 
     bad = valid & ((sd < -1) | (sd >= U))
     _epilogue(acc, rows, slot, valid, bad, offs_n, nmask, bias_ptr, out_ptr, ws_ptr, cnt_ptr, N, stride_om,
-              pid_n, pid_r, pid_s, n_rblocks, BM, SPLIT, SWAP, HAS_BIAS)
+              pid_n, pid_r, pid_s, n_rblocks, BM, SPLIT, SWAP, HAS_BIAS, ACCUM)
 
 
 def planar_asm_args(bits: int, magic: int, scaled: bool) -> dict:

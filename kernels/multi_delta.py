@@ -141,13 +141,23 @@ def _check_inputs(x, base_weight, bias, stack, row_delta, out_dtype, out, need_s
     if x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
     m, k = x.shape
-    if base_weight.dim() != 2 or base_weight.shape[1] != k:
+    if base_weight is None:  # the deltas alone (accumulate=True): the stack gives the layer's shape
+        n = stack.out_features
+        if stack.in_features != k:
+            raise ValueError(f"the delta stack is for a {stack.out_features}x{stack.in_features} layer, but x is "
+                             f"[{m}, {k}]")
+        if bias is not None:
+            raise ValueError("bias must be None when base_weight is None: the output already holds the base's "
+                             "product and its bias (accumulate=True)")
+        base_weight = x  # for the checks below that only need a tensor on x's device
+    elif base_weight.dim() != 2 or base_weight.shape[1] != k:
         raise ValueError(f"base_weight must be [N, K={k}] to match x [{m}, {k}], got {tuple(base_weight.shape)}")
-    if base_weight.dtype != x.dtype:
+    elif base_weight.dtype != x.dtype:
         raise ValueError(
             f"base_weight is {base_weight.dtype} but x is {x.dtype}: cast x to the base weight's dtype"
         )
-    n = base_weight.shape[0]
+    else:
+        n = base_weight.shape[0]
     if stack.in_features != k or stack.out_features != n:
         raise ValueError(
             f"the delta stack is for a {stack.out_features}x{stack.in_features} layer, but base_weight is {n}x{k}"
@@ -339,6 +349,7 @@ def multi_delta_linear(
     segments: Optional[torch.Tensor] = None,
     segment_lookup: Optional[torch.Tensor] = None,
     rows_per_delta: Optional[int] = None,
+    accumulate: bool = False,
 ) -> torch.Tensor:
     """``y = x W_base^T + bias + x dequant(stack[row_delta[m]])^T`` per row, in one launch.
 
@@ -363,6 +374,11 @@ def multi_delta_linear(
             index is ``segment_lookup[slot + 1]`` (``-1``: not in this stack), read in the kernel.
         rows_per_delta: how many rows share a delta, when the caller knows it without a device read
             (sizes the row blocks of the default config; ``None``: rows spread over the stack).
+        accumulate: add each row's delta product to ``out``, which already holds the base's product
+            (``x W_base^T + bias``, e.g. from one dense matmul that reads the base weight once for all
+            rows); ``base_weight`` and ``bias`` must then be ``None``. Rows of the plain base (``-1``) keep
+            their value. Planar stacks skip the base pass inside the kernel; other stacks add the
+            result of a launch over an all-zero base.
 
     Returns:
         ``[M, N]`` tensor of ``out_dtype``, accumulated in fp32.
@@ -373,26 +389,40 @@ def multi_delta_linear(
     Example:
         >>> y = multi_delta_linear(x, layer.weight, layer.bias, stack, row_delta)
     """
+    if accumulate and (out is None or base_weight is not None or bias is not None):
+        raise ValueError("accumulate=True adds the deltas to out, which holds the base's product already: pass "
+                         "out=, and base_weight=None and bias=None")
+    if base_weight is None and not accumulate:
+        raise ValueError("base_weight is None: pass the base weight, or accumulate=True with out= holding the "
+                         "base's product")
     _check_inputs(x, base_weight, bias, stack, row_delta, out_dtype, out, need_same_device=True)
     device = x.device
     if segment_lookup is not None and (not stack.layout_block or segments is None):
         row_delta, segment_lookup = segment_lookup[row_delta.long() + 1], None  # slot ids -> stack indices
+    add_to = None
+    if accumulate and not (stack.layout_block and (device.type == "cuda" or _interpreting())):
+        # the reference, and stacks without the planar kernel: the deltas over an all-zero base (one row read
+        # for all), in float32, then added
+        add_to, out, out_dtype = out, None, torch.float32
+        base_weight = x.new_zeros(1, x.shape[1]).expand(stack.out_features, x.shape[1])
     if device.type != "cuda" and not _interpreting():
         y = multi_delta_linear_reference(x, base_weight, bias, stack, row_delta, out_dtype)
+        if add_to is not None:
+            return add_to.copy_(add_to.float() + y)
         if out is not None:
             out.copy_(y)
             return out
         return y
-    if base_weight.stride(1) != 1:
+    if base_weight is not None and base_weight.stride(1) != 1:
         raise ValueError("base_weight must have contiguous rows (stride 1 along K): call .contiguous() once")
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    n = base_weight.shape[0]
+    n = stack.out_features
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=device)
     if m == 0 or n == 0:
-        return out
+        return out if add_to is None else add_to
     if config is None:
         config = default_config(m, n, k, stack, device, rows_per_delta)
     if stack.layout_block:
@@ -409,6 +439,8 @@ def multi_delta_linear(
         _launch_planar(x, base_weight, bias, stack, segments.contiguous(), out, config, segment_lookup)
     else:
         _launch(x, base_weight, bias, stack, row_delta.contiguous(), out, config)
+    if add_to is not None:
+        return add_to.copy_(add_to.float() + out)
     return out
 
 
@@ -439,8 +471,12 @@ _PLANAR_PLANS = plan_cache()
 
 
 def _launch_planar(x, base_weight, bias, stack, segments, out, cfg: MultiDeltaConfig, lut=None):
+    """``base_weight=None``: the deltas alone, added to what ``out`` holds (``multi_delta_linear(accumulate=True)``)."""
     m, k = x.shape
-    n = base_weight.shape[0]
+    n = stack.out_features
+    has_base = base_weight is not None
+    if not has_base:
+        base_weight = x  # never read (HAS_BASE off); any valid pointer will do
     u_count = stack.num_deltas
     q, s, z = (stack.qweight, stack.scales, stack.zeros) if u_count > 0 else (x, x, x)
     kern = triton_kernel("planar_delta_linear_kernel")
@@ -449,18 +485,20 @@ def _launch_planar(x, base_weight, bias, stack, segments, out, cfg: MultiDeltaCo
     tensors = (x, base_weight, q, s, z, segments, out) + ((bias,) if bias is not None else ()) + ((lut,) if lut is not None else ())
     key = (id(kern), m, n, k, x.device, x.stride(0), base_weight.stride(0), out.stride(0), stack.bits,
            stack.group_size, stack.layout_block, u_count, stack.qweight.shape[2], stack.num_groups, cfg,
-           bias is not None, lut is not None, tensor_key(*tensors))
+           bias is not None, lut is not None, has_base, tensor_key(*tensors))
     hit = _PLANAR_PLANS.get(key)
     if hit is None:
         hit = _PLANAR_PLANS[key] = _planar_plan(kern, m, n, k, x.dtype, x.device, x.stride(0), base_weight.stride(0),
-                                                 out.stride(0), stack, cfg, bias is not None, lut is not None)
+                                                 out.stride(0), stack, cfg, bias is not None, lut is not None,
+                                                 has_base)
     plan, (split, n_rblocks, n_tiles) = hit
     ws, cnt = _workspace(split, n_rblocks, cfg.block_m, n, n_tiles, out)
     plan.launch(x, base_weight, bias if bias is not None else out, q, s, z, segments, lut if lut is not None else segments,
                 out, ws, cnt)
 
 
-def _planar_plan(kern, m, n, k, x_dtype, device, sx, sw, so, stack, cfg: MultiDeltaConfig, has_bias, has_lut):
+def _planar_plan(kern, m, n, k, x_dtype, device, sx, sw, so, stack, cfg: MultiDeltaConfig, has_bias, has_lut,
+                 has_base=True):
     from . import _multi_delta_triton as tmod
 
     bits, gs, bkp = stack.bits, stack.group_size, stack.layout_block
@@ -478,7 +516,7 @@ def _planar_plan(kern, m, n, k, x_dtype, device, sx, sw, so, stack, cfg: MultiDe
     args = {name: None for name in tensors}
     args.update(zip(names[11:11 + len(scalars)], scalars))
     args.update(
-        BITS=bits, HAS_BIAS=has_bias, HAS_LUT=has_lut, BM=cfg.block_m, BN=cfg.block_n, BKP=bkp, BKB=bkb, PPG=ppg,
+        BITS=bits, HAS_BIAS=has_bias, HAS_LUT=has_lut, HAS_BASE=has_base, ACCUM=not has_base, BM=cfg.block_m, BN=cfg.block_n, BKP=bkp, BKB=bkb, PPG=ppg,
         SPLIT=split, SWAP=cfg.swap_ab, MAGIC=magic, SCALE_W=cfg.scale_in_weights,
         DOT_PREC="ieee" if x_dtype == torch.float32 else "tf32", FAST=fast,
         **tmod.planar_asm_args(bits, magic, cfg.scale_in_weights),

@@ -293,6 +293,9 @@ def test_kernels_row_split_and_tables():
                            group_size=128), "results": res}
     md = kernels.markdown_table(report)
     assert "| 64x128 | 16 | 16 | 4b | c | 8.0 |" in md and "| 64x128 | c | 50-50 | 50-50 | 2.00 | 4.00 | 8.00 |" in md
+    assert "fused / split" not in md  # no split-route rows, no split table
+    res.append({**res[0], "config": "c|split", "us": 5.0, "speedup_vs_fused": 8.0 / 5.0})
+    assert "| 64x128 | 16 | 16 | 4b | c | 8.0 | 5.0 | 1.60 |" in kernels.markdown_table(report)
 
 
 def test_quality_with_the_byte_budget_for_ours(tiny_pair):

@@ -275,7 +275,84 @@ def test_segments_argument_is_checked(interpret):
         K.multi_delta_linear(x, w, b, st, rd, segments=torch.zeros(4, 2, dtype=torch.int32))
 
 
+def check_accumulate(x, w, b, st, rd, cfg, tol, segments=None, lookup=None):
+    """``accumulate=True`` over ``out = x W^T + b``: each row's delta product added in place, rows of the plain
+    base (-1, or not in the stack) unchanged, against the fused launch's reference."""
+    out = (x.float() @ w.float().t() + (b.float() if b is not None else 0)).to(x.dtype)
+    before = out.clone()
+    y = K.multi_delta_linear(x, None, None, st, rd, out=out, config=cfg, segments=segments, segment_lookup=lookup,
+                             accumulate=True)
+    assert y is out
+    idx = rd.long() if lookup is None else lookup[rd.long() + 1].long()
+    ref = K.multi_delta_linear_reference(x, w, b, st, idx.to(torch.int32), out_dtype=torch.float32)
+    base_rows = idx < 0
+    assert torch.equal(out[base_rows], before[base_rows])  # the plain base's rows are left as they were
+    if bool((~base_rows).any()):
+        d = ~base_rows
+        err = float((out[d].float() - ref[d]).norm() / (ref[d] - before[d].float()).norm().clamp_min(1e-30))
+        assert err < tol, err
+    return out
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("split", [1, 3])
+def test_planar_kernel_accumulates_the_deltas_alone_into_out(interpret, bits, split):
+    # the split route of decode steps: the base's product by one dense matmul, then only the deltas
+    k = 2 * (16 // bits) * 16
+    x, w, b, st, rd = make_planar_case(21, 19, k, 3, bits, 32, torch.float16, seed=40 + bits)
+    cfg = replace(CFG, split_k=split)
+    check_accumulate(x, w, b, st, rd, cfg, tol=2e-3, segments=L.build_row_segments(rd))
+
+
+def test_planar_kernel_accumulate_with_a_slot_lookup_and_two_row_blocks(interpret):
+    # rows carry slot ids; the stack holds some of them (lookup -1: another class's delta, left alone)
+    x, w, b, st, _ = make_planar_case(33, 17, 128, 3, 4, 32, torch.float32, seed=9)
+    slots = torch.tensor([(i * 5) % 6 - 1 for i in range(33)], dtype=torch.int32)  # -1..4
+    lookup = torch.tensor([-1, 2, -1, 0, 1, -1], dtype=torch.int32)  # slot + 1 -> stack index
+    cfg = K.MultiDeltaConfig(block_m=16, block_n=16, block_k_base=32, split_k=2, num_stages=1)
+    check_accumulate(x, w, b, st, slots, cfg, tol=1e-5, segments=L.build_row_segments(slots), lookup=lookup)
+
+
+def test_accumulate_on_the_file_layout_and_the_reference(interpret):
+    # stacks without the planar kernel (3-bit) and the CPU reference take the launch over a zero base
+    g = torch.Generator().manual_seed(2)
+    st = K.random_delta_stack(2, 17, 64, bits=3, group_size=32, scale_range=(0.01, 0.03), generator=g)
+    x = torch.randn(5, 64, generator=g)
+    w = 0.05 * torch.randn(17, 64, generator=g)
+    rd = torch.tensor([1, -1, 0, 1, 0], dtype=torch.int32)
+    check_accumulate(x, w, None, st, rd, CFG, tol=1e-5)
+
+
+def test_accumulate_arguments_are_checked():
+    x, w, b, st, rd = make_planar_case(3, 16, 64, 2, 4, 32, torch.float32)
+    out = torch.zeros(3, 16)
+    with pytest.raises(ValueError, match="accumulate=True adds the deltas to out"):
+        K.multi_delta_linear(x, None, None, st, rd, accumulate=True)  # no out
+    with pytest.raises(ValueError, match="accumulate=True adds the deltas to out"):
+        K.multi_delta_linear(x, w, None, st, rd, out=out, accumulate=True)  # a base weight besides
+    with pytest.raises(ValueError, match="base_weight is None"):
+        K.multi_delta_linear(x, None, None, st, rd, out=out)
+    with pytest.raises(ValueError, match="out must be"):
+        K.multi_delta_linear(x, None, None, st, rd, out=torch.zeros(3, 15), accumulate=True)
+
+
 # --------------------------------------------------------------------------- GPU
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("m", [1, 32])
+def test_gpu_planar_accumulate(compiled, dtype, bits, m):
+    g = torch.Generator().manual_seed(7 * m + bits)
+    st = K.random_delta_stack(8, 1024, 4096, bits=bits, group_size=128, scale_range=(0.01, 0.03), generator=g)
+    st = L.prepare_stack(st).to("cuda")
+    x = torch.randn(m, 4096, generator=g).to("cuda", dtype)
+    w = (0.05 * torch.randn(1024, 4096, generator=g)).to("cuda", dtype)
+    b = torch.randn(1024, generator=g).to("cuda", dtype)
+    rd = torch.randint(-1, 8, (m,), generator=g).to("cuda", torch.int32)
+    check_accumulate(x, w, b, st, rd, K.default_config(m, 1024, 4096, st, x.device),
+                     tol=3e-2 if dtype == torch.bfloat16 else 1e-2)  # out rounded to the activation dtype
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("bits", [2, 4, 8])

@@ -258,6 +258,7 @@ def run(
     rep_ms: int = 50,
     layout: str = "planar",
     layout_block: int = 0,
+    split_route: bool = False,
     log=print,
 ) -> dict:
     """Run the benchmark; returns ``{"meta": ..., "results": [...]}`` and writes it to ``out_dir``.
@@ -266,7 +267,10 @@ def run(
     (each result row then carries the config's name); ``config_for(n, k)`` gives such a mapping
     per layer shape; a value may also be a function ``(m, n, k, stack) -> MultiDeltaConfig``.
     ``layout``: the stacks' layout (see :meth:`ShapeBench.stacks`); ``layout_block``: elements per
-    planar block (0: :func:`kernels.default_planar_block`).
+    planar block (0: :func:`kernels.default_planar_block`). ``split_route``: also time each planar cell as
+    the split route (one cuBLAS matmul for the base, then the kernel adding the deltas alone into its output,
+    ``multi_delta_linear(accumulate=True)``), as rows whose config name ends in ``|split``, checked against
+    the fused launch's output.
     """
     if config_for is None:
         def config_for(n, k, _c=configs or {"default": None}):
@@ -395,6 +399,8 @@ def run(
                             "max_rel_err": err, "correct": ok,
                         }
                         results.append(row)
+                        if split_route and sts[0].layout_block:
+                            results.append(_split_row(K, sb, sts, rd, seg, m, u, c, name, row, us, rep_ms, bw, rbw))
             del stacks
             torch.cuda.empty_cache()
         log(f"# {n}x{k} done in {time.time() - t0:.0f} s")
@@ -404,6 +410,27 @@ def run(
     report = {"meta": meta, "results": results}
     _dump(report, out_dir)
     return report
+
+
+def _split_row(K, sb, sts, rd, seg, m, u, c, name, row, fused_us, rep_ms, bw, rbw) -> dict:
+    """One cell of the split route (see :func:`run`): timed like the fused launch, checked against it."""
+    def split(i):
+        x, out = sb.x[i][:m], sb.out[i][:m]
+        torch.mm(x, sb.base[i].t(), out=out)
+        K.multi_delta_linear(x, None, None, sts[i % len(sts)], rd, out=out, config=c, segments=seg, accumulate=True)
+
+    split(0)
+    got = sb.out[0][:m].float().clone()
+    fused = K.multi_delta_linear(sb.x[0][:m], sb.base[0], None, sts[0], rd, out_dtype=torch.float32, config=c,
+                                 segments=seg)
+    base = sb.x[0][:m].float() @ sb.base[0].float().t()
+    err = float((got - fused).norm() / (fused - base).norm().clamp_min(1e-30))
+    us = time_calls([lambda i=i: split(i) for i in range(sb.copies)], rep_ms=rep_ms)
+    nbytes = row["GBps"] * 1e9 * row["us"] * 1e-6
+    return {**row, "config": f"{name}|split", "us": us, "GBps": nbytes / (us * 1e-6) / 1e9,
+            "share": nbytes / (us * 1e-6) / bw, "read_share": nbytes / (us * 1e-6) / rbw,
+            "speedup_vs_sep": (row["bf16_sep_us"] / us) if row.get("bf16_sep_us") else None,
+            "speedup_vs_fused": fused_us / us, "max_rel_err": err, "correct": err < 2e-2}
 
 
 def _resolve(cfg, m, n, k, stack, dev):
@@ -460,7 +487,20 @@ def markdown_table(report: dict) -> str:
             f"{f(r['bf16_sep_us'])} | {f(r['int4_sep_us'])} | {f(r['speedup_vs_sep'], 2)} | "
             f"{'yes' if r['correct'] else 'NO'} |"
         )
-    return "\n".join(lines + [""] + summary_lines(report)) + "\n"
+    return "\n".join(lines + [""] + summary_lines(report) + split_lines(report)) + "\n"
+
+
+def split_lines(report: dict) -> list[str]:
+    """The split route against the fused launch of the same config, cell by cell (``--split-route``)."""
+    rows = [r for r in report["results"] if "speedup_vs_fused" in r]
+    if not rows:
+        return []
+    out = ["", "| N x K | M | U | format | config | fused us | split us | fused / split |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        fused = r["us"] * r["speedup_vs_fused"]
+        out.append(f"| {r['N']}x{r['K']} | {r['M']} | {r['U']} | {r['format']} | {r['config'][:-len('|split')]} | "
+                   f"{fused:.1f} | {r['us']:.1f} | {r['speedup_vs_fused']:.2f} |")
+    return out
 
 
 def summary_lines(report: dict) -> list[str]:
@@ -683,7 +723,7 @@ def _planar_cubin(bits: int, cfg, block: int, dtype: str = "bf16", group_size: i
     sig = {name: "*" + t for name, t in ptr.items()}
     ints = ["M", "N", "K", "U", "QROW_E", "G", "LOG2_GS", "K_CHUNK", "stride_xm", "stride_wn", "stride_om"]
     sig.update({name: "i32" for name in ints})
-    consts = dict(BITS=bits, HAS_BIAS=False, HAS_LUT=True, BM=cfg.block_m, BN=cfg.block_n, BKP=block,
+    consts = dict(BITS=bits, HAS_BIAS=False, HAS_LUT=True, HAS_BASE=True, ACCUM=False, BM=cfg.block_m, BN=cfg.block_n, BKP=block,
                   BKB=min(cfg.block_k_base, planes * block), PPG=min(planes, group_size // block), SPLIT=4,
                   SWAP=cfg.swap_ab, MAGIC=magic, SCALE_W=cfg.scale_in_weights, DOT_PREC="tf32", FAST=True)
     consts.update(tmod.planar_asm_args(bits, magic, cfg.scale_in_weights))
@@ -776,6 +816,8 @@ def main(argv=None) -> int:
     p.add_argument("--variants", help="comma-separated launch variants to time instead of the default: "
                    + ", ".join(VARIANTS))
     p.add_argument("--rep-ms", type=int, default=50, help="do_bench repetition time per measurement")
+    p.add_argument("--split-route", action="store_true",
+                   help="also time the split route: cuBLAS for the base, the kernel adding the deltas alone")
     p.add_argument("--out", default=None, help="folder for bench_kernels.json / .md")
     p.add_argument("--tune", action="store_true", help="sweep launch parameters on a few cases instead")
     p.add_argument("--sass", action="store_true",
@@ -822,7 +864,7 @@ def main(argv=None) -> int:
         def config_for(n, k, _c=chosen):
             return _c
     report = run(shapes, rows, deltas, formats, out_dir=a.out, config_for=config_for, baselines=not a.no_baselines,
-                 rep_ms=a.rep_ms, layout=a.layout, layout_block=a.layout_block)
+                 rep_ms=a.rep_ms, layout=a.layout, layout_block=a.layout_block, split_route=a.split_route)
     sys.stdout.write(markdown_table(report))
     return 0 if all(r["correct"] for r in report["results"]) else 1
 

@@ -349,3 +349,20 @@ class SlotStacks:
             # each row belongs to one format class: take it from that class's launch
             y = yc if y is None else torch.where(c.member[slot_plus_one][:, None], yc, y)
         return y
+
+    def accumulate(self, x2: torch.Tensor, out: torch.Tensor, slot_plus_one: torch.Tensor,
+                   slot_segments: Optional[tuple] = None, rows_per_delta: Optional[int] = None) -> torch.Tensor:
+        """Add each row's delta product to ``out`` (``[M, N]``, holding the base's ``x W^T + bias``), one
+        launch per format class that skips the base (``multi_delta_linear(accumulate=True)``); rows of the
+        plain base, or of a class not launched, keep their value. Arguments as :meth:`apply`."""
+        from .multi_delta import multi_delta_linear
+
+        for c in self.classes:
+            if slot_segments is not None and c.stack.layout_block:
+                slots, segments = slot_segments
+                multi_delta_linear(x2, None, None, c.stack, slots, out.dtype, out=out, segments=segments,
+                                   segment_lookup=c.lookup, rows_per_delta=rows_per_delta, accumulate=True)
+            else:
+                multi_delta_linear(x2, None, None, c.stack, c.lookup[slot_plus_one], out.dtype, out=out,
+                                   rows_per_delta=rows_per_delta, accumulate=True)
+        return out

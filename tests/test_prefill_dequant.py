@@ -136,14 +136,15 @@ def test_configure_kernels_refuses_bad_values():
 
 
 def _base_spy(monkeypatch):
-    """Records, per multi-delta kernel call, whether its base weight was the all-zero one (stride 0)."""
+    """Records, per multi-delta kernel call, whether it added the deltas alone to the base's product
+    (``base_weight=None, accumulate=True``) instead of reading the base itself."""
     from hf_deltazip.kernels import multi_delta
 
     zero_base = []
     real = multi_delta.multi_delta_linear
 
     def f(x, base_weight, *a, **k):
-        zero_base.append(base_weight.stride(0) == 0)
+        zero_base.append(base_weight is None and k.get("accumulate", False))
         return real(x, base_weight, *a, **k)
 
     monkeypatch.setattr(multi_delta, "multi_delta_linear", f)
@@ -151,7 +152,7 @@ def _base_spy(monkeypatch):
 
 
 def test_split_route_matches_the_fused_kernel_and_the_reference(planar_pair, monkeypatch):
-    """prefill="split": the base by one dense matmul, the deltas by the kernel over an all-zero base, for
+    """prefill="split": the base by one dense matmul, the deltas added to it by the kernel, for
     batches whose every delta has dequant_min_rows tokens or more; fewer, and the fused kernel runs."""
     _, ref, ker = _reference_and_kernel_models(planar_pair, monkeypatch)
     zero_base = _base_spy(monkeypatch)
@@ -174,6 +175,50 @@ def test_split_route_matches_the_fused_kernel_and_the_reference(planar_pair, mon
     torch.testing.assert_close(got, fused, rtol=1e-4, atol=1e-4)
     assert torch.equal(again, fused)
     assert ker.kernel_policy.prefill == "split" and copy.deepcopy(ker.kernel_policy).prefill == "split"
+
+
+def test_decode_split_route_matches_the_fused_kernel_and_the_reference(planar_pair, monkeypatch):
+    """decode="split": every forward of decode_split_min_rows rows or more (one-token steps included) runs
+    the base by one dense matmul and adds the deltas alone into its output; fewer rows, the fused kernel."""
+    _, ref, ker = _reference_and_kernel_models(planar_pair, monkeypatch)
+    no_base = _base_spy(monkeypatch)
+    ids = torch.randint(0, VOCAB, (3, 8), generator=torch.Generator().manual_seed(7))
+    rows = ["two", None, "four"]
+    with torch.no_grad():
+        want = ref(input_ids=ids, delta_names=rows).logits
+        fused = ker(input_ids=ids, delta_names=rows).logits
+        launches = len(no_base)
+        assert launches and not any(no_base)
+        no_base.clear()
+        version = ker.layout_version.value
+        ker.configure_kernels(decode="split")
+        assert ker.layout_version.value > version  # captured decode steps took the other route: capture again
+        got = ker(input_ids=ids, delta_names=rows).logits
+        assert len(no_base) == launches and all(no_base)
+        no_base.clear()
+        ker.configure_kernels(decode_split_min_rows=25)  # 24 rows (3 x 8 tokens): the fused kernel again
+        again = ker(input_ids=ids, delta_names=rows).logits
+        assert no_base and not any(no_base)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, fused, rtol=1e-4, atol=1e-4)
+    assert torch.equal(again, fused)
+    policy = copy.deepcopy(ker.kernel_policy)
+    assert (policy.decode, policy.decode_split_min_rows) == ("split", 25)
+    ker.configure_kernels(decode_split_min_rows=1)
+    kw = dict(attention_mask=torch.ones_like(ids[:2, :5]), max_new_tokens=4, do_sample=False, pad_token_id=0,
+              delta_names=["four", "two"])
+    no_base.clear()
+    assert torch.equal(ker.generate(ids[:2, :5], **kw), ref.generate(ids[:2, :5], **kw))
+    assert no_base and all(no_base)  # prefill and one-token steps alike
+
+
+def test_configure_kernels_refuses_bad_decode_values():
+    m = DeltaModel(tiny_model("llama", vocab_size=VOCAB, seed=0, hidden_size=64, num_layers=1))
+    with pytest.raises(DeltaZipError, match='decode must be "fused" or "split"'):
+        m.configure_kernels(decode="dequant")
+    with pytest.raises(DeltaZipError, match="decode_split_min_rows must be a positive int"):
+        m.configure_kernels(decode_split_min_rows=0)
+    assert (m.kernel_policy.decode, m.kernel_policy.decode_split_min_rows) == ("fused", 1)
 
 
 @pytest.mark.parametrize("route", ["dequant", "split"])

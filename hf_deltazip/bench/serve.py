@@ -730,6 +730,8 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
             f"{resident} of {args.deltas} deltas resident on the GPU (LRU), the others in pinned host memory, "
             "uploaded when a request needs them")
     tier += f"; prefill route {args.prefill!r}"
+    if getattr(args, "decode", "fused") != "fused":
+        tier += f"; decode route {args.decode!r}"
     if getattr(args, "max_bypass", None) is not None:
         tier += f"; fairness bound {args.max_bypass} (a request is passed over by at most that many later ones)"
     if getattr(args, "cost_aware", False):
@@ -740,7 +742,7 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
     try:
         dm = DeltaModel(base)
         dm.configure_cache(max_resident=resident)  # before adding: the kernel stacks are sized once
-        dm.configure_kernels(prefill=args.prefill)
+        dm.configure_kernels(prefill=args.prefill, decode=getattr(args, "decode", "fused"))
         if real:
             names = list(real)
             for i, (n, path) in enumerate(real.items()):  # popularity follows the order given
@@ -1184,6 +1186,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eager", action="store_true", help="decode without CUDA graphs")
     p.add_argument("--prefill", choices=["fused", "dequant", "split"], default="fused",
                    help="deltazip systems: how prefills run the deltas (DeltaModel.configure_kernels; default fused)")
+    p.add_argument("--decode", choices=["fused", "split"], default="fused",
+                   help="deltazip systems: how decode steps run (DeltaModel.configure_kernels; default fused)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--per-request", action="store_true", help="add every request's timings to the JSON")
     return p

@@ -498,7 +498,12 @@ class DeltaLinear(DeltaModule):
             # that reads its weight once for all rows (the fused kernel reads it once per block of rows); the
             # deltas by the kernel over an all-zero base
             y = self.base_layer(x2) if self._through else F.linear(x2, self._kernel_weight(), self.base_layer.bias)
-            y = y + stacks.apply(x2, self._zero_base(x2), None, slot_tok, segments, share).to(y.dtype)
+            y = stacks.accumulate(x2, y.contiguous(), slot_tok, segments, share)
+        elif self.policy.wants_decode_split(x2.shape[0]) and self._width == self.out_features:
+            # the split route of KernelPolicy.decode: the base's product by one dense matmul (its weight read
+            # once for every row), each row's delta added into it by the kernel, which skips the base
+            y = stacks.accumulate(x2, F.linear(x2, self._kernel_weight(), self.base_layer.bias), slot_tok, segments,
+                                  share)
         else:
             y = stacks.apply(x2, self._kernel_weight(), self.base_layer.bias, slot_tok, segments, share)
         if self._bias_delta is not None:

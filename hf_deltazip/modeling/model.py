@@ -233,8 +233,9 @@ class DeltaModel(nn.Module):
         self._cache.configure(max_resident=max_resident, max_resident_bytes=max_resident_bytes,
                               max_host_bytes=max_host_bytes)
 
-    def configure_kernels(self, *, prefill: Optional[str] = None, dequant_min_rows: Optional[int] = None) -> None:
-        """Choose how forwards outside captured decode steps (prefills, eager ``generate``) run the kernels.
+    def configure_kernels(self, *, prefill: Optional[str] = None, dequant_min_rows: Optional[int] = None,
+                          decode: Optional[str] = None, decode_split_min_rows: Optional[int] = None) -> None:
+        """Choose how prefills and decode steps run the kernels.
 
         Args:
             prefill: ``"fused"`` (default): the multi-delta kernel, as in decode steps. ``"dequant"``:
@@ -246,14 +247,26 @@ class DeltaModel(nn.Module):
                 multi-delta kernel over an all-zero base (only the packed codes re-read per block).
             dequant_min_rows: with ``"dequant"`` or ``"split"``, the fewest rows (tokens) every delta of
                 a batch needs for that route (default 64); smaller batches keep the fused kernel.
+            decode: how every other forward runs, decode steps (captured or not) included: ``"fused"``
+                (default): the multi-delta kernel reads the base and the rows' deltas in one launch.
+                ``"split"``: the base through one dense matmul, then the kernel adds each row's delta to
+                its output without reading the base (the fused kernel reads the base once per block of 16
+                rows).
+            decode_split_min_rows: with ``decode="split"``, the fewest rows a forward needs for it
+                (default 1); smaller ones keep the fused kernel.
 
-        Outputs agree with the fused route to 16-bit rounding (the base and delta products are rounded
-        separately). Captured decode steps always run the fused kernel.
+        Outputs agree with the fused route to 16-bit rounding (the split routes round the base's product
+        before the deltas are added). Captured decode steps are captured again after a change of ``decode``.
 
         Raises:
-            DeltaZipError: an unknown ``prefill`` or a ``dequant_min_rows`` below 1.
+            DeltaZipError: an unknown ``prefill`` or ``decode``, or a ``dequant_min_rows`` or
+            ``decode_split_min_rows`` below 1.
         """
         self.kernel_policy.set_prefill(prefill, dequant_min_rows)
+        before = (self.kernel_policy.decode, self.kernel_policy.decode_split_min_rows)
+        self.kernel_policy.set_decode(decode, decode_split_min_rows)
+        if (self.kernel_policy.decode, self.kernel_policy.decode_split_min_rows) != before:
+            self.layout_version.bump()  # captured steps took the other route
 
     @property
     def resident_deltas(self) -> list:

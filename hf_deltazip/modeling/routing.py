@@ -171,6 +171,13 @@ class KernelPolicy:
             the multi-delta kernel over an all-zero base for the deltas alone).
         dequant_min_rows: with ``prefill="dequant"`` or ``"split"``, the fewest rows (tokens) every delta
             of the batch must have for that route; batches with fewer take the fused kernel.
+        decode: how the other forwards (decode steps, captured or not, and prefills the routes above do
+            not take) run: ``"fused"`` (the base and every row's delta in one launch per class of delta
+            format) or ``"split"`` (the base by one dense matmul, which reads its weight once for every row;
+            then the multi-delta kernel adds each row's delta into its output, skipping the base:
+            ``multi_delta_linear(accumulate=True)``).
+        decode_split_min_rows: with ``decode="split"``, the fewest rows a forward needs for it; fewer
+            take the fused kernel.
 
     :attr:`sparse` (set by ``DeltaModel.set_activation_sparsity``): whether thresholded layers run decode steps
     through the activation-sparse kernels; layers wrapped later follow it.
@@ -178,9 +185,10 @@ class KernelPolicy:
 
     MODES = ("auto", "always", "never")
     PREFILL = ("fused", "dequant", "split")
+    DECODE = ("fused", "split")
 
     def __init__(self, mode: str = "auto", capacity: Optional[int] = None, prefill: str = "fused",
-                 dequant_min_rows: int = 64):
+                 dequant_min_rows: int = 64, decode: str = "fused", decode_split_min_rows: int = 1):
         if mode not in self.MODES:
             raise DeltaZipError(f'use_kernels must be "auto", "always" or "never", got {mode!r}')
         self.mode = mode
@@ -188,7 +196,10 @@ class KernelPolicy:
         self.prefill = "fused"
         self.dequant_min_rows = 64
         self.sparse = False
+        self.decode = "fused"
+        self.decode_split_min_rows = 1
         self.set_prefill(prefill, dequant_min_rows)
+        self.set_decode(decode, decode_split_min_rows)
 
     def set_prefill(self, prefill: Optional[str] = None, dequant_min_rows: Optional[int] = None) -> None:
         """Change :attr:`prefill` and/or :attr:`dequant_min_rows` (``None`` keeps the current value)."""
@@ -198,6 +209,19 @@ class KernelPolicy:
             raise DeltaZipError(f"dequant_min_rows must be a positive int, got {dequant_min_rows!r}")
         self.prefill = prefill or self.prefill
         self.dequant_min_rows = dequant_min_rows or self.dequant_min_rows
+
+    def set_decode(self, decode: Optional[str] = None, min_rows: Optional[int] = None) -> None:
+        """Change :attr:`decode` and/or :attr:`decode_split_min_rows` (``None`` keeps the current value)."""
+        if decode is not None and decode not in self.DECODE:
+            raise DeltaZipError(f'decode must be "fused" or "split", got {decode!r}')
+        if min_rows is not None and (isinstance(min_rows, bool) or not isinstance(min_rows, int) or min_rows < 1):
+            raise DeltaZipError(f"decode_split_min_rows must be a positive int, got {min_rows!r}")
+        self.decode = decode or self.decode
+        self.decode_split_min_rows = min_rows or self.decode_split_min_rows
+
+    def wants_decode_split(self, rows: int) -> bool:
+        """Whether a forward of ``rows`` rows outside the prefill routes takes the split route."""
+        return self.decode == "split" and rows >= self.decode_split_min_rows
 
     def wants_dequant(self, rows_per_delta: int) -> bool:
         """Whether an eager forward whose every delta has ``rows_per_delta`` rows or more takes the dequant route."""
@@ -211,6 +235,7 @@ class KernelPolicy:
         return self.mode == "always" or (self.mode == "auto" and torch.device(device).type == "cuda")
 
     def __deepcopy__(self, memo):
-        policy = KernelPolicy(self.mode, self.capacity, self.prefill, self.dequant_min_rows)
+        policy = KernelPolicy(self.mode, self.capacity, self.prefill, self.dequant_min_rows, self.decode,
+                              self.decode_split_min_rows)
         policy.sparse = self.sparse
         return policy

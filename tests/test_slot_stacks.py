@@ -60,6 +60,14 @@ def test_written_deltas_read_back_exactly_and_rooms_are_reused(kernel_layout, mo
     slots = (rows - 1).to(torch.int32)
     shared = stacks.apply(x, w, None, rows, (slots, build_row_segments(slots)))
     torch.testing.assert_close(shared, y, rtol=1e-5, atol=1e-5)
+    # the split route: the base's product first, then every class adds its rows' deltas in place (rows of the
+    # base and of the other class untouched)
+    for seg in (None, (slots, build_row_segments(slots))):
+        base = x @ w.T
+        out = base.clone()
+        assert stacks.accumulate(x, out, rows, seg) is out
+        torch.testing.assert_close(out, y, rtol=1e-5, atol=1e-5)
+        assert torch.equal(out[1], base[1])
 
 
 def stacks_delta(stacks, slot):

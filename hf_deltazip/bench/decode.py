@@ -540,6 +540,8 @@ def main(argv=None) -> int:
     p.add_argument("--peft", action="store_true",
                    help="also time transformers + PEFT generate with max(--deltas) LoRA adapters in one mixed batch")
     p.add_argument("--lora-rank", type=int, default=16, help="--peft: rank of each LoRA adapter (default 16)")
+    p.add_argument("--decode-split", action="store_true",
+                   help="also time the engine with DeltaModel.configure_kernels(decode='split') (base by cuBLAS)")
     p.add_argument("--profile", action="store_true",
                    help="also profile engine decode steps (base alone and each U) and the prefills (base alone, fused and "
                    "dequant routes): GPU time per step by kernel kind")
@@ -593,6 +595,12 @@ def main(argv=None) -> int:
                                  "tokens_per_s": args.rows * args.new_tokens / t, "engine_tokens_per_s": e, "gpu_gib": mem})
         print(f"U={u:3d}: generate {args.rows * args.new_tokens / t:8.1f} tokens/s, engine {e:8.1f} tokens/s, "
               f"GPU memory {mem:.1f} GiB", flush=True)
+        if getattr(args, "decode_split", False):  # the same engine steps with the base by cuBLAS, the deltas added
+            dm.configure_kernels(decode="split")
+            es = engine_tokens_per_s(dm, names, args.rows, args.prompt_len, steps)
+            dm.configure_kernels(decode="fused")
+            result["decode"][-1]["engine_tokens_per_s_split"] = es
+            print(f"U={u:3d}: engine, decode='split' {es:8.1f} tokens/s ({es / e:.2f}x the fused route)", flush=True)
         if args.profile:
             prof = profile_engine_step(dm, names, args.rows, args.prompt_len)
             result["decode"][-1]["profile"] = prof

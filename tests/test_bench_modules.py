@@ -321,17 +321,6 @@ def test_quality_with_the_byte_budget_for_ours(tiny_pair):
     assert "out of reach (target_ratio=1000" in quality.to_markdown(result, "cmd")
 
 
-def test_quality_budget_over_the_library_default_candidates(tiny_pair):
-    """``candidates="library"``: ours is DeltaZipConfig(target_ratio=R) with the config's own candidate lists
-    (what a user gets without passing any), still landing within 5 % of R; a bad name is refused."""
-    result = quality.run_quality(tiny_pair, ratios=(6,), methods=("ours",), device="cpu", n_calibration=8, seq_len=32,
-                                 ours="budget", candidates="library", log=lambda m: None)
-    (row,) = result["rows"]
-    assert row["setting"] == "budget 6x (library candidates)" and abs(row["ratio"] / 6 - 1) <= 0.05
-    with pytest.raises(ValueError, match="candidates must be 'bench' or 'library'"):
-        quality.run_quality(tiny_pair, ratios=(6,), methods=("ours",), ours="budget", candidates="default")
-
-
 def test_quality_verdicts_against_the_best_baseline_on_known_rows():
     def row(target, method, em, kl, **kw):
         return {"target_ratio": target, "method": method, "gain_kept_em": em, "gain_kept_nll": 1.0, "kl": kl, **kw}

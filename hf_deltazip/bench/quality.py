@@ -271,7 +271,6 @@ def run_quality(
     ours: str = "ladder",
     lowrank=LOWRANK_LEVELS,
     weighting: str = "fisher",
-    candidates: str = "bench",
     log=print,
     progress: bool = False,
     on_row=None,
@@ -282,14 +281,10 @@ def run_quality(
     (``DeltaZipConfig(target_ratio=R)`` over :func:`budget_candidates` (``lowrank``: its bits per weight of
     the lowrank layout; empty for quantization and pruning alone), the candidates measured once per
     pair and shared by every ratio through a :class:`~hf_deltazip.compression.BudgetMeasurements`;
-    ``weighting``: its ``budget_weighting``; ``candidates="library"``: ``DeltaZipConfig``'s own default
-    ``budget_bits`` / ``budget_sparsity`` / ``budget_group_sizes`` instead, ``lowrank`` ignored: what a user's
-    ``DeltaZipConfig(target_ratio=R)`` chooses from). ``on_row``, if given, is called with the results so far
+    ``weighting``: its ``budget_weighting``). ``on_row``, if given, is called with the results so far
     (marked ``"partial": True``) after every row, so a run that is stopped keeps what it measured."""
     if ours not in ("ladder", "budget"):
         raise ValueError(f"ours must be 'ladder' or 'budget', got {ours!r}")
-    if candidates not in ("bench", "library"):
-        raise ValueError(f"candidates must be 'bench' or 'library', got {candidates!r}")
     unknown = set(methods) - set(METHODS)
     if unknown:
         raise ValueError(f"unknown methods {sorted(unknown)}: pick from {list(METHODS)}")
@@ -343,8 +338,8 @@ def run_quality(
         budget = fp16_bytes / ratio
         if ours == "budget":
             cfg = DeltaZipConfig(target_ratio=ratio, n_samples=n_calibration, seq_len=seq_len, budget_weighting=weighting,
-                                 **(budget_candidates(lowrank) if candidates == "bench" else {}))
-            rung = f"budget {ratio:g}x" + (" (library candidates)" if candidates == "library" else "")
+                                 **budget_candidates(lowrank))
+            rung = f"budget {ratio:g}x"
         else:
             cfg = our_config(ratio, measured=measured, shapes=shapes, n_samples=n_calibration, seq_len=seq_len)
             rung = ladder_name(cfg)
@@ -611,9 +606,6 @@ def main(argv=None) -> int:
     p.add_argument("--lowrank", nargs="*", default=None, metavar="BITS",
                    help=("--ours budget: bits per weight of the lowrank candidates; left out or given bare: "
                          + ", ".join(f"{x:g}" for x in LOWRANK_LEVELS) + "; 'none': no lowrank candidates"))
-    p.add_argument("--candidates", choices=["bench", "library"], default="bench",
-                   help="--ours budget: the bench's candidate settings (BUDGET_CANDIDATES plus --lowrank) or "
-                        "DeltaZipConfig's own defaults (what DeltaZipConfig(target_ratio=R) alone offers)")
     p.add_argument("--weighting", choices=BUDGET_WEIGHTINGS, default="fisher",
                    help="--ours budget: how the budget weighs module errors (DeltaZipConfig.budget_weighting)")
     p.add_argument("--n-calibration", type=int, default=128)
@@ -639,7 +631,7 @@ def main(argv=None) -> int:
     for pair in _pairs(args):
         results.append(run_quality(pair, ratios=args.ratios, methods=args.methods, device=args.device,
                                    n_calibration=args.n_calibration, seq_len=args.seq_len, ours=args.ours, lowrank=args.lowrank,
-                                   weighting=args.weighting, candidates=args.candidates, progress=args.progress,
+                                   weighting=args.weighting, progress=args.progress,
                                    on_row=(lambda partial: write_json(results + [partial])) if args.json else None))
     md = "\n".join(to_markdown(r, command.strip()) for r in results)
     print(md)

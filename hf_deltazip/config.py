@@ -157,15 +157,17 @@ class DeltaZipConfig:
                           "delta); bits, sparsity and group size are then chosen per module (overrides ignored "
                           "for the modules it decides). None = the fixed settings above."},
     )
+    # the default candidates are the ones the quality benchmark measured on real pairs (BENCHMARKS.md section 1):
+    # from 16x up a module has about one bit per weight or less to spend, so per-row grids and pruning up to 98 %
     budget_bits: list = field(
-        default_factory=lambda: [2, 3, 4, 8], metadata={"help": "Bits the target_ratio budget may choose from."})
+        default_factory=lambda: [2, 3, 4], metadata={"help": "Bits the target_ratio budget may choose from."})
     budget_sparsity: list = field(
-        default_factory=lambda: [None, "2:4", 0.5, 0.75, 0.9],
+        default_factory=lambda: [None, 0.75, 0.9, 0.95, 0.98],
         metadata={"help": 'Sparsities the budget may choose from (None = dense; "2:4" is not offered to input embeddings; '
                           '"lowrank:x" is offered once, served at the largest budget_bits on the smallest '
                           'budget_group_sizes).'})
     budget_group_sizes: list = field(
-        default_factory=lambda: [64, 128, -1], metadata={"help": "Group sizes the budget may choose from."})
+        default_factory=lambda: [-1], metadata={"help": "Group sizes the budget may choose from (-1: one per output row)."})
     budget_weighting: str = field(
         default="fisher",
         metadata={"help": '"fisher": the budget weights each output channel\'s error by its Fisher information on the '

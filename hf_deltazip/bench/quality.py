@@ -66,10 +66,12 @@ OUR_LADDER = (
     ("2-bit + 75% sparse", dict(bits=2, sparsity=0.75, group_size=-1, embedding_bits=2, embedding_group_size=-1)),
     ("2-bit + 90% sparse", dict(bits=2, sparsity=0.9, group_size=-1, embedding_bits=2, embedding_group_size=-1)),
 )
-# Candidates of ``--ours budget`` (DeltaZipConfig(target_ratio=R)): 3 x 5 = 15 settings per module, measured
-# once per pair and shared by every ratio. Per-row scales only, and pruning up to 98 %: from 16x up a module
-# has about one bit per weight or less to spend, and the rungs of OUR_LADDER stop near 26x.
-BUDGET_CANDIDATES = dict(budget_bits=[2, 3, 4], budget_sparsity=[None, 0.75, 0.9, 0.95, 0.98], budget_group_sizes=[-1])
+# Candidates of ``--ours budget`` (DeltaZipConfig(target_ratio=R)): DeltaZipConfig's own defaults, 3 x 5 = 15
+# settings per module, measured once per pair and shared by every ratio. Per-row scales only, and pruning up to
+# 98 %: from 16x up a module has about one bit per weight or less to spend, and the rungs of OUR_LADDER stop
+# near 26x.
+BUDGET_CANDIDATES = {name: DeltaZipConfig().__getattribute__(name)
+                     for name in ("budget_bits", "budget_sparsity", "budget_group_sizes")}
 # ... plus, unless ``--lowrank`` says otherwise, the lowrank layout at these bits per weight (Delta-CoMe bands,
 # served as 4-bit per-row codes of their product)
 LOWRANK_LEVELS = (0.125, 0.25, 0.5, 1.0)

@@ -337,18 +337,24 @@ def test_accumulate_arguments_are_checked():
 
 
 # --------------------------------------------------------------------------- GPU
-@needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("m", [1, 32])
-def test_gpu_planar_accumulate(compiled, dtype, bits, m):
-    g = torch.Generator().manual_seed(7 * m + bits)
+def gpu_case(m, bits, dtype, seed):
+    """A 1024 x 4096 layer on the GPU: 8 random deltas in the planar layout, x, base weight, bias, row ids."""
+    g = torch.Generator().manual_seed(seed)
     st = K.random_delta_stack(8, 1024, 4096, bits=bits, group_size=128, scale_range=(0.01, 0.03), generator=g)
     st = L.prepare_stack(st).to("cuda")
     x = torch.randn(m, 4096, generator=g).to("cuda", dtype)
     w = (0.05 * torch.randn(1024, 4096, generator=g)).to("cuda", dtype)
     b = torch.randn(1024, generator=g).to("cuda", dtype)
     rd = torch.randint(-1, 8, (m,), generator=g).to("cuda", torch.int32)
+    return x, w, b, st, rd
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("m", [1, 32])
+def test_gpu_planar_accumulate(compiled, dtype, bits, m):
+    x, w, b, st, rd = gpu_case(m, bits, dtype, seed=7 * m + bits)
     check_accumulate(x, w, b, st, rd, K.default_config(m, 1024, 4096, st, x.device),
                      tol=3e-2 if dtype == torch.bfloat16 else 1e-2)  # out rounded to the activation dtype
 
@@ -359,13 +365,7 @@ def test_gpu_planar_accumulate(compiled, dtype, bits, m):
 @pytest.mark.parametrize("m", [1, 16, 33])
 @pytest.mark.parametrize("scale_w", [False, True], ids=["acc", "w"])
 def test_gpu_planar_real_sizes(compiled, dtype, bits, m, scale_w):
-    g = torch.Generator().manual_seed(m + bits)
-    st = K.random_delta_stack(8, 1024, 4096, bits=bits, group_size=128, scale_range=(0.01, 0.03), generator=g)
-    st = L.prepare_stack(st).to("cuda")
-    x = torch.randn(m, 4096, generator=g).to("cuda", dtype)
-    w = (0.05 * torch.randn(1024, 4096, generator=g)).to("cuda", dtype)
-    b = torch.randn(1024, generator=g).to("cuda", dtype)
-    rd = torch.randint(-1, 8, (m,), generator=g).to("cuda", torch.int32)
+    x, w, b, st, rd = gpu_case(m, bits, dtype, seed=m + bits)
     cfg = K.MultiDeltaConfig(scale_in_weights=scale_w)
     tol = 1e-3 if not scale_w else (1e-2 if dtype == torch.bfloat16 else 2e-3)
     check(x, w, b, st, rd, cfg, tol=tol)

@@ -117,7 +117,7 @@ def test_dequant_route_matches_the_fused_kernel_and_the_reference(planar_pair, m
         assert calls["dequant"] == 2 * 8 and not calls["fused"]  # each delta once per linear layer (7 + LM head)
         calls["dequant"] = 0
         ker.configure_kernels(dequant_min_rows=9)  # fewer rows than that: back to the fused kernel
-        again = ker(input_ids=ids, delta_names=rows).logits
+        again = forward(ker)
         assert calls["fused"] and not calls["dequant"]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got, fused, rtol=1e-4, atol=1e-4)
@@ -130,6 +130,11 @@ def test_configure_kernels_refuses_bad_values():
         m.configure_kernels(prefill="cublas")
     with pytest.raises(DeltaZipError, match="positive int"):
         m.configure_kernels(dequant_min_rows=0)
+    with pytest.raises(DeltaZipError, match='decode must be "fused" or "split"'):
+        m.configure_kernels(decode="dequant")
+    with pytest.raises(DeltaZipError, match="decode_split_min_rows must be a positive int"):
+        m.configure_kernels(decode_split_min_rows=0)
+    assert (m.kernel_policy.decode, m.kernel_policy.decode_split_min_rows) == ("fused", 1)  # nothing changed
     m.configure_kernels(prefill="dequant")
     assert (m.kernel_policy.prefill, m.kernel_policy.dequant_min_rows) == ("dequant", 64)
     assert copy.deepcopy(m.kernel_policy).prefill == "dequant"
@@ -151,26 +156,34 @@ def _base_spy(monkeypatch):
     return zero_base
 
 
+def _three_rows(planar_pair, monkeypatch, seed):
+    """(kernel model, spy, forward of three 8-token rows on "two", the base and "four", the reference model's
+    logits, the kernel model's on the default fused route) for the route tests below."""
+    _, ref, ker = _reference_and_kernel_models(planar_pair, monkeypatch)
+    spy = _base_spy(monkeypatch)
+    ids = torch.randint(0, VOCAB, (3, 8), generator=torch.Generator().manual_seed(seed))
+
+    def forward(model):
+        with torch.no_grad():
+            return model(input_ids=ids, delta_names=["two", None, "four"]).logits
+
+    return ker, spy, forward, forward(ref), forward(ker), (ref, ids)
+
+
 def test_split_route_matches_the_fused_kernel_and_the_reference(planar_pair, monkeypatch):
     """prefill="split": the base by one dense matmul, the deltas added to it by the kernel, for
     batches whose every delta has dequant_min_rows tokens or more; fewer, and the fused kernel runs."""
-    _, ref, ker = _reference_and_kernel_models(planar_pair, monkeypatch)
-    zero_base = _base_spy(monkeypatch)
-    ids = torch.randint(0, VOCAB, (3, 8), generator=torch.Generator().manual_seed(5))
-    rows = ["two", None, "four"]
-    with torch.no_grad():
-        want = ref(input_ids=ids, delta_names=rows).logits
-        fused = ker(input_ids=ids, delta_names=rows).logits
-        assert zero_base and not any(zero_base)  # the default route: the base inside the kernel
-        launches = len(zero_base)  # one per format class of each linear layer (7 + LM head)
-        zero_base.clear()
-        ker.configure_kernels(prefill="split", dequant_min_rows=8)  # 8 tokens per delta: split
-        got = ker(input_ids=ids, delta_names=rows).logits
-        assert len(zero_base) == launches and all(zero_base)  # the same launches, for the deltas alone
-        zero_base.clear()
-        ker.configure_kernels(dequant_min_rows=9)  # fewer rows than that: back to the fused kernel
-        again = ker(input_ids=ids, delta_names=rows).logits
-        assert zero_base and not any(zero_base)
+    ker, zero_base, forward, want, fused, _ = _three_rows(planar_pair, monkeypatch, seed=5)
+    assert zero_base and not any(zero_base)  # the default route: the base inside the kernel
+    launches = len(zero_base)  # one per format class of each linear layer (7 + LM head)
+    zero_base.clear()
+    ker.configure_kernels(prefill="split", dequant_min_rows=8)  # 8 tokens per delta: split
+    got = forward(ker)
+    assert len(zero_base) == launches and all(zero_base)  # the same launches, for the deltas alone
+    zero_base.clear()
+    ker.configure_kernels(dequant_min_rows=9)  # fewer rows than that: back to the fused kernel
+    again = forward(ker)
+    assert zero_base and not any(zero_base)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got, fused, rtol=1e-4, atol=1e-4)
     assert torch.equal(again, fused)
@@ -180,25 +193,19 @@ def test_split_route_matches_the_fused_kernel_and_the_reference(planar_pair, mon
 def test_decode_split_route_matches_the_fused_kernel_and_the_reference(planar_pair, monkeypatch):
     """decode="split": every forward of decode_split_min_rows rows or more (one-token steps included) runs
     the base by one dense matmul and adds the deltas alone into its output; fewer rows, the fused kernel."""
-    _, ref, ker = _reference_and_kernel_models(planar_pair, monkeypatch)
-    no_base = _base_spy(monkeypatch)
-    ids = torch.randint(0, VOCAB, (3, 8), generator=torch.Generator().manual_seed(7))
-    rows = ["two", None, "four"]
-    with torch.no_grad():
-        want = ref(input_ids=ids, delta_names=rows).logits
-        fused = ker(input_ids=ids, delta_names=rows).logits
-        launches = len(no_base)
-        assert launches and not any(no_base)
-        no_base.clear()
-        version = ker.layout_version.value
-        ker.configure_kernels(decode="split")
-        assert ker.layout_version.value > version  # captured decode steps took the other route: capture again
-        got = ker(input_ids=ids, delta_names=rows).logits
-        assert len(no_base) == launches and all(no_base)
-        no_base.clear()
-        ker.configure_kernels(decode_split_min_rows=25)  # 24 rows (3 x 8 tokens): the fused kernel again
-        again = ker(input_ids=ids, delta_names=rows).logits
-        assert no_base and not any(no_base)
+    ker, no_base, forward, want, fused, (ref, ids) = _three_rows(planar_pair, monkeypatch, seed=7)
+    launches = len(no_base)
+    assert launches and not any(no_base)
+    no_base.clear()
+    version = ker.layout_version.value
+    ker.configure_kernels(decode="split")
+    assert ker.layout_version.value > version  # captured decode steps took the other route: capture again
+    got = forward(ker)
+    assert len(no_base) == launches and all(no_base)
+    no_base.clear()
+    ker.configure_kernels(decode_split_min_rows=25)  # 24 rows (3 x 8 tokens): the fused kernel again
+    again = forward(ker)
+    assert no_base and not any(no_base)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got, fused, rtol=1e-4, atol=1e-4)
     assert torch.equal(again, fused)
@@ -210,15 +217,6 @@ def test_decode_split_route_matches_the_fused_kernel_and_the_reference(planar_pa
     no_base.clear()
     assert torch.equal(ker.generate(ids[:2, :5], **kw), ref.generate(ids[:2, :5], **kw))
     assert no_base and all(no_base)  # prefill and one-token steps alike
-
-
-def test_configure_kernels_refuses_bad_decode_values():
-    m = DeltaModel(tiny_model("llama", vocab_size=VOCAB, seed=0, hidden_size=64, num_layers=1))
-    with pytest.raises(DeltaZipError, match='decode must be "fused" or "split"'):
-        m.configure_kernels(decode="dequant")
-    with pytest.raises(DeltaZipError, match="decode_split_min_rows must be a positive int"):
-        m.configure_kernels(decode_split_min_rows=0)
-    assert (m.kernel_policy.decode, m.kernel_policy.decode_split_min_rows) == ("fused", 1)
 
 
 @pytest.mark.parametrize("route", ["dequant", "split"])

@@ -117,7 +117,7 @@ def test_dequant_route_matches_the_fused_kernel_and_the_reference(planar_pair, m
         assert calls["dequant"] == 2 * 8 and not calls["fused"]  # each delta once per linear layer (7 + LM head)
         calls["dequant"] = 0
         ker.configure_kernels(dequant_min_rows=9)  # fewer rows than that: back to the fused kernel
-        again = forward(ker)
+        again = ker(input_ids=ids, delta_names=rows).logits
         assert calls["fused"] and not calls["dequant"]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got, fused, rtol=1e-4, atol=1e-4)

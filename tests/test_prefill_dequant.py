@@ -145,15 +145,15 @@ def _base_spy(monkeypatch):
     (``base_weight=None, accumulate=True``) instead of reading the base itself."""
     from hf_deltazip.kernels import multi_delta
 
-    zero_base = []
+    deltas_alone = []
     real = multi_delta.multi_delta_linear
 
     def f(x, base_weight, *a, **k):
-        zero_base.append(base_weight is None and k.get("accumulate", False))
+        deltas_alone.append(base_weight is None and k.get("accumulate", False))
         return real(x, base_weight, *a, **k)
 
     monkeypatch.setattr(multi_delta, "multi_delta_linear", f)
-    return zero_base
+    return deltas_alone
 
 
 def _three_rows(planar_pair, monkeypatch, seed):
@@ -173,17 +173,17 @@ def _three_rows(planar_pair, monkeypatch, seed):
 def test_split_route_matches_the_fused_kernel_and_the_reference(planar_pair, monkeypatch):
     """prefill="split": the base by one dense matmul, the deltas added to it by the kernel, for
     batches whose every delta has dequant_min_rows tokens or more; fewer, and the fused kernel runs."""
-    ker, zero_base, forward, want, fused, _ = _three_rows(planar_pair, monkeypatch, seed=5)
-    assert zero_base and not any(zero_base)  # the default route: the base inside the kernel
-    launches = len(zero_base)  # one per format class of each linear layer (7 + LM head)
-    zero_base.clear()
+    ker, deltas_alone, forward, want, fused, _ = _three_rows(planar_pair, monkeypatch, seed=5)
+    assert deltas_alone and not any(deltas_alone)  # the default route: the base inside the kernel
+    launches = len(deltas_alone)  # one per format class of each linear layer (7 + LM head)
+    deltas_alone.clear()
     ker.configure_kernels(prefill="split", dequant_min_rows=8)  # 8 tokens per delta: split
     got = forward(ker)
-    assert len(zero_base) == launches and all(zero_base)  # the same launches, for the deltas alone
-    zero_base.clear()
+    assert len(deltas_alone) == launches and all(deltas_alone)  # the same launches, for the deltas alone
+    deltas_alone.clear()
     ker.configure_kernels(dequant_min_rows=9)  # fewer rows than that: back to the fused kernel
     again = forward(ker)
-    assert zero_base and not any(zero_base)
+    assert deltas_alone and not any(deltas_alone)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got, fused, rtol=1e-4, atol=1e-4)
     assert torch.equal(again, fused)
@@ -193,19 +193,19 @@ def test_split_route_matches_the_fused_kernel_and_the_reference(planar_pair, mon
 def test_decode_split_route_matches_the_fused_kernel_and_the_reference(planar_pair, monkeypatch):
     """decode="split": every forward of decode_split_min_rows rows or more (one-token steps included) runs
     the base by one dense matmul and adds the deltas alone into its output; fewer rows, the fused kernel."""
-    ker, no_base, forward, want, fused, (ref, ids) = _three_rows(planar_pair, monkeypatch, seed=7)
-    launches = len(no_base)
-    assert launches and not any(no_base)
-    no_base.clear()
+    ker, deltas_alone, forward, want, fused, (ref, ids) = _three_rows(planar_pair, monkeypatch, seed=7)
+    launches = len(deltas_alone)
+    assert launches and not any(deltas_alone)
+    deltas_alone.clear()
     version = ker.layout_version.value
     ker.configure_kernels(decode="split")
     assert ker.layout_version.value > version  # captured decode steps took the other route: capture again
     got = forward(ker)
-    assert len(no_base) == launches and all(no_base)
-    no_base.clear()
+    assert len(deltas_alone) == launches and all(deltas_alone)
+    deltas_alone.clear()
     ker.configure_kernels(decode_split_min_rows=25)  # 24 rows (3 x 8 tokens): the fused kernel again
     again = forward(ker)
-    assert no_base and not any(no_base)
+    assert deltas_alone and not any(deltas_alone)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got, fused, rtol=1e-4, atol=1e-4)
     assert torch.equal(again, fused)
@@ -214,15 +214,15 @@ def test_decode_split_route_matches_the_fused_kernel_and_the_reference(planar_pa
     ker.configure_kernels(decode_split_min_rows=1)
     kw = dict(attention_mask=torch.ones_like(ids[:2, :5]), max_new_tokens=4, do_sample=False, pad_token_id=0,
               delta_names=["four", "two"])
-    no_base.clear()
+    deltas_alone.clear()
     assert torch.equal(ker.generate(ids[:2, :5], **kw), ref.generate(ids[:2, :5], **kw))
-    assert no_base and all(no_base)  # prefill and one-token steps alike
+    assert deltas_alone and all(deltas_alone)  # prefill and one-token steps alike
 
 
 @pytest.mark.parametrize("route", ["dequant", "split"])
 def test_generate_with_a_prefill_route_equals_the_reference(route, planar_pair, monkeypatch):
     calls, ref, ker = _reference_and_kernel_models(planar_pair, monkeypatch)
-    zero_base = _base_spy(monkeypatch)
+    deltas_alone = _base_spy(monkeypatch)
     ker.configure_kernels(prefill=route, dequant_min_rows=4)
     ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(6))
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0,
@@ -232,7 +232,7 @@ def test_generate_with_a_prefill_route_equals_the_reference(route, planar_pair, 
     if route == "dequant":
         assert calls["dequant"] and calls["fused"]  # prefill dequantized, one-token steps fused
     else:
-        assert any(zero_base) and not all(zero_base)  # prefill split, one-token steps fused
+        assert any(deltas_alone) and not all(deltas_alone)  # prefill split, one-token steps fused
     assert torch.equal(got, want)
 
 

@@ -595,7 +595,7 @@ def main(argv=None) -> int:
                                  "tokens_per_s": args.rows * args.new_tokens / t, "engine_tokens_per_s": e, "gpu_gib": mem})
         print(f"U={u:3d}: generate {args.rows * args.new_tokens / t:8.1f} tokens/s, engine {e:8.1f} tokens/s, "
               f"GPU memory {mem:.1f} GiB", flush=True)
-        if getattr(args, "decode_split", False):  # the same engine steps with the base by cuBLAS, the deltas added
+        if args.decode_split:  # the same engine steps with the base by cuBLAS, the deltas added
             dm.configure_kernels(decode="split")
             es = engine_tokens_per_s(dm, names, args.rows, args.prompt_len, steps)
             dm.configure_kernels(decode="fused")

@@ -70,8 +70,8 @@ OUR_LADDER = (
 # settings per module, measured once per pair and shared by every ratio. Per-row scales only, and pruning up to
 # 98 %: from 16x up a module has about one bit per weight or less to spend, and the rungs of OUR_LADDER stop
 # near 26x.
-BUDGET_CANDIDATES = {name: DeltaZipConfig().__getattribute__(name)
-                     for name in ("budget_bits", "budget_sparsity", "budget_group_sizes")}
+BUDGET_CANDIDATES = {name: getattr(DeltaZipConfig(), name) for name in ("budget_bits", "budget_sparsity",
+                                                                       "budget_group_sizes")}
 # ... plus, unless ``--lowrank`` says otherwise, the lowrank layout at these bits per weight (Delta-CoMe bands,
 # served as 4-bit per-row codes of their product)
 LOWRANK_LEVELS = (0.125, 0.25, 0.5, 1.0)

@@ -496,7 +496,7 @@ class DeltaLinear(DeltaModule):
                                and self._width == self.out_features):
             # the base by its own module (it must compute itself), or, on the split route, by one dense matmul
             # that reads its weight once for all rows (the fused kernel reads it once per block of rows); the
-            # deltas by the kernel over an all-zero base
+            # deltas added to its output by the kernel
             y = self.base_layer(x2) if self._through else F.linear(x2, self._kernel_weight(), self.base_layer.bias)
             y = stacks.accumulate(x2, y.contiguous(), slot_tok, segments, share)
         elif self.policy.wants_decode_split(x2.shape[0]) and self._width == self.out_features:
@@ -612,9 +612,8 @@ class DeltaLinear(DeltaModule):
         slot_tok, segments = routing.kernel_rows(batch, rows // batch, x.device)
         if stacks.input_major_ready:
             stacks.add_sparse_deltas(x2, y, segments, threshold, None if slots is None else set(slots))
-        else:  # the planar multi-delta kernel on the thresholded input, over an all-zero base
-            xs = sparsify_input(x2, threshold)
-            y = y + stacks.apply(xs, self._zero_base(xs), None, slot_tok, segments, share).to(y.dtype)
+        else:  # the multi-delta kernel on the thresholded input, adding the deltas alone to the base's product
+            y = stacks.accumulate(sparsify_input(x2, threshold), y.contiguous(), slot_tok, segments, share)
         if self._bias_delta is not None:
             y = (y.float() + self._bias_delta[slot_tok]).to(y.dtype)
         return y.reshape(*lead, y.shape[-1])
@@ -639,14 +638,6 @@ class DeltaLinear(DeltaModule):
             d = stacks.dense_delta(slot, x2.dtype)
             y.index_add_(0, idx, F.linear(x2.index_select(0, idx), d).to(y.dtype))
         return y
-
-    def _zero_base(self, x2: torch.Tensor) -> torch.Tensor:
-        """``[N, K]`` zeros that cost one row: every output row reads the same zero row (stride 0), so the
-        kernel computes the deltas alone."""
-        z = getattr(self, "_zero_row", None)
-        if z is None or z.dtype != x2.dtype or z.device != x2.device:
-            z = self._zero_row = torch.zeros(1, self.in_features, dtype=x2.dtype, device=x2.device)
-        return z.expand(self.out_features, self.in_features)
 
     def _contiguous_weight(self, w):
         # Conv1D stores [K, N]; the kernel reads [N, K] rows: keep one transposed copy per weight version

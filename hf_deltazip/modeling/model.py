@@ -244,7 +244,7 @@ class DeltaModel(nn.Module):
                 layer and call; for many rows per delta, where the fused kernel (built for a few rows
                 per delta) re-reads the weights for every block of rows. ``"split"``: the base through
                 one dense matmul (its weight read once for all rows) and the deltas through the
-                multi-delta kernel over an all-zero base (only the packed codes re-read per block).
+                multi-delta kernel adding each row's delta to its output (only the packed codes re-read per block).
             dequant_min_rows: with ``"dequant"`` or ``"split"``, the fewest rows (tokens) every delta of
                 a batch needs for that route (default 64); smaller batches keep the fused kernel.
             decode: how every other forward runs, decode steps (captured or not) included: ``"fused"``

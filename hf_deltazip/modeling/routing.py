@@ -168,7 +168,7 @@ class KernelPolicy:
             ``"fused"`` (the multi-delta kernel, as decode steps), ``"dequant"`` (the base in one dense
             matmul, plus ``x_rows @ dequant(delta)^T`` per delta, the delta written out dense once per
             layer and call) or ``"split"`` (the base in one dense matmul, read once for every row, plus
-            the multi-delta kernel over an all-zero base for the deltas alone).
+            the multi-delta kernel adding the deltas alone to its output).
         dequant_min_rows: with ``prefill="dequant"`` or ``"split"``, the fewest rows (tokens) every delta
             of the batch must have for that route; batches with fewer take the fused kernel.
         decode: how the other forwards (decode steps, captured or not, and prefills the routes above do

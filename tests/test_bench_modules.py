@@ -189,6 +189,29 @@ def test_decode_peft_baseline_runs_mixed_adapters_and_gives_the_base_back():
     assert torch.equal(got, want)
 
 
+def test_decode_split_times_the_engine_both_ways_and_restores_the_fused_route(tmp_path, monkeypatch):
+    # --decode-split on the CPU (kernels through the interpreter): each U row gets the split route's engine
+    # tokens/s beside the fused one, and the model is back on the fused route afterwards
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from hf_deltazip.modeling import DeltaModel
+
+    routes = []
+    real = DeltaModel.configure_kernels
+
+    def spy(self, **kw):
+        routes.append(kw.get("decode"))
+        return real(self, **kw)
+
+    monkeypatch.setattr(DeltaModel, "configure_kernels", spy)
+    out = tmp_path / "split.json"
+    assert decode.main(["--shape", "tiny", "--device", "cpu", "--deltas", "1", "2", "--rows", "4", "--prompt-len", "8",
+                        "--new-tokens", "2", "--engine-steps", "2", "--prefill-len", "0", "--decode-split",
+                        "--json", str(out)]) == 0
+    rows = [r for r in json.loads(out.read_text())["decode"] if r["model"].startswith("DeltaModel")]
+    assert [r["U"] for r in rows] == [1, 2] and all("engine_tokens_per_s_split" in r for r in rows)
+    assert routes == ["split", "fused", "split", "fused"]
+
+
 def test_decode_cold_start_times_every_load_mode_from_a_real_file(tmp_path):
     # the cold-start bench end to end on the CPU: a .dz file written, read back six ways (pipelined or
     # whole, pinned or pageable host buffers, smaller pieces, two readers), each request answered, the temporary folder removed

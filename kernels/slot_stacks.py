@@ -324,7 +324,9 @@ class SlotStacks:
     def apply(self, x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
               slot_plus_one: torch.Tensor, slot_segments: Optional[tuple] = None,
               rows_per_delta: Optional[int] = None) -> torch.Tensor:
-        """``x W^T + bias`` plus, for each row, its slot's delta: one kernel launch per format class.
+        """``x W^T + bias`` plus, for each row, its slot's delta: one kernel launch per format class, the
+        first reading the base weight, the others adding their rows' deltas to its output
+        (``multi_delta_linear(accumulate=True)``) instead of reading the base again.
 
         Args:
             x2: ``[M, K]`` activations.
@@ -338,16 +340,18 @@ class SlotStacks:
         """
         from .multi_delta import multi_delta_linear
 
-        y = None
-        for c in self.classes:
-            if slot_segments is not None and c.stack.layout_block:
-                slots, segments = slot_segments
-                yc = multi_delta_linear(x2, weight, bias, c.stack, slots, segments=segments, segment_lookup=c.lookup,
-                                        rows_per_delta=rows_per_delta)
-            else:
-                yc = multi_delta_linear(x2, weight, bias, c.stack, c.lookup[slot_plus_one], rows_per_delta=rows_per_delta)
-            # each row belongs to one format class: take it from that class's launch
-            y = yc if y is None else torch.where(c.member[slot_plus_one][:, None], yc, y)
+        first = self.classes[0]
+        if slot_segments is not None and first.stack.layout_block:
+            slots, segments = slot_segments
+            y = multi_delta_linear(x2, weight, bias, first.stack, slots, segments=segments, segment_lookup=first.lookup,
+                                   rows_per_delta=rows_per_delta)
+        else:
+            y = multi_delta_linear(x2, weight, bias, first.stack, first.lookup[slot_plus_one],
+                                   rows_per_delta=rows_per_delta)
+        if len(self.classes) > 1:
+            # each row belongs to one format class: the first launch gave every row the base (and its own class's
+            # rows their deltas); the other classes add theirs without reading the base again
+            self._accumulate(x2, y, slot_plus_one, slot_segments, rows_per_delta, self.classes[1:])
         return y
 
     def accumulate(self, x2: torch.Tensor, out: torch.Tensor, slot_plus_one: torch.Tensor,
@@ -355,9 +359,12 @@ class SlotStacks:
         """Add each row's delta product to ``out`` (``[M, N]``, holding the base's ``x W^T + bias``), one
         launch per format class that skips the base (``multi_delta_linear(accumulate=True)``); rows of the
         plain base, or of a class not launched, keep their value. Arguments as :meth:`apply`."""
+        return self._accumulate(x2, out, slot_plus_one, slot_segments, rows_per_delta, self.classes)
+
+    def _accumulate(self, x2, out, slot_plus_one, slot_segments, rows_per_delta, classes) -> torch.Tensor:
         from .multi_delta import multi_delta_linear
 
-        for c in self.classes:
+        for c in classes:
             if slot_segments is not None and c.stack.layout_block:
                 slots, segments = slot_segments
                 multi_delta_linear(x2, None, None, c.stack, slots, out.dtype, out=out, segments=segments,

@@ -141,19 +141,26 @@ def test_configure_kernels_refuses_bad_values():
 
 
 def _base_spy(monkeypatch):
-    """Records, per multi-delta kernel call, whether it added the deltas alone to the base's product
-    (``base_weight=None, accumulate=True``) instead of reading the base itself."""
+    """Records, per multi-delta kernel call, whether it read the base weight itself (the others add the deltas
+    alone to an output that holds the base's product: ``base_weight=None, accumulate=True``)."""
     from hf_deltazip.kernels import multi_delta
 
-    deltas_alone = []
+    reads_base = []
     real = multi_delta.multi_delta_linear
 
     def f(x, base_weight, *a, **k):
-        deltas_alone.append(base_weight is None and k.get("accumulate", False))
+        assert (base_weight is None) == bool(k.get("accumulate", False))
+        reads_base.append(base_weight is not None)
         return real(x, base_weight, *a, **k)
 
     monkeypatch.setattr(multi_delta, "multi_delta_linear", f)
-    return deltas_alone
+    return reads_base
+
+
+# the planar pair's 7 linear layers (a 4-bit and a 2-bit class each) and its LM head (one class: both deltas
+# store it with 4-bit embedding_bits)
+LINEAR_LAYERS = 8
+LAUNCHES = 2 * 7 + 1
 
 
 def _three_rows(planar_pair, monkeypatch, seed):
@@ -173,17 +180,18 @@ def _three_rows(planar_pair, monkeypatch, seed):
 def test_split_route_matches_the_fused_kernel_and_the_reference(planar_pair, monkeypatch):
     """prefill="split": the base by one dense matmul, the deltas added to it by the kernel, for
     batches whose every delta has dequant_min_rows tokens or more; fewer, and the fused kernel runs."""
-    ker, deltas_alone, forward, want, fused, _ = _three_rows(planar_pair, monkeypatch, seed=5)
-    assert deltas_alone and not any(deltas_alone)  # the default route: the base inside the kernel
-    launches = len(deltas_alone)  # one per format class of each linear layer (7 + LM head)
-    deltas_alone.clear()
+    ker, reads_base, forward, want, fused, _ = _three_rows(planar_pair, monkeypatch, seed=5)
+    # the default route: one launch per format class and layer, the first reading the base, the second adding
+    # its deltas to that output
+    assert len(reads_base) == LAUNCHES and sum(reads_base) == LINEAR_LAYERS
+    reads_base.clear()
     ker.configure_kernels(prefill="split", dequant_min_rows=8)  # 8 tokens per delta: split
     got = forward(ker)
-    assert len(deltas_alone) == launches and all(deltas_alone)  # the same launches, for the deltas alone
-    deltas_alone.clear()
+    assert len(reads_base) == LAUNCHES and not any(reads_base)  # the base by the dense matmul
+    reads_base.clear()
     ker.configure_kernels(dequant_min_rows=9)  # fewer rows than that: back to the fused kernel
     again = forward(ker)
-    assert deltas_alone and not any(deltas_alone)
+    assert sum(reads_base) == LINEAR_LAYERS
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got, fused, rtol=1e-4, atol=1e-4)
     assert torch.equal(again, fused)
@@ -193,19 +201,18 @@ def test_split_route_matches_the_fused_kernel_and_the_reference(planar_pair, mon
 def test_decode_split_route_matches_the_fused_kernel_and_the_reference(planar_pair, monkeypatch):
     """decode="split": every forward of decode_split_min_rows rows or more (one-token steps included) runs
     the base by one dense matmul and adds the deltas alone into its output; fewer rows, the fused kernel."""
-    ker, deltas_alone, forward, want, fused, (ref, ids) = _three_rows(planar_pair, monkeypatch, seed=7)
-    launches = len(deltas_alone)
-    assert launches and not any(deltas_alone)
-    deltas_alone.clear()
+    ker, reads_base, forward, want, fused, (ref, ids) = _three_rows(planar_pair, monkeypatch, seed=7)
+    assert len(reads_base) == LAUNCHES and sum(reads_base) == LINEAR_LAYERS
+    reads_base.clear()
     version = ker.layout_version.value
     ker.configure_kernels(decode="split")
     assert ker.layout_version.value > version  # captured decode steps took the other route: capture again
     got = forward(ker)
-    assert len(deltas_alone) == launches and all(deltas_alone)
-    deltas_alone.clear()
+    assert len(reads_base) == LAUNCHES and not any(reads_base)
+    reads_base.clear()
     ker.configure_kernels(decode_split_min_rows=25)  # 24 rows (3 x 8 tokens): the fused kernel again
     again = forward(ker)
-    assert deltas_alone and not any(deltas_alone)
+    assert sum(reads_base) == LINEAR_LAYERS
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got, fused, rtol=1e-4, atol=1e-4)
     assert torch.equal(again, fused)
@@ -214,15 +221,15 @@ def test_decode_split_route_matches_the_fused_kernel_and_the_reference(planar_pa
     ker.configure_kernels(decode_split_min_rows=1)
     kw = dict(attention_mask=torch.ones_like(ids[:2, :5]), max_new_tokens=4, do_sample=False, pad_token_id=0,
               delta_names=["four", "two"])
-    deltas_alone.clear()
+    reads_base.clear()
     assert torch.equal(ker.generate(ids[:2, :5], **kw), ref.generate(ids[:2, :5], **kw))
-    assert deltas_alone and all(deltas_alone)  # prefill and one-token steps alike
+    assert reads_base and not any(reads_base)  # prefill and one-token steps alike
 
 
 @pytest.mark.parametrize("route", ["dequant", "split"])
 def test_generate_with_a_prefill_route_equals_the_reference(route, planar_pair, monkeypatch):
     calls, ref, ker = _reference_and_kernel_models(planar_pair, monkeypatch)
-    deltas_alone = _base_spy(monkeypatch)
+    reads_base = _base_spy(monkeypatch)
     ker.configure_kernels(prefill=route, dequant_min_rows=4)
     ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(6))
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0,
@@ -232,7 +239,9 @@ def test_generate_with_a_prefill_route_equals_the_reference(route, planar_pair, 
     if route == "dequant":
         assert calls["dequant"] and calls["fused"]  # prefill dequantized, one-token steps fused
     else:
-        assert any(deltas_alone) and not all(deltas_alone)  # prefill split, one-token steps fused
+        # prefill split (no launch reads the base, but the LM head's: it sees one row per prompt, under
+        # dequant_min_rows), the 4 one-token steps after it fused (one launch per layer reads it)
+        assert sum(reads_base) == 1 + 4 * LINEAR_LAYERS
     assert torch.equal(got, want)
 
 
@@ -263,6 +272,14 @@ def test_compiled_dequant_kernel_and_route_on_the_gpu(planar_pair, monkeypatch):
         split = model(input_ids=ids, delta_names=rows).logits.float()
     assert float((got - fused).norm() / fused.norm()) < 1e-2
     assert float((split - fused).norm() / fused.norm()) < 1e-2
+    # float32: the default route over layers of two format classes (the second class's launch adds its deltas
+    # to the first's output, compiled) equals the reference; rows of the base between rows of deltas
+    ref = _model(copy.deepcopy(base).to("cuda"), paths, use_kernels="never")
+    ker = _model(copy.deepcopy(base).to("cuda"), paths, use_kernels="always")
+    rows = ["two", None, "four"]
+    with torch.no_grad():
+        want, got = (m(input_ids=ids, delta_names=rows).logits for m in (ref, ker))
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
 
 def test_dequant_route_on_a_transposed_layer_with_bias_changes(tmp_path, monkeypatch):

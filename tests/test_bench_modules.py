@@ -189,7 +189,7 @@ def test_decode_peft_baseline_runs_mixed_adapters_and_gives_the_base_back():
     assert torch.equal(got, want)
 
 
-def test_decode_split_times_the_engine_both_ways_and_restores_the_fused_route(tmp_path, monkeypatch):
+def test_decode_bench_times_both_decode_routes_and_every_prefill_route(tmp_path, monkeypatch):
     # --decode-split on the CPU (kernels through the interpreter): each U row gets the split route's engine
     # tokens/s beside the fused one, and the model is back on the fused route afterwards
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -199,17 +199,23 @@ def test_decode_split_times_the_engine_both_ways_and_restores_the_fused_route(tm
     real = DeltaModel.configure_kernels
 
     def spy(self, **kw):
-        routes.append(kw.get("decode"))
+        routes.append(kw)
         return real(self, **kw)
 
     monkeypatch.setattr(DeltaModel, "configure_kernels", spy)
     out = tmp_path / "split.json"
     assert decode.main(["--shape", "tiny", "--device", "cpu", "--deltas", "1", "2", "--rows", "4", "--prompt-len", "8",
-                        "--new-tokens", "2", "--engine-steps", "2", "--prefill-len", "0", "--decode-split",
+                        "--new-tokens", "2", "--engine-steps", "2", "--prefill-len", "4", "--decode-split",
                         "--json", str(out)]) == 0
-    rows = [r for r in json.loads(out.read_text())["decode"] if r["model"].startswith("DeltaModel")]
+    result = json.loads(out.read_text())
+    rows = [r for r in result["decode"] if r["model"].startswith("DeltaModel")]
     assert [r["U"] for r in rows] == [1, 2] and all("engine_tokens_per_s_split" in r for r in rows)
-    assert routes == ["split", "fused", "split", "fused"]
+    assert [kw["decode"] for kw in routes if "decode" in kw] == ["split", "fused", "split", "fused"]
+    # the prefill table: 1 and 2 prompts of 4 tokens, every route timed, the model left on the default route,
+    # which takes the fused kernel below 512 tokens
+    assert [kw["prefill"] for kw in routes if "prefill" in kw] == ["fused", "dequant", "split", "auto"] * 2
+    assert [(r["requests"], r["auto_route"]) for r in result["prefill"]] == [(1, "fused"), (2, "fused")]
+    assert all(r[f"{route}_ms"] > 0 for r in result["prefill"] for route in ("base", "fused", "dequant", "split"))
 
 
 def test_decode_cold_start_times_every_load_mode_from_a_real_file(tmp_path):

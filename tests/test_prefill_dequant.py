@@ -126,10 +126,15 @@ def test_dequant_route_matches_the_fused_kernel_and_the_reference(planar_pair, m
 
 def test_configure_kernels_refuses_bad_values():
     m = DeltaModel(tiny_model("llama", vocab_size=VOCAB, seed=0, hidden_size=64, num_layers=1))
-    with pytest.raises(DeltaZipError, match='"fused", "dequant" or "split"'):
+    assert (m.kernel_policy.prefill, m.kernel_policy.prefill_split_min_rows) == ("auto", 512)  # the defaults
+    with pytest.raises(DeltaZipError, match='"auto", "fused", "dequant" or "split"'):
         m.configure_kernels(prefill="cublas")
     with pytest.raises(DeltaZipError, match="positive int"):
         m.configure_kernels(dequant_min_rows=0)
+    for bad in (0, True, 8.0):
+        with pytest.raises(DeltaZipError, match="prefill_split_min_rows must be a positive int"):
+            m.configure_kernels(prefill="split", prefill_split_min_rows=bad)
+    assert (m.kernel_policy.prefill, m.kernel_policy.prefill_split_min_rows) == ("auto", 512)  # nothing changed
     with pytest.raises(DeltaZipError, match='decode must be "fused" or "split"'):
         m.configure_kernels(decode="dequant")
     with pytest.raises(DeltaZipError, match="decode_split_min_rows must be a positive int"):
@@ -137,7 +142,9 @@ def test_configure_kernels_refuses_bad_values():
     assert (m.kernel_policy.decode, m.kernel_policy.decode_split_min_rows) == ("fused", 1)  # nothing changed
     m.configure_kernels(prefill="dequant")
     assert (m.kernel_policy.prefill, m.kernel_policy.dequant_min_rows) == ("dequant", 64)
-    assert copy.deepcopy(m.kernel_policy).prefill == "dequant"
+    m.configure_kernels(prefill_split_min_rows=256)
+    kept = copy.deepcopy(m.kernel_policy)
+    assert (kept.prefill, kept.prefill_split_min_rows) == ("dequant", 256)
 
 
 def _base_spy(monkeypatch):
@@ -196,6 +203,26 @@ def test_split_route_matches_the_fused_kernel_and_the_reference(planar_pair, mon
     torch.testing.assert_close(got, fused, rtol=1e-4, atol=1e-4)
     assert torch.equal(again, fused)
     assert ker.kernel_policy.prefill == "split" and copy.deepcopy(ker.kernel_policy).prefill == "split"
+
+
+def test_auto_prefill_splits_forwards_of_prefill_split_min_rows_tokens(planar_pair, monkeypatch):
+    """prefill="auto" (the default): the split route for forwards of prefill_split_min_rows tokens or more
+    (every delta with dequant_min_rows of them), the fused kernel for smaller ones."""
+    ker, reads_base, forward, want, fused, _ = _three_rows(planar_pair, monkeypatch, seed=9)
+    assert ker.kernel_policy.prefill == "auto"
+    assert sum(reads_base) == LINEAR_LAYERS  # 24 tokens < 512: fused
+    reads_base.clear()
+    ker.configure_kernels(prefill_split_min_rows=24, dequant_min_rows=8)  # 3 rows x 8 tokens: split
+    got = forward(ker)
+    assert len(reads_base) == LAUNCHES and not any(reads_base)  # the base by the dense matmul
+    reads_base.clear()
+    ker.configure_kernels(dequant_min_rows=9)  # a delta with fewer tokens than that: fused
+    assert torch.equal(forward(ker), fused) and sum(reads_base) == LINEAR_LAYERS
+    reads_base.clear()
+    ker.configure_kernels(prefill_split_min_rows=25, dequant_min_rows=8)  # fewer tokens in all: fused
+    assert torch.equal(forward(ker), fused) and sum(reads_base) == LINEAR_LAYERS
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, fused, rtol=1e-4, atol=1e-4)
 
 
 def test_decode_split_route_matches_the_fused_kernel_and_the_reference(planar_pair, monkeypatch):

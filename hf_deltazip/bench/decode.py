@@ -619,7 +619,8 @@ def main(argv=None) -> int:
             for route in ("fused", "dequant", "split"):
                 dm.configure_kernels(prefill=route)
                 row[f"{route}_ms"] = prefill_ms(dm, ids_p, [f"d{i}" for i in range(r)])
-            dm.configure_kernels(prefill="fused")
+            dm.configure_kernels(prefill="auto")  # the default: which of the two it takes for this prefill
+            row["auto_route"] = "split" if dm.kernel_policy.wants_split(args.prefill_len, r * args.prefill_len) else "fused"
             if args.profile:
                 row["profile"] = {"base": profile_prefill(dm, ids_p, [None] * r)}
                 print_profile(f"prefill, {r} requests, base alone", row["profile"]["base"])
@@ -627,10 +628,11 @@ def main(argv=None) -> int:
                     dm.configure_kernels(prefill=route)
                     row["profile"][route] = profile_prefill(dm, ids_p, [f"d{i}" for i in range(r)])
                     print_profile(f"prefill, {r} requests, {route}", row["profile"][route])
-                dm.configure_kernels(prefill="fused")
+                dm.configure_kernels(prefill="auto")
             result["prefill"].append(row)
             print(f"prefill, {r} requests x {args.prefill_len} tokens, one delta each: base alone {row['base_ms']:.1f} ms, "
-                  f"fused {row['fused_ms']:.1f} ms, dequant {row['dequant_ms']:.1f} ms, split {row['split_ms']:.1f} ms",
+                  f"fused {row['fused_ms']:.1f} ms, dequant {row['dequant_ms']:.1f} ms, split {row['split_ms']:.1f} ms "
+                  f"(the default, prefill='auto', takes {row['auto_route']})",
                   flush=True)
     if args.cold_start:
         for n in list(dm.deltas)[1:]:

@@ -1184,8 +1184,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", help="swap-disk: folder on a local disk for the files (default: a temporary folder)")
     p.add_argument("--max-seconds", type=float, default=120.0, help="cap per system: admit no request after it (default 120)")
     p.add_argument("--eager", action="store_true", help="decode without CUDA graphs")
-    p.add_argument("--prefill", choices=["fused", "dequant", "split"], default="fused",
-                   help="deltazip systems: how prefills run the deltas (DeltaModel.configure_kernels; default fused)")
+    p.add_argument("--prefill", choices=["auto", "fused", "dequant", "split"], default="auto",
+                   help="deltazip systems: how prefills run the deltas (DeltaModel.configure_kernels; default auto: "
+                        "split from 512 tokens per forward, else fused)")
     p.add_argument("--decode", choices=["fused", "split"], default="fused",
                    help="deltazip systems: how decode steps run (DeltaModel.configure_kernels; default fused)")
     p.add_argument("--json", help="write the results here")

@@ -492,7 +492,7 @@ class DeltaLinear(DeltaModule):
         if held and self.policy.wants_dequant(per_row * min(len(r) for r in held.values())):
             y = self._forward_dequant(x2, per_row, held, stacks, routing)
         elif self._through or self._base_input_major() or (groups is not None
-                               and self.policy.wants_split(per_row * min(len(r) for r in groups.values()))
+                               and self.policy.wants_split(per_row * min(len(r) for r in groups.values()), x2.shape[0])
                                and self._width == self.out_features):
             # the base by its own module (it must compute itself), or, on the split route, by one dense matmul
             # that reads its weight once for all rows (the fused kernel reads it once per block of rows); the

@@ -234,19 +234,26 @@ class DeltaModel(nn.Module):
                               max_host_bytes=max_host_bytes)
 
     def configure_kernels(self, *, prefill: Optional[str] = None, dequant_min_rows: Optional[int] = None,
-                          decode: Optional[str] = None, decode_split_min_rows: Optional[int] = None) -> None:
+                          decode: Optional[str] = None, decode_split_min_rows: Optional[int] = None,
+                          prefill_split_min_rows: Optional[int] = None) -> None:
         """Choose how prefills and decode steps run the kernels.
 
         Args:
-            prefill: ``"fused"`` (default): the multi-delta kernel, as in decode steps. ``"dequant"``:
+            prefill: ``"auto"`` (default): ``"split"`` for forwards of ``prefill_split_min_rows`` tokens or
+                more, ``"fused"`` for smaller ones. ``"fused"``: the multi-delta kernel, as in decode steps. ``"dequant"``:
                 the base runs through one dense matmul and each delta adds ``x_rows @ dequant(delta)^T``
                 for its rows, the delta written out dense (``[out, in]`` in the activation dtype) once per
                 layer and call; for many rows per delta, where the fused kernel (built for a few rows
                 per delta) re-reads the weights for every block of rows. ``"split"``: the base through
                 one dense matmul (its weight read once for all rows) and the deltas through the
                 multi-delta kernel adding each row's delta to its output (only the packed codes re-read per block).
-            dequant_min_rows: with ``"dequant"`` or ``"split"``, the fewest rows (tokens) every delta of
-                a batch needs for that route (default 64); smaller batches keep the fused kernel.
+            dequant_min_rows: with ``"dequant"``, ``"split"`` or ``"auto"``, the fewest rows (tokens) every
+                delta of a batch needs for the dequant or split route (default 64); smaller batches keep the
+                fused kernel.
+            prefill_split_min_rows: with ``prefill="auto"``, the fewest rows (tokens of all the batch's rows
+                together) a forward needs for the split route (default 512: on an H200, 8B layer shapes, the
+                split prefill was 1.08-1.31x the fused kernel from 4 prompts of 128 tokens up and 0.90x for one
+                2-bit prompt of 128; BENCHMARKS.md section 4).
             decode: how every other forward runs, decode steps (captured or not) included: ``"fused"``
                 (default): the multi-delta kernel reads the base and the rows' deltas in one launch.
                 ``"split"``: the base through one dense matmul, then the kernel adds each row's delta to
@@ -259,10 +266,10 @@ class DeltaModel(nn.Module):
         before the deltas are added). Captured decode steps are captured again after a change of ``decode``.
 
         Raises:
-            DeltaZipError: an unknown ``prefill`` or ``decode``, or a ``dequant_min_rows`` or
-            ``decode_split_min_rows`` below 1.
+            DeltaZipError: an unknown ``prefill`` or ``decode``, or a ``dequant_min_rows``,
+            ``decode_split_min_rows`` or ``prefill_split_min_rows`` below 1.
         """
-        self.kernel_policy.set_prefill(prefill, dequant_min_rows)
+        self.kernel_policy.set_prefill(prefill, dequant_min_rows, prefill_split_min_rows)
         before = (self.kernel_policy.decode, self.kernel_policy.decode_split_min_rows)
         self.kernel_policy.set_decode(decode, decode_split_min_rows)
         if (self.kernel_policy.decode, self.kernel_policy.decode_split_min_rows) != before:

@@ -165,12 +165,17 @@ class KernelPolicy:
             interpreter) or ``"never"`` (the PyTorch reference path).
         capacity: deltas a kernel stack is sized for (the cache's resident budget), or ``None``.
         prefill: how eager (uncaptured) forwards with many rows per delta run on the kernel route:
-            ``"fused"`` (the multi-delta kernel, as decode steps), ``"dequant"`` (the base in one dense
-            matmul, plus ``x_rows @ dequant(delta)^T`` per delta, the delta written out dense once per
-            layer and call) or ``"split"`` (the base in one dense matmul, read once for every row, plus
-            the multi-delta kernel adding the deltas alone to its output).
-        dequant_min_rows: with ``prefill="dequant"`` or ``"split"``, the fewest rows (tokens) every delta
-            of the batch must have for that route; batches with fewer take the fused kernel.
+            ``"auto"`` (the default: ``"split"`` for forwards of ``prefill_split_min_rows`` rows or more,
+            else ``"fused"``), ``"fused"`` (the multi-delta kernel, as decode steps), ``"dequant"`` (the
+            base in one dense matmul, plus ``x_rows @ dequant(delta)^T`` per delta, the delta written out
+            dense once per layer and call) or ``"split"`` (the base in one dense matmul, read once for every
+            row, plus the multi-delta kernel adding the deltas alone to its output).
+        dequant_min_rows: with ``prefill="dequant"``, ``"split"`` or ``"auto"``, the fewest rows (tokens)
+            every delta of the batch must have for the dequant or split route; batches with fewer take the
+            fused kernel.
+        prefill_split_min_rows: with ``prefill="auto"``, the fewest rows (tokens, all deltas together) a
+            forward needs for the split route (512: on an H200 the split prefill was 1.08-1.31x the fused
+            kernel from 4 prompts of 128 tokens up, 0.90x for one 2-bit prompt; BENCHMARKS.md section 4).
         decode: how the other forwards (decode steps, captured or not, and prefills the routes above do
             not take) run: ``"fused"`` (the base and every row's delta in one launch per class of delta
             format) or ``"split"`` (the base by one dense matmul, which reads its weight once for every row;
@@ -184,31 +189,37 @@ class KernelPolicy:
     """
 
     MODES = ("auto", "always", "never")
-    PREFILL = ("fused", "dequant", "split")
+    PREFILL = ("auto", "fused", "dequant", "split")
     DECODE = ("fused", "split")
 
-    def __init__(self, mode: str = "auto", capacity: Optional[int] = None, prefill: str = "fused",
-                 dequant_min_rows: int = 64, decode: str = "fused", decode_split_min_rows: int = 1):
+    def __init__(self, mode: str = "auto", capacity: Optional[int] = None, prefill: str = "auto",
+                 dequant_min_rows: int = 64, decode: str = "fused", decode_split_min_rows: int = 1,
+                 prefill_split_min_rows: int = 512):
         if mode not in self.MODES:
             raise DeltaZipError(f'use_kernels must be "auto", "always" or "never", got {mode!r}')
         self.mode = mode
         self.capacity = capacity
-        self.prefill = "fused"
+        self.prefill = "auto"
         self.dequant_min_rows = 64
+        self.prefill_split_min_rows = 512
         self.sparse = False
         self.decode = "fused"
         self.decode_split_min_rows = 1
-        self.set_prefill(prefill, dequant_min_rows)
+        self.set_prefill(prefill, dequant_min_rows, prefill_split_min_rows)
         self.set_decode(decode, decode_split_min_rows)
 
-    def set_prefill(self, prefill: Optional[str] = None, dequant_min_rows: Optional[int] = None) -> None:
-        """Change :attr:`prefill` and/or :attr:`dequant_min_rows` (``None`` keeps the current value)."""
+    def set_prefill(self, prefill: Optional[str] = None, dequant_min_rows: Optional[int] = None,
+                    split_min_rows: Optional[int] = None) -> None:
+        """Change :attr:`prefill`, :attr:`dequant_min_rows` and/or :attr:`prefill_split_min_rows` (``None``
+        keeps the current value); nothing changes when one of them is refused."""
         if prefill is not None and prefill not in self.PREFILL:
-            raise DeltaZipError(f'prefill must be "fused", "dequant" or "split", got {prefill!r}')
-        if dequant_min_rows is not None and (not isinstance(dequant_min_rows, int) or dequant_min_rows < 1):
-            raise DeltaZipError(f"dequant_min_rows must be a positive int, got {dequant_min_rows!r}")
+            raise DeltaZipError(f'prefill must be "auto", "fused", "dequant" or "split", got {prefill!r}')
+        for name, v in (("dequant_min_rows", dequant_min_rows), ("prefill_split_min_rows", split_min_rows)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise DeltaZipError(f"{name} must be a positive int, got {v!r}")
         self.prefill = prefill or self.prefill
         self.dequant_min_rows = dequant_min_rows or self.dequant_min_rows
+        self.prefill_split_min_rows = split_min_rows or self.prefill_split_min_rows
 
     def set_decode(self, decode: Optional[str] = None, min_rows: Optional[int] = None) -> None:
         """Change :attr:`decode` and/or :attr:`decode_split_min_rows` (``None`` keeps the current value)."""
@@ -227,15 +238,17 @@ class KernelPolicy:
         """Whether an eager forward whose every delta has ``rows_per_delta`` rows or more takes the dequant route."""
         return self.prefill == "dequant" and rows_per_delta >= self.dequant_min_rows
 
-    def wants_split(self, rows_per_delta: int) -> bool:
-        """Whether an eager forward whose every delta has ``rows_per_delta`` rows or more takes the split route."""
-        return self.prefill == "split" and rows_per_delta >= self.dequant_min_rows
+    def wants_split(self, rows_per_delta: int, rows: int) -> bool:
+        """Whether an eager forward of ``rows`` rows whose every delta has ``rows_per_delta`` rows or more takes
+        the split route."""
+        chosen = self.prefill == "split" or (self.prefill == "auto" and rows >= self.prefill_split_min_rows)
+        return chosen and rows_per_delta >= self.dequant_min_rows
 
     def wants_kernels(self, device) -> bool:
         return self.mode == "always" or (self.mode == "auto" and torch.device(device).type == "cuda")
 
     def __deepcopy__(self, memo):
         policy = KernelPolicy(self.mode, self.capacity, self.prefill, self.dequant_min_rows, self.decode,
-                              self.decode_split_min_rows)
+                              self.decode_split_min_rows, self.prefill_split_min_rows)
         policy.sparse = self.sparse
         return policy

@@ -212,7 +212,7 @@ def test_decode_bench_times_both_decode_routes_and_every_prefill_route(tmp_path,
     assert [r["U"] for r in rows] == [1, 2] and all("engine_tokens_per_s_split" in r for r in rows)
     assert [kw["decode"] for kw in routes if "decode" in kw] == ["split", "fused", "split", "fused"]
     # the prefill table: 1 and 2 prompts of 4 tokens, every route timed, the model left on the default route,
-    # which takes the fused kernel below 512 tokens
+    # which takes the fused kernel below 1024 tokens
     assert [kw["prefill"] for kw in routes if "prefill" in kw] == ["fused", "dequant", "split", "auto"] * 2
     assert [(r["requests"], r["auto_route"]) for r in result["prefill"]] == [(1, "fused"), (2, "fused")]
     assert all(r[f"{route}_ms"] > 0 for r in result["prefill"] for route in ("base", "fused", "dequant", "split"))

@@ -126,7 +126,7 @@ def test_dequant_route_matches_the_fused_kernel_and_the_reference(planar_pair, m
 
 def test_configure_kernels_refuses_bad_values():
     m = DeltaModel(tiny_model("llama", vocab_size=VOCAB, seed=0, hidden_size=64, num_layers=1))
-    assert (m.kernel_policy.prefill, m.kernel_policy.prefill_split_min_rows) == ("auto", 512)  # the defaults
+    assert (m.kernel_policy.prefill, m.kernel_policy.prefill_split_min_rows) == ("auto", 1024)  # the defaults
     with pytest.raises(DeltaZipError, match='"auto", "fused", "dequant" or "split"'):
         m.configure_kernels(prefill="cublas")
     with pytest.raises(DeltaZipError, match="positive int"):
@@ -134,7 +134,7 @@ def test_configure_kernels_refuses_bad_values():
     for bad in (0, True, 8.0):
         with pytest.raises(DeltaZipError, match="prefill_split_min_rows must be a positive int"):
             m.configure_kernels(prefill="split", prefill_split_min_rows=bad)
-    assert (m.kernel_policy.prefill, m.kernel_policy.prefill_split_min_rows) == ("auto", 512)  # nothing changed
+    assert (m.kernel_policy.prefill, m.kernel_policy.prefill_split_min_rows) == ("auto", 1024)  # nothing changed
     with pytest.raises(DeltaZipError, match='decode must be "fused" or "split"'):
         m.configure_kernels(decode="dequant")
     with pytest.raises(DeltaZipError, match="decode_split_min_rows must be a positive int"):
@@ -210,7 +210,7 @@ def test_auto_prefill_splits_forwards_of_prefill_split_min_rows_tokens(planar_pa
     (every delta with dequant_min_rows of them), the fused kernel for smaller ones."""
     ker, reads_base, forward, want, fused, _ = _three_rows(planar_pair, monkeypatch, seed=9)
     assert ker.kernel_policy.prefill == "auto"
-    assert sum(reads_base) == LINEAR_LAYERS  # 24 tokens < 512: fused
+    assert sum(reads_base) == LINEAR_LAYERS  # 24 tokens < 1024: fused
     reads_base.clear()
     ker.configure_kernels(prefill_split_min_rows=24, dequant_min_rows=8)  # 3 rows x 8 tokens: split
     got = forward(ker)

@@ -1186,7 +1186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eager", action="store_true", help="decode without CUDA graphs")
     p.add_argument("--prefill", choices=["auto", "fused", "dequant", "split"], default="auto",
                    help="deltazip systems: how prefills run the deltas (DeltaModel.configure_kernels; default auto: "
-                        "split from 512 tokens per forward, else fused)")
+                        "split from 1024 tokens per forward, else fused)")
     p.add_argument("--decode", choices=["fused", "split"], default="fused",
                    help="deltazip systems: how decode steps run (DeltaModel.configure_kernels; default fused)")
     p.add_argument("--json", help="write the results here")

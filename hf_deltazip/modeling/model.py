@@ -251,9 +251,9 @@ class DeltaModel(nn.Module):
                 delta of a batch needs for the dequant or split route (default 64); smaller batches keep the
                 fused kernel.
             prefill_split_min_rows: with ``prefill="auto"``, the fewest rows (tokens of all the batch's rows
-                together) a forward needs for the split route (default 512: on an H200, 8B layer shapes, the
-                split prefill was 1.08-1.31x the fused kernel from 4 prompts of 128 tokens up and 0.90x for one
-                2-bit prompt of 128; BENCHMARKS.md section 4).
+                together) a forward needs for the split route (default 1024: at 8B layer shapes the split
+                prefill was 1.18-1.31x the fused kernel at 1024-2048 tokens on an H200 and an H100, 0.94-1.17x
+                at 512 and 0.90x for one 2-bit prompt of 128; BENCHMARKS.md section 4).
             decode: how every other forward runs, decode steps (captured or not) included: ``"fused"``
                 (default): the multi-delta kernel reads the base and the rows' deltas in one launch.
                 ``"split"``: the base through one dense matmul, then the kernel adds each row's delta to

@@ -174,8 +174,9 @@ class KernelPolicy:
             every delta of the batch must have for the dequant or split route; batches with fewer take the
             fused kernel.
         prefill_split_min_rows: with ``prefill="auto"``, the fewest rows (tokens, all deltas together) a
-            forward needs for the split route (512: on an H200 the split prefill was 1.08-1.31x the fused
-            kernel from 4 prompts of 128 tokens up, 0.90x for one 2-bit prompt; BENCHMARKS.md section 4).
+            forward needs for the split route (1024: the split prefill was 1.18-1.31x the fused kernel at
+            1024-2048 tokens on an H200 and an H100, but 0.94-1.17x at 512 and 0.90x at 128; BENCHMARKS.md
+            section 4).
         decode: how the other forwards (decode steps, captured or not, and prefills the routes above do
             not take) run: ``"fused"`` (the base and every row's delta in one launch per class of delta
             format) or ``"split"`` (the base by one dense matmul, which reads its weight once for every row;
@@ -194,14 +195,14 @@ class KernelPolicy:
 
     def __init__(self, mode: str = "auto", capacity: Optional[int] = None, prefill: str = "auto",
                  dequant_min_rows: int = 64, decode: str = "fused", decode_split_min_rows: int = 1,
-                 prefill_split_min_rows: int = 512):
+                 prefill_split_min_rows: int = 1024):
         if mode not in self.MODES:
             raise DeltaZipError(f'use_kernels must be "auto", "always" or "never", got {mode!r}')
         self.mode = mode
         self.capacity = capacity
         self.prefill = "auto"
         self.dequant_min_rows = 64
-        self.prefill_split_min_rows = 512
+        self.prefill_split_min_rows = 1024
         self.sparse = False
         self.decode = "fused"
         self.decode_split_min_rows = 1

@@ -167,7 +167,8 @@ class DeltaZipConfig:
                           '"lowrank:x" is offered once, served at the largest budget_bits on the smallest '
                           'budget_group_sizes).'})
     budget_group_sizes: list = field(
-        default_factory=lambda: [-1], metadata={"help": "Group sizes the budget may choose from (-1: one per output row)."})
+        default_factory=lambda: [-1],
+        metadata={"help": "Group sizes the budget may choose from (-1: one per output row)."})
     budget_weighting: str = field(
         default="fisher",
         metadata={"help": '"fisher": the budget weights each output channel\'s error by its Fisher information on the '

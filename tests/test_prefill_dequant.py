@@ -172,7 +172,7 @@ LAUNCHES = 2 * 7 + 1
 
 def _three_rows(planar_pair, monkeypatch, seed):
     """(kernel model, spy, forward of three 8-token rows on "two", the base and "four", the reference model's
-    logits, the kernel model's on the default fused route) for the route tests below."""
+    logits, the kernel model's on the default route (fused at these 24 tokens)) for the route tests below."""
     _, ref, ker = _reference_and_kernel_models(planar_pair, monkeypatch)
     spy = _base_spy(monkeypatch)
     ids = torch.randint(0, VOCAB, (3, 8), generator=torch.Generator().manual_seed(seed))

@@ -620,7 +620,8 @@ def main(argv=None) -> int:
                 dm.configure_kernels(prefill=route)
                 row[f"{route}_ms"] = prefill_ms(dm, ids_p, [f"d{i}" for i in range(r)])
             dm.configure_kernels(prefill="auto")  # the default: which of the two it takes for this prefill
-            row["auto_route"] = "split" if dm.kernel_policy.wants_split(args.prefill_len, r * args.prefill_len) else "fused"
+            split = dm.kernel_policy.wants_split(args.prefill_len, r * args.prefill_len)
+            row["auto_route"] = "split" if split else "fused"
             if args.profile:
                 row["profile"] = {"base": profile_prefill(dm, ids_p, [None] * r)}
                 print_profile(f"prefill, {r} requests, base alone", row["profile"]["base"])

@@ -240,8 +240,8 @@ class DeltaModel(nn.Module):
 
         Args:
             prefill: ``"auto"`` (default): ``"split"`` for forwards of ``prefill_split_min_rows`` tokens or
-                more, ``"fused"`` for smaller ones. ``"fused"``: the multi-delta kernel, as in decode steps. ``"dequant"``:
-                the base runs through one dense matmul and each delta adds ``x_rows @ dequant(delta)^T``
+                more, ``"fused"`` for smaller ones. ``"fused"``: the multi-delta kernel, as in decode steps.
+                ``"dequant"``: the base runs through one dense matmul and each delta adds ``x_rows @ dequant(delta)^T``
                 for its rows, the delta written out dense (``[out, in]`` in the activation dtype) once per
                 layer and call; for many rows per delta, where the fused kernel (built for a few rows
                 per delta) re-reads the weights for every block of rows. ``"split"``: the base through

@@ -200,12 +200,10 @@ class KernelPolicy:
             raise DeltaZipError(f'use_kernels must be "auto", "always" or "never", got {mode!r}')
         self.mode = mode
         self.capacity = capacity
-        self.prefill = "auto"
-        self.dequant_min_rows = 64
-        self.prefill_split_min_rows = 1024
+        # set (and checked) by the two setters below from the arguments, whose defaults are the only ones
+        self.prefill = self.dequant_min_rows = self.prefill_split_min_rows = None
+        self.decode = self.decode_split_min_rows = None
         self.sparse = False
-        self.decode = "fused"
-        self.decode_split_min_rows = 1
         self.set_prefill(prefill, dequant_min_rows, prefill_split_min_rows)
         self.set_decode(decode, decode_split_min_rows)
 

@@ -43,6 +43,7 @@ from .multi_delta import (
     layer_bytes,
     multi_delta_linear,
     multi_delta_linear_reference,
+    set_default_backend,
 )
 
 
@@ -77,4 +78,5 @@ __all__ = [
     "layer_bytes",
     "multi_delta_linear",
     "multi_delta_linear_reference",
+    "set_default_backend",
 ]

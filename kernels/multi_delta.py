@@ -53,10 +53,74 @@ __all__ = [
     "default_config",
     "auto_split_k",
     "layer_bytes",
+    "set_default_backend",
+    "gluon_decode_supported",
 ]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FUSED_SORT_MAX_M = 64
+BACKENDS = ("auto", "triton")
+#: most rows an ``accumulate=True`` launch may have for the Gluon decode kernel (decode steps)
+GLUON_MAX_ROWS = 64
+#: most rows per delta, when the caller knows it, for the Gluon decode kernel: it multiplies each decoded
+#: weight tile by one block of 8 rows, so a delta with more rows has its codes decoded once per block (H100,
+#: 8B shapes: 32 rows on one delta ran 0.88x the fused route with it against 0.97x with the Triton kernel;
+#: BENCHMARKS.md section 3, "The Gluon decode kernel")
+GLUON_MAX_ROWS_PER_DELTA = 8
+_DEFAULT_BACKEND = ["auto"]
+
+
+def set_default_backend(backend: str) -> None:
+    """The ``backend`` that :func:`default_config` gives (``"auto"`` or ``"triton"``; see
+    :class:`MultiDeltaConfig`). For comparing the two kernels end to end."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    _DEFAULT_BACKEND[0] = backend
+
+
+_GLUON = {}
+
+
+def _gluon_available(device: torch.device) -> bool:
+    """Gluon's Hopper ops import, and ``device`` is an sm_90 GPU (not under the Triton interpreter)."""
+    if device.type != "cuda" or _interpreting():
+        return False
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _GLUON:
+        ok = torch.cuda.get_device_capability(key) == (9, 0)
+        if ok:
+            try:
+                from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: F401
+            except ImportError:
+                ok = False
+        _GLUON[key] = ok
+    return _GLUON[key]
+
+
+def uses_gluon(x: torch.Tensor, stack: DeltaStack, out: torch.Tensor, config: "MultiDeltaConfig",
+               rows_per_delta: Optional[int] = None) -> bool:
+    """Whether an ``accumulate=True`` launch adds its deltas with the Gluon decode kernel (see
+    :attr:`MultiDeltaConfig.backend`)."""
+    return (config.backend == "auto" and out.dtype == x.dtype and out.stride(1) == 1
+            and (rows_per_delta is None or rows_per_delta <= GLUON_MAX_ROWS_PER_DELTA)
+            and gluon_decode_supported(x, stack))
+
+
+def gluon_decode_supported(x: torch.Tensor, stack: DeltaStack) -> bool:
+    """Whether the Gluon decode kernel can add ``stack``'s deltas for ``x`` (shape, format and GPU)."""
+    bits, bkp, gs = stack.bits, stack.layout_block, stack.group_size
+    if bits not in (2, 4) or bkp != 64 or x.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # rows copied 16 bytes at a time
+        return False
+    if x.shape[0] > GLUON_MAX_ROWS or x.shape[0] == 0 or stack.num_deltas == 0:
+        return False
+    planes = 16 // bits
+    if gs == -1 or gs % bkp or planes % (gs // bkp):  # every k-step holds whole groups
+        return False
+    if stack.scales.dtype not in (torch.float16, torch.float32):
+        return False
+    return _gluon_available(x.device)
 
 
 @dataclass(frozen=True)
@@ -81,6 +145,12 @@ class MultiDeltaConfig:
             instead of scaling each group's fp32 partial product.
         max_registers: planar kernel only: cap on registers per thread (0: the compiler's
             choice); lower caps let more programs share an SM (latency hiding).
+        backend: which kernel adds the deltas of an ``accumulate=True`` launch. ``"auto"``: on an
+            sm_90 GPU (H100 / H200), for steps of at most :data:`GLUON_MAX_ROWS` rows (and at most
+            :data:`GLUON_MAX_ROWS_PER_DELTA` rows per delta when the caller says how many) over a
+            planar 2- or 4-bit stack with blocks of 64 and fp16 / bf16 activations, the Gluon decode
+            kernel (``kernels/_gluon_decode.py``: each plane's decode overlaps the MMAs in flight); the
+            planar Triton kernel otherwise. ``"triton"``: always the Triton kernel.
     """
 
     block_m: int = 16
@@ -95,6 +165,7 @@ class MultiDeltaConfig:
     wide_elements: bool = True
     scale_in_weights: bool = False
     max_registers: int = 0
+    backend: str = "auto"
 
 
 # --------------------------------------------------------------------------- reference
@@ -234,10 +305,12 @@ def default_config(m: int, n: int, k: int, stack: DeltaStack, device: torch.devi
                    rows_per_delta: Optional[int] = None) -> MultiDeltaConfig:
     """Launch parameters for an ``[m, k] x [n, k]`` layer with ``stack``'s format on ``device`` (see
     :func:`_default_config`; memoized: a decode step asks for the same few shapes every token)."""
-    key = (m, n, k, stack.layout_block, stack.bits, stack.num_deltas, rows_per_delta, device.type, device.index)
+    key = (m, n, k, stack.layout_block, stack.bits, stack.num_deltas, rows_per_delta, device.type, device.index,
+           _DEFAULT_BACKEND[0])
     cfg = _DEFAULT_CONFIGS.get(key)
     if cfg is None:
-        cfg = _DEFAULT_CONFIGS[key] = _default_config(m, n, k, stack, device, rows_per_delta)
+        cfg = _DEFAULT_CONFIGS[key] = replace(_default_config(m, n, k, stack, device, rows_per_delta),
+                                              backend=_DEFAULT_BACKEND[0])
     return cfg
 
 
@@ -396,6 +469,8 @@ def multi_delta_linear(
         raise ValueError("base_weight is None: pass the base weight, or accumulate=True with out= holding the "
                          "base's product")
     _check_inputs(x, base_weight, bias, stack, row_delta, out_dtype, out, need_same_device=True)
+    if config is not None and config.backend not in BACKENDS:
+        raise ValueError(f"config.backend must be one of {BACKENDS}, got {config.backend!r}")
     device = x.device
     if segment_lookup is not None and (not stack.layout_block or segments is None):
         row_delta, segment_lookup = segment_lookup[row_delta.long() + 1], None  # slot ids -> stack indices
@@ -436,7 +511,12 @@ def multi_delta_linear(
         if segment_lookup is not None and (segment_lookup.dtype != torch.int32 or segment_lookup.device != device
                                            or segment_lookup.dim() != 1):
             raise ValueError(f"segment_lookup must be a 1-D int32 tensor on {device}")
-        _launch_planar(x, base_weight, bias, stack, segments.contiguous(), out, config, segment_lookup)
+        if add_to is None and base_weight is None and uses_gluon(x, stack, out, config, rows_per_delta):
+            from ._gluon_decode import gluon_delta_accumulate
+
+            gluon_delta_accumulate(x, stack, segments.contiguous(), out, lut=segment_lookup)
+        else:
+            _launch_planar(x, base_weight, bias, stack, segments.contiguous(), out, config, segment_lookup)
     else:
         _launch(x, base_weight, bias, stack, row_delta.contiguous(), out, config)
     if add_to is not None:

@@ -210,7 +210,11 @@ def test_decode_bench_times_both_decode_routes_and_every_prefill_route(tmp_path,
     result = json.loads(out.read_text())
     rows = [r for r in result["decode"] if r["model"].startswith("DeltaModel")]
     assert [r["U"] for r in rows] == [1, 2] and all("engine_tokens_per_s_split" in r for r in rows)
+    assert all("engine_tokens_per_s_split_triton" in r for r in rows)  # the deltas by the Triton kernel too
     assert [kw["decode"] for kw in routes if "decode" in kw] == ["split", "fused", "split", "fused"]
+    from hf_deltazip.kernels import multi_delta as md
+
+    assert md._DEFAULT_BACKEND[0] == "auto"  # the kernel choice put back
     # the prefill table: 1 and 2 prompts of 4 tokens, every route timed, the model left on the default route,
     # which takes the fused kernel below 1024 tokens
     assert [kw["prefill"] for kw in routes if "prefill" in kw] == ["fused", "dequant", "split", "auto"] * 2

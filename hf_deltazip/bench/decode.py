@@ -596,11 +596,20 @@ def main(argv=None) -> int:
         print(f"U={u:3d}: generate {args.rows * args.new_tokens / t:8.1f} tokens/s, engine {e:8.1f} tokens/s, "
               f"GPU memory {mem:.1f} GiB", flush=True)
         if args.decode_split:  # the same engine steps with the base by cuBLAS, the deltas added
+            from ..kernels import multi_delta as md
+
             dm.configure_kernels(decode="split")
             es = engine_tokens_per_s(dm, names, args.rows, args.prompt_len, steps)
+            md.set_default_backend("triton")  # the deltas by the planar Triton kernel instead of the Gluon one
+            try:
+                est = engine_tokens_per_s(dm, names, args.rows, args.prompt_len, steps)
+            finally:
+                md.set_default_backend("auto")
             dm.configure_kernels(decode="fused")
             result["decode"][-1]["engine_tokens_per_s_split"] = es
-            print(f"U={u:3d}: engine, decode='split' {es:8.1f} tokens/s ({es / e:.2f}x the fused route)", flush=True)
+            result["decode"][-1]["engine_tokens_per_s_split_triton"] = est
+            print(f"U={u:3d}: engine, decode='split' {es:8.1f} tokens/s ({es / e:.2f}x the fused route; deltas by "
+                  f"the Triton kernel: {est:8.1f}, {est / e:.2f}x)", flush=True)
         if args.profile:
             prof = profile_engine_step(dm, names, args.rows, args.prompt_len)
             result["decode"][-1]["profile"] = prof

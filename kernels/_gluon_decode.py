@@ -1,0 +1,362 @@
+"""Gluon kernel (Hopper, sm_90): the deltas of a decode step, added to what the output already holds.
+
+The ``accumulate=True`` launch of :func:`kernels.multi_delta.multi_delta_linear` for decode steps
+(:attr:`~kernels.multi_delta.MultiDeltaConfig.backend`): the base's product is already in ``out``
+(one dense matmul), and this kernel adds each row's delta. Work items are (row block, output tile,
+K chunk): a row block is up to ``BR`` rows of one delta, taken from the step's segment table
+(``kernels.layout.build_row_segments``) on the device, and K is split as the step's mix needs
+(about ``TARGET`` items in all); a fixed grid of programs loops over the items, so a captured CUDA
+graph serves every mix. Per item:
+
+* the zero points and scales of the item's K range are read once into shared memory;
+* a ring of ``STAGES`` shared-memory buffers, filled with ``cp.async`` ``STAGES - 1`` k-steps ahead,
+  holds each k-step's packed codes ``[BN, BKP]`` (the planar layout, ``kernels/layout.py``) and the
+  block's rows of ``x`` cut into planes ``[P * BR, BKP]``;
+* the codes are read into registers in the wgmma A-operand layout, each plane is decoded there
+  (``lop3`` + packed ``fma``: the planar Triton kernel's PTX) and multiplied by its slice of ``x``
+  with an asynchronous wgmma; a group's decode overlaps the previous group's MMAs
+  (``warpgroup_mma_wait`` keeps one group in flight), which plain Triton does not allow for a
+  register A operand; each quantization group's product lands in one of two alternating
+  accumulators and is scaled into the result once its MMAs are done;
+* one K chunk: the item adds its product to the output rows it owns; several: float32 partial sums,
+  and the last item of the (block, tile) adds them in split order (deterministic) and resets its
+  counter for the next launch.
+
+Gluon kernels do not run under the Triton interpreter: on the CPU the planar Triton kernel (tested
+there) does this work; this one is tested on an sm_90 GPU (``tests/test_gluon_decode.py``).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
+
+
+@gluon.jit
+def _plane(q, cz, ASM: gl.constexpr, CDT: gl.constexpr):
+    return gl.inline_asm_elementwise(ASM, "=r,r,r", [q, cz], dtype=cz.dtype, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _shr(q, ASM: gl.constexpr):
+    return gl.inline_asm_elementwise(ASM, "=r,r", [q], dtype=gl.uint16, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _issue(x_ptr, q_ptr, xs, qs, stage, x_rows, x_cols, x_mask, q_off, offs_e, k0,
+           P: gl.constexpr, BKP: gl.constexpr):
+    # codes of this k-step: [BN, BKP] uint16 elements; x: [P * BR, BKP], row p*BR + r = row r's inputs
+    # k0 + p*BKP + i (plane p)
+    k0 = gl.multiple_of(k0, P * BKP)
+    e_idx = (k0 // (P * BKP)) * BKP + offs_e
+    async_copy.async_copy_global_to_shared(qs.index(stage), q_ptr + q_off + e_idx[None, :])
+    async_copy.async_copy_global_to_shared(xs.index(stage), x_ptr + x_rows + (k0 + x_cols), mask=x_mask)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _decode_plane(q, zf, S: gl.constexpr, BITS: gl.constexpr, PW: gl.constexpr, MAGICF: gl.constexpr,
+                  CDT: gl.constexpr, A0: gl.constexpr, A1: gl.constexpr, A2: gl.constexpr, A3: gl.constexpr,
+                  A4: gl.constexpr, A5: gl.constexpr, A6: gl.constexpr, A7: gl.constexpr,
+                  H1: gl.constexpr, H2: gl.constexpr, H3: gl.constexpr):
+    # plane S of the packed elements q: code - zero in the activation dtype (the planar kernel's PTX)
+    czc = ((-(MAGICF / (1 << ((S % PW) * BITS)))) - zf).to(CDT)
+    cz, q = gl.broadcast(czc[:, None], q)
+    if S // PW == 0:
+        src = q
+    elif S // PW == 1:
+        src = _shr(q, H1)
+    elif S // PW == 2:
+        src = _shr(q, H2)
+    else:
+        src = _shr(q, H3)
+    if S == 0:
+        d = _plane(src, cz, A0, CDT)
+    elif S == 1:
+        d = _plane(src, cz, A1, CDT)
+    elif S == 2:
+        d = _plane(src, cz, A2, CDT)
+    elif S == 3:
+        d = _plane(src, cz, A3, CDT)
+    elif S == 4:
+        d = _plane(src, cz, A4, CDT)
+    elif S == 5:
+        d = _plane(src, cz, A5, CDT)
+    elif S == 6:
+        d = _plane(src, cz, A6, CDT)
+    else:
+        d = _plane(src, cz, A7, CDT)
+    return d
+
+
+# M, U and the split limits change between calls, and a value of 1 would otherwise be specialised away
+@gluon.jit(do_not_specialize=["M", "U", "SPLIT_MAX", "TARGET"])
+def gluon_delta_decode_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, seg_ptr, lut_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, U, QROW_E, G, stride_xm, stride_om, SPLIT_MAX, TARGET,
+    HAS_LUT: gl.constexpr, BITS: gl.constexpr, BKP: gl.constexpr, BR: gl.constexpr, MP: gl.constexpr,
+    STAGES: gl.constexpr, PPG: gl.constexpr, MAGICF: gl.constexpr, PW: gl.constexpr, GC: gl.constexpr,
+    BN: gl.constexpr,
+    A0: gl.constexpr, A1: gl.constexpr, A2: gl.constexpr, A3: gl.constexpr,
+    A4: gl.constexpr, A5: gl.constexpr, A6: gl.constexpr, A7: gl.constexpr,
+    H1: gl.constexpr, H2: gl.constexpr, H3: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    CDT: gl.constexpr = x_ptr.dtype.element_ty
+    SDT: gl.constexpr = s_ptr.dtype.element_ty
+    P: gl.constexpr = 16 // BITS
+    LB: gl.constexpr = P * BKP
+    NG: gl.constexpr = P // PPG  # quantization groups per k-step
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BR, 16])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    row_a: gl.constexpr = gl.SliceLayout(1, a_l)
+    row_c: gl.constexpr = gl.SliceLayout(1, mma)
+    col_c: gl.constexpr = gl.SliceLayout(0, mma)
+    ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    g_l: gl.constexpr = gl.BlockedLayout([4, 1], [8, 4], [1, num_warps], [0, 1])
+    sq_l: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [num_warps, 1], [1, 0])
+    sv_l: gl.constexpr = gl.SliceLayout(1, sq_l)  # one entry per sorted slot
+    st_l: gl.constexpr = gl.SliceLayout(0, sq_l)
+    sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    flat1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+
+    xs = gl.allocate_shared_memory(CDT, [STAGES, P * BR, BKP], sl)
+    qs = gl.allocate_shared_memory(gl.uint16, [STAGES, BN, BKP], sl)
+    zs = gl.allocate_shared_memory(gl.uint8, [GC, BN], flat)  # an item's zero points and scales, group-major
+    ss = gl.allocate_shared_memory(SDT, [GC, BN], flat)
+    zsv = zs._reinterpret(gl.uint8, [GC, BN], flat1)
+    ssv = ss._reinterpret(SDT, [GC, BN], flat1)
+
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    n_tiles = (N + BN - 1) // BN
+    nk_all = (K + LB - 1) // LB
+
+    # ---------------------------------------------------------------- row blocks of this step
+    # Sorted slots of the segment table; a block is up to BR consecutive slots of one segment whose delta
+    # is in this stack. Every program derives the same list.
+    offs_s = gl.arange(0, MP, layout=sv_l)
+    offs_t = gl.arange(0, MP, layout=st_l)
+    ok_s = offs_s < M
+    d_s = gl.load(seg_ptr + M + offs_s, mask=ok_s, other=-1)
+    sg_s = gl.load(seg_ptr + 2 * M + offs_s, mask=ok_s, other=-1)
+    sg_t = gl.load(seg_ptr + 2 * M + offs_t, mask=offs_t < M, other=-2)
+    if HAS_LUT:  # the table holds slot ids: this stack's index of each is lut[slot + 1] (-1: not in this stack)
+        d_s = gl.load(lut_ptr + d_s + 1, mask=ok_s, other=-1)
+    live = ok_s & (d_s >= 0) & (d_s < U)
+    before = offs_t[None, :] < offs_s[:, None]
+    pos = gl.sum(((sg_t[None, :] == sg_s[:, None]) & before).to(gl.int32), axis=1)  # place inside its segment
+    is_start = live & ((pos % BR) == 0)
+    start_t = gl.convert_layout(is_start, st_l)
+    rank = gl.sum((start_t[None, :] & before).to(gl.int32), axis=1)
+    # one slot per thread from here on (the [MP, MP] layout's slices hold a copy per thread of a warp)
+    v1: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    offs_v = gl.arange(0, MP, layout=v1)
+    ok_v = offs_v < M
+    d_v = gl.convert_layout(d_s, v1)
+    sg_v = gl.convert_layout(sg_s, v1)
+    start_v = gl.convert_layout(is_start, v1)
+    rank_v = gl.convert_layout(rank, v1)
+    n_blocks = gl.sum(start_v.to(gl.int32), axis=0)
+
+    # the K split follows the step's mix: about TARGET work items in all, in whole k-steps
+    work = gl.maximum(n_tiles * n_blocks, 1)
+    want = gl.minimum(gl.maximum((TARGET + work - 1) // work, 1), SPLIT_MAX)
+    steps = (nk_all + want - 1) // want
+    split = (nk_all + steps - 1) // steps
+    total = n_blocks * n_tiles * split
+
+    offs_e = gl.arange(0, BKP, layout=gl.SliceLayout(0, ld_l))
+    offs_xr = gl.arange(0, P * BR, layout=gl.SliceLayout(1, ld_l))  # plane p, row r: p * BR + r
+    x_cols = ((offs_xr // BR) * BKP)[:, None] + offs_e[None, :]
+    offs_rc = gl.arange(0, BR, layout=col_c)
+    offs_gg = gl.arange(0, GC, layout=gl.SliceLayout(1, g_l))
+
+    for w in range(pid, total, nprog):
+        pid_s = w % split
+        t = w // split
+        pid_n = t % n_tiles
+        b = t // n_tiles
+        bstart = gl.min(gl.where(start_v & (rank_v == b), offs_v, MP), axis=0)
+        at = offs_v == bstart
+        u = gl.sum(gl.where(at, d_v, 0), axis=0)
+        sgb = gl.sum(gl.where(at, sg_v, 0), axis=0)
+        cnt = gl.sum(((sg_v == sgb) & (offs_v >= bstart) & (offs_v < bstart + BR) & ok_v).to(gl.int32), axis=0)
+        k_begin = pid_s * steps * LB
+        k_end = gl.minimum(k_begin + steps * LB, K)
+        nk = (k_end - k_begin + LB - 1) // LB
+        u64 = u.to(gl.int64) * N
+
+        offs_n_q = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ld_l))
+        q_off = (u64 + gl.minimum(offs_n_q, N - 1).to(gl.int64))[:, None] * QROW_E
+        offs_n_c = pid_n * BN + gl.arange(0, BN, layout=row_c)
+        nmask_c = offs_n_c < N
+
+        xr_ok = (offs_xr % BR) < cnt
+        xr = gl.load(seg_ptr + bstart + offs_xr % BR, mask=xr_ok, other=0)
+        x_rows = (xr.to(gl.int64) * stride_xm)[:, None]
+        x_mask, _unused = gl.broadcast(xr_ok[:, None], x_cols)
+
+        gl.thread_barrier()  # the last item's reads of shared memory are done
+        for j in gl.static_range(STAGES - 1):  # prologue: STAGES - 1 k-steps in flight
+            if j < nk:
+                _issue(x_ptr, q_ptr, xs, qs, j, x_rows, x_cols, x_mask, q_off, offs_e, k_begin + j * LB, P, BKP)
+            else:
+                async_copy.commit_group()
+        # zero points and scales of every group of this item's K range, read once
+        offs_gn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, g_l))
+        gch0 = k_begin // (PPG * BKP)
+        g_ok = (offs_gg < steps * NG) & ((gch0 + offs_gg) < G)
+        g_off = (u64 + gl.minimum(offs_gn, N - 1).to(gl.int64))[None, :] * G + (gch0 + offs_gg)[:, None]
+        zs.store(gl.load(z_ptr + g_off, mask=g_ok[:, None], other=0))
+        ss.store(gl.load(s_ptr + g_off, mask=g_ok[:, None], other=0.0))
+
+        acc = gl.zeros([BN, BR], gl.float32, mma)
+        pa = gl.zeros([BN, BR], gl.float32, mma)
+        pb = gl.zeros([BN, BR], gl.float32, mma)
+        for kk in range(0, nk):
+            stage = kk % STAGES
+            async_copy.wait_group(STAGES - 2)
+            gl.thread_barrier()  # every thread's copies landed; every MMA of the last k-step is done
+            fence_async_shared()
+            nxt = kk + STAGES - 1
+            if nxt < nk:  # refill the stage the last k-step used
+                _issue(x_ptr, q_ptr, xs, qs, nxt % STAGES, x_rows, x_cols, x_mask, q_off, offs_e,
+                       k_begin + nxt * LB, P, BKP)
+            else:
+                async_copy.commit_group()
+            q = qs.index(stage).load(a_l)
+            xst = xs.index(stage)
+            g0 = kk * NG
+            for S in gl.static_range(P):
+                if S % PPG == 0:  # first plane of a quantization group: its zero point and scale
+                    zf = zsv.index(g0 + S // PPG).load(row_a).to(gl.float32)
+                    sc = ssv.index(g0 + S // PPG).load(row_c).to(gl.float32)
+                d = _decode_plane(q, zf, S, BITS, PW, MAGICF, CDT, A0, A1, A2, A3, A4, A5, A6, A7, H1, H2, H3)
+                xb = xst.slice(S * BR, BR).permute((1, 0))
+                # a group's planes accumulate in one of two alternating products, scaled into acc once the
+                # group's MMAs are done: the next group's decode overlaps them
+                if (S // PPG) % 2 == 0:
+                    pa = warpgroup_mma(d, xb, pa, use_acc=S % PPG > 0, is_async=True)
+                else:
+                    pb = warpgroup_mma(d, xb, pb, use_acc=S % PPG > 0, is_async=True)
+                if S % PPG == PPG - 1:
+                    if (S // PPG) % 2 == 0:
+                        pa, pb = warpgroup_mma_wait(num_outstanding=PPG, deps=(pa, pb))
+                        if S >= PPG:
+                            acc += pb * sc_prev[:, None]
+                    else:
+                        pb, pa = warpgroup_mma_wait(num_outstanding=PPG, deps=(pb, pa))
+                        acc += pa * sc_prev[:, None]
+                    sc_prev = sc
+            if (NG - 1) % 2 == 0:
+                pa, pb = warpgroup_mma_wait(num_outstanding=0, deps=(pa, pb))
+                acc += pa * sc_prev[:, None]
+            else:
+                pb, pa = warpgroup_mma_wait(num_outstanding=0, deps=(pb, pa))
+                acc += pb * sc_prev[:, None]
+        async_copy.wait_group(0)
+
+        # ---------------------------------------------------------- add into the output
+        r_ok = offs_rc < cnt
+        rows_c = gl.load(seg_ptr + bstart + offs_rc, mask=r_ok, other=0)
+        o_off = rows_c.to(gl.int64)[None, :] * stride_om + offs_n_c.to(gl.int64)[:, None]
+        o_mask = nmask_c[:, None] & r_ok[None, :]
+        if split == 1:
+            prev = gl.load(out_ptr + o_off, mask=o_mask, other=0.0).to(gl.float32)
+            gl.store(out_ptr + o_off, (prev + acc).to(out_ptr.dtype.element_ty), mask=o_mask)
+        else:
+            # partial sums by row; the last item of this (block, tile) adds them up in split order
+            # (deterministic), adds them to the output and resets the counter for the next launch
+            w_off = rows_c.to(gl.int64)[None, :] * N + offs_n_c.to(gl.int64)[:, None]
+            split_stride = M.to(gl.int64) * N
+            gl.store(ws_ptr + pid_s * split_stride + w_off, acc, mask=o_mask)
+            gl.thread_barrier()
+            tile = b * n_tiles + pid_n
+            arrived = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == split - 1:
+                res = gl.load(out_ptr + o_off, mask=o_mask, other=0.0).to(gl.float32)
+                for sp in range(0, split):
+                    res += gl.load(ws_ptr + sp * split_stride + w_off, mask=o_mask, other=0.0, cache_modifier=".cg")
+                gl.store(out_ptr + o_off, res.to(out_ptr.dtype.element_ty), mask=o_mask)
+                gl.atomic_xchg(cnt_ptr + tile, 0)
+
+    # rows whose delta id is out of range (no lookup table) come out NaN, as from the other kernels
+    if not HAS_LUT:
+        if pid == 0:
+            bad = ok_s & ((d_s < -1) | (d_s >= U))
+            n_bad = gl.sum(bad.to(gl.int32), axis=0)
+            if n_bad > 0:
+                rows_all = gl.load(seg_ptr + offs_s, mask=ok_s, other=0)
+                for n0 in range(0, N, MP):
+                    nn = n0 + offs_t
+                    bp = out_ptr + rows_all.to(gl.int64)[:, None] * stride_om + nn[None, :]
+                    gl.store(bp, gl.full([MP, MP], float("nan"), gl.float32, sq_l).to(out_ptr.dtype.element_ty),
+                             mask=bad[:, None] & (nn < N)[None, :])
+
+
+# ------------------------------------------------------------------------------------------------ host side
+_COUNTERS = {}
+
+
+def _counters(device, count):
+    import torch
+
+    key = (device, count)
+    c = _COUNTERS.get(key)
+    if c is None:
+        c = _COUNTERS[key] = torch.zeros(count, dtype=torch.int32, device=device)
+    return c
+
+
+def gluon_delta_accumulate(x, stack, segments, out, *, lut=None, split_max=None, target=None, num_warps=4,
+                           block_rows=8, stages=4, block_n=64, max_registers=None):
+    """``out[m] += x[m] @ dequant(stack[delta of m])^T`` for a planar stack (bf16/fp16 ``x``, sm_90 GPU).
+
+    ``segments``: :func:`kernels.layout.build_row_segments` of the rows' deltas (``lut``: of their slot
+    ids, a row's stack index being ``lut[slot + 1]``). K is split as the step's mix needs: about
+    ``target`` work items in all (default three per SM), at most ``split_max`` chunks per row block and
+    output tile. The other arguments are launch parameters (defaults: what was measured, BENCHMARKS.md
+    section 3). Rows whose delta id is out of range (without ``lut``) come out NaN.
+    """
+    import torch
+
+    from ._multi_delta_triton import planar_asm_args
+
+    m, k = x.shape
+    n = stack.out_features
+    bits, bkp = stack.bits, stack.layout_block
+    if bkp != 64 or bits not in (2, 4):
+        raise ValueError("the Gluon decode kernel needs a planar stack (blocks of 64) of 2- or 4-bit codes")
+    gs = k if stack.group_size == -1 else stack.group_size
+    magic = 1 if x.dtype == torch.float16 else 2
+    asm = planar_asm_args(bits, magic, False)
+    lb = (16 // bits) * bkp
+    nk = (k + lb - 1) // lb
+    if split_max is None:
+        split_max = min(nk, 16)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    if target is None:
+        target = 3 * sms
+    bn = block_n
+    n_tiles = (n + bn - 1) // bn
+    gc = 1 << max(0, (nk * lb // gs - 1).bit_length())  # groups of the largest K chunk (split 1)
+    mp = 1 << max(5, (m - 1).bit_length())
+    ws = torch.empty((split_max, m, n), dtype=torch.float32, device=x.device) if split_max > 1 else out
+    cnt = _counters(x.device, n_tiles * m)
+    # persistent programs: enough for ``target`` work items, never more than the largest step can use
+    grid = (max(1, min(target, n_tiles * m * split_max)),)
+    gluon_delta_decode_kernel[grid](
+        x, stack.qweight.view(torch.uint16), stack.scales, stack.zeros, segments, segments if lut is None else lut,
+        out, ws, cnt,
+        m, n, k, stack.num_deltas, stack.qweight.shape[-1] // 2, stack.scales.shape[-1], x.stride(0), out.stride(0),
+        split_max, target,
+        HAS_LUT=lut is not None, BITS=bits, BKP=bkp, BR=block_rows, MP=mp, STAGES=stages, PPG=gs // bkp,
+        MAGICF=asm["MAGICF"], PW=asm["PW"], GC=gc, BN=bn, A0=asm["A00"], A1=asm["A01"], A2=asm["A02"],
+        A3=asm["A03"], A4=asm["A04"], A5=asm["A05"], A6=asm["A06"], A7=asm["A07"], H1=asm["H1"], H2=asm["H2"],
+        H3=asm["H3"], num_warps=num_warps,
+        **({"maxnreg": max_registers} if max_registers else {}))
+    return out

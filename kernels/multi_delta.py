@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -81,11 +82,17 @@ def set_default_backend(backend: str) -> None:
 _GLUON = {}
 
 
+def _device_key(device: torch.device):
+    if device.type != "cuda":
+        return device.type
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _gluon_available(device: torch.device) -> bool:
     """Gluon's Hopper ops import, and ``device`` is an sm_90 GPU (not under the Triton interpreter)."""
     if device.type != "cuda" or _interpreting():
         return False
-    key = device.index if device.index is not None else torch.cuda.current_device()
+    key = _device_key(device)
     if key not in _GLUON:
         ok = torch.cuda.get_device_capability(key) == (9, 0)
         if ok:
@@ -95,6 +102,35 @@ def _gluon_available(device: torch.device) -> bool:
                 ok = False
         _GLUON[key] = ok
     return _GLUON[key]
+
+
+def _gluon_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` says the Gluon kernel could not be built here (another Triton's Gluon API, a compiler
+    failure), as opposed to an error of the launch itself."""
+    try:
+        from triton.compiler.errors import CompilationError
+    except ImportError:  # pragma: no cover - Triton without the compiler's error module
+        CompilationError = ()
+    if isinstance(exc, CompilationError) or isinstance(exc, (ImportError, AttributeError, TypeError)):
+        return True
+    return isinstance(exc, RuntimeError) and "PassManager" in str(exc)
+
+
+def _launch_gluon_or_planar(x, stack, segments, out, cfg, lut):
+    """The Gluon decode kernel; if it cannot be built with this Triton, a warning (once per GPU), the Gluon
+    kernel off for that GPU, and the planar Triton kernel instead."""
+    from ._gluon_decode import gluon_delta_accumulate
+
+    try:
+        gluon_delta_accumulate(x, stack, segments, out, lut=lut)
+        return
+    except Exception as exc:  # noqa: BLE001 - only build failures are handled, the rest re-raised
+        if not _gluon_failed(exc):
+            raise
+        _GLUON[_device_key(x.device)] = False
+        warnings.warn(f"the Gluon decode kernel does not build with this Triton ({type(exc).__name__}: "
+                      f"{str(exc)[:200]}); the Triton kernel adds the deltas instead", RuntimeWarning, stacklevel=3)
+    _launch_planar(x, None, None, stack, segments, out, cfg, lut)
 
 
 def uses_gluon(x: torch.Tensor, stack: DeltaStack, out: torch.Tensor, config: "MultiDeltaConfig",
@@ -512,9 +548,7 @@ def multi_delta_linear(
                                            or segment_lookup.dim() != 1):
             raise ValueError(f"segment_lookup must be a 1-D int32 tensor on {device}")
         if add_to is None and base_weight is None and uses_gluon(x, stack, out, config, rows_per_delta):
-            from ._gluon_decode import gluon_delta_accumulate
-
-            gluon_delta_accumulate(x, stack, segments.contiguous(), out, lut=segment_lookup)
+            _launch_gluon_or_planar(x, stack, segments.contiguous(), out, config, segment_lookup)
         else:
             _launch_planar(x, base_weight, bias, stack, segments.contiguous(), out, config, segment_lookup)
     else:

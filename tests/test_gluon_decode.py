@@ -16,7 +16,7 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9,
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100 / H200)")
 TRITON = K.multi_delta_linear  # noqa: F841 - the module imports without a GPU
 
-from test_kernels import compiled  # noqa: E402,F401 - the shared fixture
+from test_kernels import compiled, interpret  # noqa: E402,F401 - the shared fixtures
 
 
 # --------------------------------------------------------------------------- everywhere
@@ -190,3 +190,44 @@ def test_the_per_layer_bench_parses_variants_and_refuses_without_hopper():
     if not HOPPER:
         with pytest.raises(SystemExit, match="needs an sm_90 GPU"):
             bench.main(["--deltas", "1"])
+
+
+def test_a_gluon_kernel_that_does_not_build_falls_back_to_triton(interpret, monkeypatch):
+    """Another Triton whose Gluon API differs: the first launch warns, adds the deltas with the Triton kernel
+    (here interpreted) exactly as that kernel alone does, and later launches do not try Gluon again; an error of
+    the launch itself is not swallowed."""
+    from triton.compiler.errors import CompilationError
+
+    from hf_deltazip.kernels import _gluon_decode
+
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise CompilationError("src", None, "no such layout")
+
+    monkeypatch.setattr(_gluon_decode, "gluon_delta_accumulate", broken)
+    monkeypatch.setattr(MD, "_gluon_available", lambda device: MD._GLUON.get(MD._device_key(device), True))
+    monkeypatch.setattr(MD, "gluon_decode_supported", lambda x, stack: MD._gluon_available(x.device))
+    monkeypatch.setattr(MD, "_GLUON", {})
+    g = torch.Generator().manual_seed(2)
+    st = L.prepare_stack(K.random_delta_stack(3, 16, 512, bits=2, group_size=128, generator=g))
+    x = torch.randn(5, 512, generator=g).to(torch.float16)
+    rd = torch.tensor([0, 2, -1, 1, 0], dtype=torch.int32)
+    start = torch.randn(5, 16, generator=g).to(torch.float16)
+    cfg = K.MultiDeltaConfig(block_n=16, split_k=1, num_stages=1)
+    want = K.multi_delta_linear(x, None, None, st, rd, out=start.clone(), accumulate=True,
+                                config=K.MultiDeltaConfig(block_n=16, split_k=1, num_stages=1, backend="triton"))
+    with pytest.warns(RuntimeWarning, match="does not build with this Triton"):
+        got = K.multi_delta_linear(x, None, None, st, rd, out=start.clone(), accumulate=True, config=cfg)
+    assert torch.equal(got, want) and calls == [1]
+    again = K.multi_delta_linear(x, None, None, st, rd, out=start.clone(), accumulate=True, config=cfg)
+    assert torch.equal(again, want) and calls == [1]  # not tried again on this device
+
+    def crash(*args, **kwargs):
+        raise ValueError("a launch error, not a build failure")
+
+    monkeypatch.setattr(_gluon_decode, "gluon_delta_accumulate", crash)
+    monkeypatch.setattr(MD, "_GLUON", {})
+    with pytest.raises(ValueError, match="a launch error"):
+        K.multi_delta_linear(x, None, None, st, rd, out=start.clone(), accumulate=True, config=cfg)

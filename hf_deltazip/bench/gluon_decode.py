@@ -28,7 +28,8 @@ import torch
 def _variant(text: str) -> dict:
     parts = [int(v) for v in text.split(":")]
     if len(parts) < 4:
-        raise argparse.ArgumentTypeError(f"a variant is warps:rows:stages:outputs[:split_max[:registers]], got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"a variant is warps:rows:stages:outputs[:split_max[:registers]], got {text!r}")
     kw = dict(num_warps=parts[0], block_rows=parts[1], stages=parts[2], block_n=parts[3])
     if len(parts) > 4 and parts[4]:
         kw["split_max"] = parts[4]

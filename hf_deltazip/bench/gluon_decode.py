@@ -6,8 +6,8 @@ in random order), it times, with :func:`hf_deltazip.bench.kernels.time_calls` (C
 of the weights, so that L2 does not hold them):
 
 * ``fused``: the planar Triton kernel, base and deltas in one launch (the default decode route);
-* ``triton split``: cuBLAS for the base, then the planar Triton kernel adding the deltas alone
-  (``MultiDeltaConfig(backend="triton")``);
+* ``triton split``: cuBLAS for the base, then the planar Triton kernel adding the deltas alone (its
+  default launch parameters, :func:`kernels.default_config`, with ``backend="triton"``);
 * ``mm``: cuBLAS alone;
 * per ``--variants`` entry ``warps:rows:stages:outputs[:split_max[:registers]]``: cuBLAS plus the Gluon
   kernel (``split``) and the Gluon kernel alone, its error against the fused kernel's float32 output
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import traceback
+from dataclasses import replace
 
 import torch
 
@@ -53,7 +54,6 @@ def run(shapes, bits_list, deltas, rows: int, variants: list[dict], log=print) -
     rbw = read_bandwidth()
     log(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; streaming read {rbw / 1e9:.0f} GB/s")
     gen = torch.Generator().manual_seed(0)
-    triton_cfg = K.MultiDeltaConfig(backend="triton")
     umax = max(deltas)
     out_rows = []
     for bits in bits_list:
@@ -66,6 +66,8 @@ def run(shapes, bits_list, deltas, rows: int, variants: list[dict], log=print) -
             xs = [torch.randn(rows, k, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
             outs = [torch.empty(rows, n, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
             g = sts[0].scales.shape[-1]
+            # the Triton kernel as the split route launches it: its tuned defaults for this shape, not Gluon
+            triton_cfg = replace(K.default_config(rows, n, k, sts[0], torch.device(dev)), backend="triton")
             for u in deltas:
                 rd = (torch.arange(rows) % u)[torch.randperm(rows, generator=gen)].to(torch.int32).to(dev)
                 seg = K.build_row_segments(rd)

@@ -71,13 +71,15 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     per_byte = 8 // bits
     if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= (1 << bits)):
         raise ValueError(f"codes out of range for {bits}-bit packing")
-    c = codes.to(torch.int32)
+    c = codes.to(torch.uint8)  # in range, checked above: every shifted code below fits its byte
     pad = (-n) % per_byte
     if pad:
         c = torch.nn.functional.pad(c, (0, pad))
     c = c.reshape(*c.shape[:-1], -1, per_byte)
-    shifts = torch.arange(per_byte, dtype=torch.int32, device=c.device) * bits
-    return (c << shifts).sum(dim=-1).to(torch.uint8)
+    out = c[..., 0].clone()
+    for i in range(1, per_byte):
+        out |= c[..., i] << (i * bits)
+    return out
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
@@ -88,10 +90,9 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         raise ValueError(f"packed codes must be uint8, got {packed.dtype}")
     if packed.shape[-1] != math.ceil(n * bits / 8):
         raise ValueError(f"{n} codes of {bits} bits need {math.ceil(n * bits / 8)} bytes, got {packed.shape[-1]}")
-    p = packed.to(torch.int32).unsqueeze(-1)
-    shifts = torch.arange(per_byte, dtype=torch.int32, device=p.device) * bits
-    codes = (p >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(*packed.shape[:-1], -1)[..., :n].to(torch.uint8)
+    mask = (1 << bits) - 1
+    codes = torch.stack([(packed >> (i * bits)) & mask for i in range(per_byte)], dim=-1)  # uint8 throughout
+    return codes.reshape(*packed.shape[:-1], -1)[..., :n].contiguous()
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -270,18 +271,39 @@ def minmax_grid(xmin: torch.Tensor, xmax: torch.Tensor, maxq, symmetric: bool) -
     return scale, zero
 
 
+def _by_group(t: torch.Tensor, group_size: int) -> tuple[torch.Tensor, int]:
+    """``[N, K]`` -> ``[N, G, g]`` (zero-padded to whole groups) and K: the per-group values then broadcast
+    as ``[N, G, 1]`` instead of being expanded to ``[N, K]`` (the same arithmetic, element for element)."""
+    n, k = t.shape
+    g = k if group_size == -1 else group_size
+    ng = num_groups(k, group_size)
+    pad = ng * g - k
+    if pad:
+        t = torch.nn.functional.pad(t, (0, pad))
+    return t.reshape(n, ng, g), k
+
+
+def _ungroup(t: torch.Tensor, k: int) -> torch.Tensor:
+    return t.reshape(t.shape[0], -1)[:, :k].contiguous()
+
+
 def quantize(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int = -1) -> torch.Tensor:
     """Round ``w [N, K]`` to the nearest code of its group's grid: uint8 codes ``[N, K]``."""
-    k = w.shape[1]
-    s = expand_groups(scales.float(), k, group_size)
-    z = expand_groups(zeros.float(), k, group_size)
-    q = torch.round(w.float() / s) + z
-    return q.clamp(0, (1 << bits) - 1).to(torch.uint8)
+    wg, k = _by_group(w.float(), group_size)
+    ng = wg.shape[1]
+    s = scales.float()[:, :ng, None]
+    z = zeros.float()[:, :ng, None]
+    q = wg / s  # then in place: the same rounding and clamping, without three more [N, K] float temporaries
+    q.round_().add_(z).clamp_(0, (1 << bits) - 1)
+    return _ungroup(q.to(torch.uint8), k)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int = -1, dtype=torch.float32) -> torch.Tensor:
     """``(code - zero) * scale`` for codes ``[N, K]``, computed in float32, returned in ``dtype``."""
-    k = codes.shape[1]
-    s = expand_groups(scales.float(), k, group_size)
-    z = expand_groups(zeros.float(), k, group_size)
-    return ((codes.float() - z) * s).to(dtype)
+    cg, k = _by_group(codes, group_size)
+    ng = cg.shape[1]
+    s = scales.float()[:, :ng, None]
+    z = zeros.float()[:, :ng, None]
+    out = cg.float()
+    out = out.sub_(z).mul_(s) if out is not cg else (out - z).mul_(s)  # a float32 input is not written to
+    return _ungroup(out.to(dtype), k)

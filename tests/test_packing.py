@@ -144,3 +144,43 @@ def test_packed_module_layouts_decode_the_same_delta(layout, bits):
         assert bool((dense[~mask] == 0).all())
         if layout == "2:4":
             check_2of4_mask(mask)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("group_size", [-1, 32, 64])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (5, 33), (4, 64), (6, 130)])
+def test_quantize_and_dequantize_use_each_columns_own_group(bits, group_size, shape):
+    """Against the grid written out column by column (the last group short where K is not a whole number of
+    groups): the codes and the dequantized values, bit for bit, contiguous, in every output dtype."""
+    n, k = shape
+    gen = torch.Generator().manual_seed(bits * 1000 + k + group_size)
+    w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen) * 3
+    scales, zeros = compute_qparams(w, bits, group_size, symmetric=bits != 3)
+    col_group = [0 if group_size == -1 else j // group_size for j in range(k)]
+    s = scales[:, col_group]
+    z = zeros.float()[:, col_group]
+    want = (torch.round(w / s) + z).clamp(0, 2**bits - 1).to(torch.uint8)
+    codes = quantize(w, scales, zeros, bits, group_size)
+    assert torch.equal(codes, want) and codes.is_contiguous()
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        got = dequantize(codes, scales, zeros, group_size, dtype)
+        assert torch.equal(got, ((want.float() - z) * s).to(dtype)) and got.is_contiguous()
+
+
+def test_unpacked_codes_are_contiguous_where_the_last_byte_is_partial():
+    codes = torch.tensor([[1, 2, 3], [3, 0, 1]], dtype=torch.uint8)
+    out = unpack_bits(pack_bits(codes, 2), 2, 3)
+    assert torch.equal(out, codes) and out.is_contiguous() and out.dtype == torch.uint8
+
+
+def test_packing_speed_bench_runs_on_a_small_matrix(tmp_path):
+    import json
+
+    from hf_deltazip.bench import packing_speed
+
+    out = tmp_path / "speed.json"
+    assert packing_speed.main(["--shape", "64x256", "--rank", "4", "--repeats", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["shape"] == [64, 256] and result["rank"] == 4
+    assert all(result[f"{step}_s"] > 0 for step in ("quantize", "dequantize", "pack_bits", "unpack_bits",
+                                                    "lowrank_rebuild"))

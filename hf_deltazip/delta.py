@@ -381,10 +381,11 @@ class PackedModule:
 def lowrank_product(bands, shape, device=None) -> torch.Tensor:
     """``sum A^T B`` over ``(bits, A, B)`` bands (anything with ``dequantize()``: packed factors or solver
     results), in float32 on ``device`` (default the CPU): the delta a lowrank module's factors stand for."""
-    out = torch.zeros(*shape, dtype=torch.float32, device=device)
-    for _, a, b in bands:
-        out += a.dequantize().to(out.device).t() @ b.dequantize().to(out.device)
-    return out
+    out, dev = None, torch.device("cpu") if device is None else device
+    for _, a, b in bands:  # the first band's product is the sum so far (no zeros to add it to)
+        term = a.dequantize().to(dev).t() @ b.dequantize().to(dev)
+        out = term if out is None else out.add_(term)
+    return torch.zeros(*shape, dtype=torch.float32, device=dev) if out is None else out
 
 
 @dataclass(repr=False)

@@ -204,6 +204,22 @@ def lowrank_group_size(k: int, group_size: int) -> int:
     return group_size if group_size == -1 or k % group_size == 0 else -1
 
 
+def _by_group(t: torch.Tensor, group_size: int) -> tuple[torch.Tensor, int]:
+    """``[N, K]`` -> ``[N, G, g]`` (zero-padded to whole groups) and K: the per-group values then broadcast
+    as ``[N, G, 1]`` instead of being expanded to ``[N, K]`` (the same arithmetic, element for element)."""
+    n, k = t.shape
+    g = k if group_size == -1 else group_size
+    ng = num_groups(k, group_size)
+    pad = ng * g - k
+    if pad:
+        t = torch.nn.functional.pad(t, (0, pad))
+    return t.reshape(n, ng, g), k
+
+
+def _ungroup(t: torch.Tensor, k: int) -> torch.Tensor:
+    return t.reshape(t.shape[0], -1)[:, :k].contiguous()
+
+
 def expand_groups(per_group: torch.Tensor, k: int, group_size: int) -> torch.Tensor:
     """``[N, G]`` -> ``[N, K]``: each column takes its group's value (the last group may be short)."""
     if group_size == -1:
@@ -237,15 +253,8 @@ def compute_qparams(
     """
     if bits not in CODE_BITS:
         raise ValueError(f"bits must be one of {CODE_BITS}, got {bits}")
-    n, k = w.shape
     maxq = (1 << bits) - 1
-    g = k if group_size == -1 else group_size
-    ng = num_groups(k, group_size)
-    wf = w.float()
-    pad = ng * g - k
-    if pad:
-        wf = torch.nn.functional.pad(wf, (0, pad))  # zeros never widen a grid that contains 0
-    wg = wf.reshape(n, ng, g)
+    wg, _ = _by_group(w.float(), group_size)  # zero padding never widens a grid that contains 0
     scale, zero = minmax_grid(wg.amin(-1), wg.amax(-1), maxq, symmetric)
     scale = scale.to(choose_scale_dtype(scale)).float()
     return scale, zero.to(torch.uint8)
@@ -269,22 +278,6 @@ def minmax_grid(xmin: torch.Tensor, xmax: torch.Tensor, maxq, symmetric: bool) -
         zero = torch.minimum(torch.round(-xmin / scale).clamp(min=0), torch.as_tensor(maxq, dtype=scale.dtype,
                                                                                     device=scale.device))
     return scale, zero
-
-
-def _by_group(t: torch.Tensor, group_size: int) -> tuple[torch.Tensor, int]:
-    """``[N, K]`` -> ``[N, G, g]`` (zero-padded to whole groups) and K: the per-group values then broadcast
-    as ``[N, G, 1]`` instead of being expanded to ``[N, K]`` (the same arithmetic, element for element)."""
-    n, k = t.shape
-    g = k if group_size == -1 else group_size
-    ng = num_groups(k, group_size)
-    pad = ng * g - k
-    if pad:
-        t = torch.nn.functional.pad(t, (0, pad))
-    return t.reshape(n, ng, g), k
-
-
-def _ungroup(t: torch.Tensor, k: int) -> torch.Tensor:
-    return t.reshape(t.shape[0], -1)[:, :k].contiguous()
 
 
 def quantize(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int = -1) -> torch.Tensor:

@@ -299,19 +299,6 @@ def gluon_delta_decode_kernel(
 
 
 # ------------------------------------------------------------------------------------------------ host side
-_COUNTERS = {}
-
-
-def _counters(device, count):
-    import torch
-
-    key = (device, count)
-    c = _COUNTERS.get(key)
-    if c is None:
-        c = _COUNTERS[key] = torch.zeros(count, dtype=torch.int32, device=device)
-    return c
-
-
 def gluon_delta_accumulate(x, stack, segments, out, *, lut=None, split_max=None, target=None, num_warps=4,
                            block_rows=8, stages=4, block_n=64, max_registers=None):
     """``out[m] += x[m] @ dequant(stack[delta of m])^T`` for a planar stack (bf16/fp16 ``x``, sm_90 GPU).
@@ -325,6 +312,7 @@ def gluon_delta_accumulate(x, stack, segments, out, *, lut=None, split_max=None,
     import torch
 
     from ._multi_delta_triton import planar_asm_args
+    from .launch import semaphores, sm_count
 
     m, k = x.shape
     n = stack.out_features
@@ -338,15 +326,14 @@ def gluon_delta_accumulate(x, stack, segments, out, *, lut=None, split_max=None,
     nk = (k + lb - 1) // lb
     if split_max is None:
         split_max = min(nk, 16)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     if target is None:
-        target = 3 * sms
+        target = 3 * sm_count(x.device)
     bn = block_n
     n_tiles = (n + bn - 1) // bn
     gc = 1 << max(0, (nk * lb // gs - 1).bit_length())  # groups of the largest K chunk (split 1)
     mp = 1 << max(5, (m - 1).bit_length())
     ws = torch.empty((split_max, m, n), dtype=torch.float32, device=x.device) if split_max > 1 else out
-    cnt = _counters(x.device, n_tiles * m)
+    cnt = semaphores(x.device, n_tiles * m)  # the split-K counters the Triton kernels share (each reset to 0)
     # persistent programs: enough for ``target`` work items, never more than the largest step can use
     grid = (max(1, min(target, n_tiles * m * split_max)),)
     gluon_delta_decode_kernel[grid](

@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["LaunchPlan", "tensor_key", "plan_cache"]
+__all__ = ["LaunchPlan", "tensor_key", "plan_cache", "sm_count", "semaphores"]
 
 _MAX_PLANS = 4096
 
@@ -132,3 +132,34 @@ class _BoundedDict(dict):
             self.clear()
         super().__setitem__(key, value)
 
+
+_SM_COUNT: dict = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (cached; 4 for a CPU, where only the interpreter runs)."""
+    if device.type != "cuda":
+        return 4
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SM_COUNT:
+        _SM_COUNT[key] = torch.cuda.get_device_properties(key).multi_processor_count
+    return _SM_COUNT[key]
+
+
+_COUNTERS: dict = {}
+
+
+def semaphores(device: torch.device, count: int) -> torch.Tensor:
+    """The int32 split-K counters every multi-delta kernel shares on ``device`` (at least ``count``, all zero
+    between launches: each launch resets the ones it used)."""
+    key = str(device)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "multi_delta_linear needs its split-K semaphores allocated before CUDA graph capture: "
+                "run the layer once (a warm-up) before capturing"
+            )
+        buf = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf

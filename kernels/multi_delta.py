@@ -45,6 +45,8 @@ import torch
 from . import _interpreter_compat
 from .delta_stack import DeltaStack, dequantize_delta
 from .launch import LaunchPlan, plan_cache, tensor_key
+from .launch import semaphores as _semaphores
+from .launch import sm_count as _sm_count
 from .layout import SEGMENT_FIELDS, build_row_segments
 
 __all__ = [
@@ -307,16 +309,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _SM_COUNT:
-        _SM_COUNT[key] = torch.cuda.get_device_properties(key).multi_processor_count
-    return _SM_COUNT[key]
 
 
 def _min_block_k(bits: int, sparse: bool) -> int:
@@ -412,21 +404,6 @@ def layer_bytes(
 
 
 # --------------------------------------------------------------------------- launcher
-_COUNTERS: dict = {}
-
-
-def _semaphores(device: torch.device, count: int) -> torch.Tensor:
-    key = str(device)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "multi_delta_linear needs its split-K semaphores allocated before CUDA graph capture: "
-                "run the layer once (a warm-up) before capturing"
-            )
-        buf = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
 
 
 def triton_kernel(name: str = "multi_delta_linear_kernel"):

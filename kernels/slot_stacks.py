@@ -338,20 +338,10 @@ class SlotStacks:
             rows_per_delta: rows per distinct delta of the batch, when known on the host (sizes the
                 kernel's row blocks, see :func:`~kernels.multi_delta.default_config`).
         """
-        from .multi_delta import multi_delta_linear
-
-        first = self.classes[0]
-        if slot_segments is not None and first.stack.layout_block:
-            slots, segments = slot_segments
-            y = multi_delta_linear(x2, weight, bias, first.stack, slots, segments=segments, segment_lookup=first.lookup,
-                                   rows_per_delta=rows_per_delta)
-        else:
-            y = multi_delta_linear(x2, weight, bias, first.stack, first.lookup[slot_plus_one],
-                                   rows_per_delta=rows_per_delta)
-        if len(self.classes) > 1:
-            # each row belongs to one format class: the first launch gave every row the base (and its own class's
-            # rows their deltas); the other classes add theirs without reading the base again
-            self._accumulate(x2, y, slot_plus_one, slot_segments, rows_per_delta, self.classes[1:])
+        y = self._launch(self.classes[0], x2, weight, bias, None, slot_plus_one, slot_segments, rows_per_delta)
+        # each row belongs to one format class: the first launch gave every row the base (and its own class's rows
+        # their deltas); the other classes add theirs without reading the base again
+        self._accumulate(x2, y, slot_plus_one, slot_segments, rows_per_delta, self.classes[1:])
         return y
 
     def accumulate(self, x2: torch.Tensor, out: torch.Tensor, slot_plus_one: torch.Tensor,
@@ -362,14 +352,22 @@ class SlotStacks:
         return self._accumulate(x2, out, slot_plus_one, slot_segments, rows_per_delta, self.classes)
 
     def _accumulate(self, x2, out, slot_plus_one, slot_segments, rows_per_delta, classes) -> torch.Tensor:
+        for c in classes:
+            self._launch(c, x2, None, None, out, slot_plus_one, slot_segments, rows_per_delta)
+        return out
+
+    @staticmethod
+    def _launch(c, x2, weight, bias, out, slot_plus_one, slot_segments, rows_per_delta) -> torch.Tensor:
+        """One format class's launch: with the base (``weight``, a new output) or adding its rows' deltas to
+        ``out`` (``weight=None``). Planar stacks read the step's shared segment table through the class's
+        lookup; others get the rows' stack indices."""
         from .multi_delta import multi_delta_linear
 
-        for c in classes:
-            if slot_segments is not None and c.stack.layout_block:
-                slots, segments = slot_segments
-                multi_delta_linear(x2, None, None, c.stack, slots, out.dtype, out=out, segments=segments,
-                                   segment_lookup=c.lookup, rows_per_delta=rows_per_delta, accumulate=True)
-            else:
-                multi_delta_linear(x2, None, None, c.stack, c.lookup[slot_plus_one], out.dtype, out=out,
-                                   rows_per_delta=rows_per_delta, accumulate=True)
-        return out
+        add = weight is None
+        kw = dict(out=out, rows_per_delta=rows_per_delta, accumulate=add)
+        if slot_segments is not None and c.stack.layout_block:
+            slots, segments = slot_segments
+            rows, kw = slots, dict(kw, segments=segments, segment_lookup=c.lookup)
+        else:
+            rows = c.lookup[slot_plus_one]
+        return multi_delta_linear(x2, weight, bias, c.stack, rows, out.dtype if add else None, **kw)

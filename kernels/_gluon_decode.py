@@ -4,9 +4,9 @@ The ``accumulate=True`` launch of :func:`kernels.multi_delta.multi_delta_linear`
 (:attr:`~kernels.multi_delta.MultiDeltaConfig.backend`): the base's product is already in ``out``
 (one dense matmul), and this kernel adds each row's delta. Work items are (row block, output tile,
 K chunk): a row block is up to ``BR`` rows of one delta, taken from the step's segment table
-(``kernels.layout.build_row_segments``) on the device, and K is split as the step's mix needs
-(about ``TARGET`` items in all); a fixed grid of programs loops over the items, so a captured CUDA
-graph serves every mix. Per item:
+(``kernels.layout.build_row_segments``) on the device; a fixed grid of programs loops over the items,
+so a captured CUDA graph serves every mix, and K is split as the step's mix needs (the split whose
+rounds of items the programs finish soonest). Per item:
 
 * the zero points and scales of the item's K range are read once into shared memory;
 * a ring of ``STAGES`` shared-memory buffers, filled with ``cp.async`` ``STAGES - 1`` k-steps ahead,
@@ -96,7 +96,7 @@ def gluon_delta_decode_kernel(
     M, N, K, U, QROW_E, G, stride_xm, stride_om, SPLIT_MAX, TARGET,
     HAS_LUT: gl.constexpr, BITS: gl.constexpr, BKP: gl.constexpr, BR: gl.constexpr, MP: gl.constexpr,
     STAGES: gl.constexpr, PPG: gl.constexpr, MAGICF: gl.constexpr, PW: gl.constexpr, GC: gl.constexpr,
-    BN: gl.constexpr,
+    BN: gl.constexpr, SPLIT_RULE: gl.constexpr,
     A0: gl.constexpr, A1: gl.constexpr, A2: gl.constexpr, A3: gl.constexpr,
     A4: gl.constexpr, A5: gl.constexpr, A6: gl.constexpr, A7: gl.constexpr,
     H1: gl.constexpr, H2: gl.constexpr, H3: gl.constexpr,
@@ -107,6 +107,7 @@ def gluon_delta_decode_kernel(
     P: gl.constexpr = 16 // BITS
     LB: gl.constexpr = P * BKP
     NG: gl.constexpr = P // PPG  # quantization groups per k-step
+    ITEM_COST: gl.constexpr = 8  # an item's start and finish, in k-steps (the K split's cost model)
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BR, 16])
@@ -162,11 +163,32 @@ def gluon_delta_decode_kernel(
     rank_v = gl.convert_layout(rank, v1)
     n_blocks = gl.sum(start_v.to(gl.int32), axis=0)
 
-    # the K split follows the step's mix: about TARGET work items in all, in whole k-steps
+    # the K split follows the step's mix, in whole k-steps
     work = gl.maximum(n_tiles * n_blocks, 1)
-    want = gl.minimum(gl.maximum((TARGET + work - 1) // work, 1), SPLIT_MAX)
-    steps = (nk_all + want - 1) // want
-    split = (nk_all + steps - 1) // steps
+    if SPLIT_RULE == 0:
+        # the split whose items the programs finish soonest: each program takes every nprog-th item, so
+        # the step lasts (rounds of items) x (k-steps per item + ITEM_COST, what starting and finishing an
+        # item costs in k-steps: its first loads wait out the memory latency, and so does its output);
+        # measured on an H100, an item costs about eight k-steps beside its own, so K is split only where
+        # the step has far fewer items than programs (BENCHMARKS.md section 3)
+        steps = nk_all
+        split = nk_all * 0 + 1
+        best = ((work + nprog - 1) // nprog) * (nk_all + ITEM_COST)
+        for s in range(2, gl.minimum(SPLIT_MAX, nk_all) + 1):
+            st = (nk_all + s - 1) // s
+            sp = (nk_all + st - 1) // st
+            cost = ((work * sp + nprog - 1) // nprog) * (st + ITEM_COST)
+            if cost < best:  # ties keep the smaller split (fewer partial sums)
+                best = cost
+                steps = st
+                split = sp
+    elif SPLIT_RULE == 1:  # the first rule: about TARGET work items in all
+        want = gl.minimum(gl.maximum((TARGET + work - 1) // work, 1), SPLIT_MAX)
+        steps = (nk_all + want - 1) // want
+        split = (nk_all + steps - 1) // steps
+    else:  # SPLIT_MAX chunks (fewer where K has fewer k-steps)
+        steps = (nk_all + SPLIT_MAX - 1) // SPLIT_MAX
+        split = (nk_all + steps - 1) // steps
     total = n_blocks * n_tiles * split
 
     offs_e = gl.arange(0, BKP, layout=gl.SliceLayout(0, ld_l))
@@ -299,15 +321,25 @@ def gluon_delta_decode_kernel(
 
 
 # ------------------------------------------------------------------------------------------------ host side
+_SPLIT_RULES = ("rounds", "target", "fixed")
+
+
 def gluon_delta_accumulate(x, stack, segments, out, *, lut=None, split_max=None, target=None, num_warps=4,
-                           block_rows=8, stages=4, block_n=64, max_registers=None):
+                           block_rows=8, stages=None, block_n=64, max_registers=None, split_rule="rounds"):
     """``out[m] += x[m] @ dequant(stack[delta of m])^T`` for a planar stack (bf16/fp16 ``x``, sm_90 GPU).
 
     ``segments``: :func:`kernels.layout.build_row_segments` of the rows' deltas (``lut``: of their slot
-    ids, a row's stack index being ``lut[slot + 1]``). K is split as the step's mix needs: about
-    ``target`` work items in all (default three per SM), at most ``split_max`` chunks per row block and
-    output tile. The other arguments are launch parameters (defaults: what was measured, BENCHMARKS.md
-    section 3). Rows whose delta id is out of range (without ``lut``) come out NaN.
+    ids, a row's stack index being ``lut[slot + 1]``). ``target`` programs loop over the work items
+    (default: as many as the SMs hold at once, from the registers and shared memory the kernel compiled
+    to; two per SM for 2-bit codes in bf16, three for 4-bit, on an H100); K is split as the step's mix
+    needs, into at most ``split_max`` chunks per row block and output tile: ``split_rule="rounds"``
+    (default) takes the split the programs finish soonest (rounds of items times k-steps per item).
+    ``"target"`` is the first launch, kept for comparison: three programs per SM whatever they hold,
+    K split for about ``target`` items in all; ``"fixed"``: ``split_max`` chunks (for measuring). The
+    other arguments are launch parameters; the defaults are what was measured (BENCHMARKS.md section 3):
+    for 2-bit codes three stages and at most 168 registers per thread (``max_registers=0``: no cap), so
+    that an SM holds three programs instead of two; for 4-bit codes four stages, no cap. Rows whose delta
+    id is out of range (without ``lut``) come out NaN.
     """
     import torch
 
@@ -317,8 +349,14 @@ def gluon_delta_accumulate(x, stack, segments, out, *, lut=None, split_max=None,
     m, k = x.shape
     n = stack.out_features
     bits, bkp = stack.bits, stack.layout_block
+    if split_rule not in _SPLIT_RULES:
+        raise ValueError(f'split_rule must be "rounds", "target" or "fixed", got {split_rule!r}')
     if bkp != 64 or bits not in (2, 4):
         raise ValueError("the Gluon decode kernel needs a planar stack (blocks of 64) of 2- or 4-bit codes")
+    if stages is None:
+        stages = 3 if bits == 2 else 4
+    if max_registers is None:
+        max_registers = 168 if bits == 2 else 0
     gs = k if stack.group_size == -1 else stack.group_size
     magic = 1 if x.dtype == torch.float16 else 2
     asm = planar_asm_args(bits, magic, False)
@@ -326,24 +364,52 @@ def gluon_delta_accumulate(x, stack, segments, out, *, lut=None, split_max=None,
     nk = (k + lb - 1) // lb
     if split_max is None:
         split_max = min(nk, 16)
-    if target is None:
-        target = 3 * sm_count(x.device)
     bn = block_n
     n_tiles = (n + bn - 1) // bn
     gc = 1 << max(0, (nk * lb // gs - 1).bit_length())  # groups of the largest K chunk (split 1)
     mp = 1 << max(5, (m - 1).bit_length())
     ws = torch.empty((split_max, m, n), dtype=torch.float32, device=x.device) if split_max > 1 else out
     cnt = semaphores(x.device, n_tiles * m)  # the split-K counters the Triton kernels share (each reset to 0)
-    # persistent programs: enough for ``target`` work items, never more than the largest step can use
-    grid = (max(1, min(target, n_tiles * m * split_max)),)
-    gluon_delta_decode_kernel[grid](
-        x, stack.qweight.view(torch.uint16), stack.scales, stack.zeros, segments, segments if lut is None else lut,
-        out, ws, cnt,
-        m, n, k, stack.num_deltas, stack.qweight.shape[-1] // 2, stack.scales.shape[-1], x.stride(0), out.stride(0),
-        split_max, target,
-        HAS_LUT=lut is not None, BITS=bits, BKP=bkp, BR=block_rows, MP=mp, STAGES=stages, PPG=gs // bkp,
-        MAGICF=asm["MAGICF"], PW=asm["PW"], GC=gc, BN=bn, A0=asm["A00"], A1=asm["A01"], A2=asm["A02"],
-        A3=asm["A03"], A4=asm["A04"], A5=asm["A05"], A6=asm["A06"], A7=asm["A07"], H1=asm["H1"], H2=asm["H2"],
-        H3=asm["H3"], num_warps=num_warps,
-        **({"maxnreg": max_registers} if max_registers else {}))
+    args = (x, stack.qweight.view(torch.uint16), stack.scales, stack.zeros, segments,
+            segments if lut is None else lut, out, ws, cnt,
+            m, n, k, stack.num_deltas, stack.qweight.shape[-1] // 2, stack.scales.shape[-1], x.stride(0),
+            out.stride(0), split_max, 0)
+    kw = dict(HAS_LUT=lut is not None, BITS=bits, BKP=bkp, BR=block_rows, MP=mp, STAGES=stages, PPG=gs // bkp,
+              MAGICF=asm["MAGICF"], PW=asm["PW"], GC=gc, BN=bn, SPLIT_RULE=_SPLIT_RULES.index(split_rule),
+              A0=asm["A00"], A1=asm["A01"], A2=asm["A02"], A3=asm["A03"], A4=asm["A04"], A5=asm["A05"],
+              A6=asm["A06"], A7=asm["A07"], H1=asm["H1"], H2=asm["H2"], H3=asm["H3"], num_warps=num_warps,
+              **({"maxnreg": max_registers} if max_registers else {}))
+    if target is None:  # persistent programs: as many as the SMs hold at once (the first rule: three per SM)
+        per_sm = 3 if split_rule == "target" else _resident_programs(args, kw, x, out, lut)
+        target = per_sm * sm_count(x.device)
+    args = args[:-1] + (target,)
+    # never more programs than the largest step can use
+    gluon_delta_decode_kernel[(max(1, min(target, n_tiles * m * split_max)),)](*args, **kw)
     return out
+
+
+_RESIDENT: dict = {}
+
+
+def _resident_programs(args, kw, x, out, lut) -> int:
+    """Programs of this launch's compiled kernel that one SM holds at once (cached per device, dtypes and
+    constexpr arguments; compiling it if need be, without a launch)."""
+    import torch
+
+    from .launch import blocks_per_sm
+
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    key = (dev, x.dtype, args[2].dtype, args[3].dtype, out.dtype, lut is None, tuple(sorted(kw.items())))
+    n = _RESIDENT.get(key)
+    if n is None:
+        ck = gluon_delta_decode_kernel.warmup(*args, grid=(1,), **kw)
+        try:
+            ck._init_handles()
+            props = torch.cuda.get_device_properties(dev)
+            n = blocks_per_sm(ck.n_regs, ck.metadata.shared, kw["num_warps"],
+                              regs_per_sm=getattr(props, "regs_per_multiprocessor", 65536),
+                              shared_per_sm=getattr(props, "shared_memory_per_multiprocessor", 233472))
+        except (AttributeError, TypeError):  # another Triton's compiled-kernel object: Hopper's usual two
+            n = 2
+        n = _RESIDENT[key] = max(1, n)
+    return n

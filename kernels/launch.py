@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["LaunchPlan", "tensor_key", "plan_cache", "sm_count", "semaphores"]
+__all__ = ["LaunchPlan", "tensor_key", "plan_cache", "sm_count", "semaphores", "blocks_per_sm"]
 
 _MAX_PLANS = 4096
 
@@ -144,6 +144,20 @@ def sm_count(device: torch.device) -> int:
     if key not in _SM_COUNT:
         _SM_COUNT[key] = torch.cuda.get_device_properties(key).multi_processor_count
     return _SM_COUNT[key]
+
+
+def blocks_per_sm(regs_per_thread: int, shared_bytes: int, num_warps: int, *, regs_per_sm: int = 65536,
+                  shared_per_sm: int = 233472, reserved_shared: int = 1024, max_threads: int = 2048,
+                  max_blocks: int = 32) -> int:
+    """Programs of a kernel one SM holds at once, from the registers per thread and the shared memory per
+    program it compiled to (what a persistent kernel's grid should be per SM: a program beyond it waits for
+    another to exit, a whole extra round). The defaults are Hopper's (sm_90): registers are allocated per
+    warp in units of 256, every program's shared memory has 1 KiB reserved beside it."""
+    warp_regs = -(-max(regs_per_thread, 1) * 32 // 256) * 256
+    by_regs = (regs_per_sm // warp_regs) // num_warps
+    by_shared = shared_per_sm // (shared_bytes + reserved_shared)
+    by_threads = max_threads // (num_warps * 32)
+    return max(0, min(by_regs, by_shared, by_threads, max_blocks))
 
 
 _COUNTERS: dict = {}

@@ -30,6 +30,16 @@ def test_backend_is_validated():
                              config=K.MultiDeltaConfig(backend="gluon"))
 
 
+def test_gluon_launcher_refuses_an_unknown_split_rule():
+    from hf_deltazip.kernels._gluon_decode import gluon_delta_accumulate
+
+    st = L.prepare_stack(K.random_delta_stack(1, 64, 1024, bits=2, group_size=128))
+    x = torch.randn(2, 1024, dtype=torch.bfloat16)
+    seg = L.build_row_segments(torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match='split_rule must be "rounds", "target" or "fixed"'):
+        gluon_delta_accumulate(x, st, seg, torch.zeros(2, 64, dtype=torch.bfloat16), split_rule="even")
+
+
 def test_default_backend_reaches_default_config():
     st = K.random_delta_stack(2, 64, 512, bits=2, group_size=128)
     try:
@@ -91,10 +101,11 @@ def test_gpu_gluon_accumulate_matches_reference(compiled, dtype, bits, gs, m):
 
 
 @needs_hopper
-@pytest.mark.parametrize("bits", [2, 4])
-def test_gpu_gluon_split_k_and_lookup(compiled, bits):
+@pytest.mark.parametrize("bits,rule", [(2, "rounds"), (4, "rounds"), (2, "target")])
+def test_gpu_gluon_split_k_and_lookup(compiled, bits, rule):
     """Few rows over one delta on a wide-K layer: the kernel splits K (partial sums added in a fixed order,
-    counters reset for the next launch: two launches agree exactly); slot ids through a lookup table."""
+    counters reset for the next launch: two launches agree exactly) by either split rule; slot ids through
+    a lookup table."""
     from hf_deltazip.kernels._gluon_decode import gluon_delta_accumulate
 
     x, w, b, st, _ = _case(512, 4096, bits, 128, 3, torch.bfloat16, seed=bits)
@@ -106,7 +117,7 @@ def test_gpu_gluon_split_k_and_lookup(compiled, bits):
     outs = []
     for _ in range(2):
         out = base.clone()
-        gluon_delta_accumulate(x, st, seg, out, lut=lut, split_max=8, target=1024)
+        gluon_delta_accumulate(x, st, seg, out, lut=lut, split_max=8, target=1024, split_rule=rule)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
     idx = torch.tensor([2, -1, 2], dtype=torch.int32, device="cuda")
@@ -184,6 +195,14 @@ def test_the_per_layer_bench_parses_variants_and_refuses_without_hopper():
     assert bench._variant("4:8:4:64:0:168") == dict(num_warps=4, block_rows=8, stages=4, block_n=64,
                                                      max_registers=168)
     assert bench._variant("8:16:3:128:4")["split_max"] == 4
+    assert bench._variant("4:8:4:64:0:0:1") == dict(num_warps=4, block_rows=8, stages=4, block_n=64,
+                                                     split_rule="target")
+    assert bench._variant("4:8:0:64:0:-1") == dict(num_warps=4, block_rows=8, stages=None, block_n=64,
+                                                    max_registers=0)  # the default stages, no register cap
+    assert bench._variant("4:8:4:64:3:0:2:2") == dict(num_warps=4, block_rows=8, stages=4, block_n=64, split_max=3,
+                                                       split_rule="fixed", per_sm=2)
+    with pytest.raises(Exception, match="split rule"):
+        bench._variant("4:8:4:64:0:0:3")
     with pytest.raises(Exception, match="warps:rows:stages:outputs"):
         bench._variant("4:8")
     if not HOPPER:

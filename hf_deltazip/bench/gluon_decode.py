@@ -9,9 +9,12 @@ of the weights, so that L2 does not hold them):
 * ``triton split``: cuBLAS for the base, then the planar Triton kernel adding the deltas alone (its
   default launch parameters, :func:`kernels.default_config`, with ``backend="triton"``);
 * ``mm``: cuBLAS alone;
-* per ``--variants`` entry ``warps:rows:stages:outputs[:split_max[:registers]]``: cuBLAS plus the Gluon
-  kernel (``split``) and the Gluon kernel alone, its error against the fused kernel's float32 output
-  (relative to the deltas' part), and the GB/s of the delta bytes it reads.
+* per ``--variants`` entry ``warps:rows:stages:outputs[:split_max[:registers[:rule[:per_sm]]]]`` (stages 0: the launcher's default): cuBLAS
+  plus the Gluon kernel (``split``) and the Gluon kernel alone, its error against the fused kernel's float32
+  output (relative to the deltas' part), and the GB/s of the delta bytes it reads. ``rule``: how K is
+  split, 0 (default) ``split_rule="rounds"``, 1 ``"target"`` (the first rule, for comparison), 2
+  ``"fixed"`` (``split_max`` chunks); ``per_sm``: programs per SM (0 or absent: as many as fit);
+  ``registers``: a cap per thread (0 or absent: the launcher's default for the format, -1: none).
 
 Output: one line per cell and a JSON file (``--json``).
 """
@@ -30,18 +33,38 @@ def _variant(text: str) -> dict:
     parts = [int(v) for v in text.split(":")]
     if len(parts) < 4:
         raise argparse.ArgumentTypeError(
-            f"a variant is warps:rows:stages:outputs[:split_max[:registers]], got {text!r}")
-    kw = dict(num_warps=parts[0], block_rows=parts[1], stages=parts[2], block_n=parts[3])
+            f"a variant is warps:rows:stages:outputs[:split_max[:registers[:rule[:per_sm]]]], got {text!r}")
+    kw = dict(num_warps=parts[0], block_rows=parts[1], stages=parts[2] or None, block_n=parts[3])
     if len(parts) > 4 and parts[4]:
         kw["split_max"] = parts[4]
     if len(parts) > 5 and parts[5]:
-        kw["max_registers"] = parts[5]
+        kw["max_registers"] = max(parts[5], 0)  # -1: no cap
+    if len(parts) > 6:
+        if parts[6] not in (0, 1, 2):
+            raise argparse.ArgumentTypeError(
+                f"a variant's split rule is 0 (rounds), 1 (target) or 2 (fixed), got {parts[6]}")
+        kw["split_rule"] = ("rounds", "target", "fixed")[parts[6]]
+    if len(parts) > 7 and parts[7]:
+        kw["per_sm"] = parts[7]
+    return kw
+
+
+def _launch_kw(kw: dict) -> dict:
+    """A variant's keyword arguments for gluon_delta_accumulate (``per_sm`` becomes ``target``)."""
+    kw = dict(kw)
+    per_sm = kw.pop("per_sm", None)
+    if per_sm:
+        from hf_deltazip.kernels.launch import sm_count
+
+        kw["target"] = per_sm * sm_count(torch.device("cuda"))
     return kw
 
 
 def _tag(kw: dict) -> str:
-    return (f"{kw['num_warps']}w/{kw['block_rows']}r/{kw['stages']}st/{kw['block_n']}n/"
-            f"split<={kw.get('split_max', 'auto')}/regs {kw.get('max_registers', 'any')}")
+    return (f"{kw['num_warps']}w/{kw['block_rows']}r/{kw['stages'] or 'default '}st/{kw['block_n']}n/"
+            f"split<={kw.get('split_max', 'auto')}/regs {kw.get('max_registers', 'default') or 'any'}/"
+            f"{kw.get('split_rule', 'rounds')}"
+            f"/{kw.get('per_sm', 'fit')} per SM")
 
 
 def run(shapes, bits_list, deltas, rows: int, variants: list[dict], log=print) -> list[dict]:
@@ -93,7 +116,8 @@ def run(shapes, bits_list, deltas, rows: int, variants: list[dict], log=print) -
                            fused_GBps=(dbytes + n * k * 2) / t_f / 1e3, variants={})
                 log(f"{bits}b {n}x{k} M={rows} U={u}: fused {t_f:.1f} us | triton split {t_ts:.1f} "
                     f"(deltas ~{t_ts - t_mm:.1f}) | mm {t_mm:.1f}")
-                for kw in variants:
+                for vkw in variants:
+                    kw, tag = _launch_kw(vkw), _tag(vkw)
                     try:
                         mm(0)
                         gluon_delta_accumulate(xs[0], sts[0], seg, outs[0], **kw)
@@ -111,14 +135,18 @@ def run(shapes, bits_list, deltas, rows: int, variants: list[dict], log=print) -
                         t_ga = time_calls([lambda i=i: ga(i) for i in range(copies)], rep_ms=30)
                         cell = dict(err=err, split_us=t_gs, alone_us=t_ga, delta_GBps=dbytes / t_ga / 1e3,
                                     vs_fused=t_f / t_gs, vs_triton_split=t_ts / t_gs)
-                        log(f"    {_tag(kw)}: err {err:.2e} | split {t_gs:.1f} us ({cell['vs_fused']:.2f}x fused, "
+                        log(f"    {tag}: err {err:.2e} | split {t_gs:.1f} us ({cell['vs_fused']:.2f}x fused, "
                             f"{cell['vs_triton_split']:.2f}x triton split) | alone {t_ga:.1f} us, "
                             f"{cell['delta_GBps']:.0f} GB/s ({cell['delta_GBps'] * 1e9 / rbw * 100:.0f} % of read)")
                     except Exception as e:  # noqa: BLE001 - a variant that fails to compile or run is reported
                         cell = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
                         traceback.print_exc()
-                        log(f"    {_tag(kw)}: ERROR {cell['error']}")
-                    row["variants"][_tag(kw)] = cell
+                        log(f"    {tag}: ERROR {cell['error']}")
+                    row["variants"][tag] = cell
+                from hf_deltazip.kernels._gluon_decode import _RESIDENT
+
+                row["programs_per_sm"] = {f"{c['BITS']}b/{c['STAGES']}st/regs {c.get('maxnreg', 'any')}": v
+                                          for c, v in ((dict(key[-1]), v) for key, v in _RESIDENT.items())}
                 out_rows.append(row)
             del sts, bases
             torch.cuda.empty_cache()
@@ -131,8 +159,9 @@ def main(argv=None) -> int:
     p.add_argument("--bits", default="2,4")
     p.add_argument("--deltas", default="1,5,8", help="distinct deltas per step, comma-separated")
     p.add_argument("--rows", type=int, default=32)
-    p.add_argument("--variants", default="4:8:4:64", type=lambda s: [_variant(v) for v in s.split(",")],
-                   help="Gluon launch parameters, comma-separated: warps:rows:stages:outputs[:split_max[:registers]]")
+    p.add_argument("--variants", default="4:8:0:64", type=lambda s: [_variant(v) for v in s.split(",")],
+                   help="Gluon launch parameters, comma-separated: "
+                        "warps:rows:stages:outputs[:split_max[:registers[:rule[:per_sm]]]]")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):

@@ -58,6 +58,7 @@ __all__ = [
     "layer_bytes",
     "set_default_backend",
     "gluon_decode_supported",
+    "gluon_decode_available",
 ]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -104,6 +105,12 @@ def _gluon_available(device: torch.device) -> bool:
                 ok = False
         _GLUON[key] = ok
     return _GLUON[key]
+
+
+def gluon_decode_available(device) -> bool:
+    """Whether ``accumulate=True`` launches on ``device`` can take the Gluon decode kernel: an sm_90 GPU whose
+    Triton builds it (not turned off by a failed build), with the default backend ``"auto"``."""
+    return _DEFAULT_BACKEND[0] == "auto" and _gluon_available(torch.device(device))
 
 
 def _gluon_failed(exc: BaseException) -> bool:

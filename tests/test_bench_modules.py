@@ -211,7 +211,9 @@ def test_decode_bench_times_both_decode_routes_and_every_prefill_route(tmp_path,
     rows = [r for r in result["decode"] if r["model"].startswith("DeltaModel")]
     assert [r["U"] for r in rows] == [1, 2] and all("engine_tokens_per_s_split" in r for r in rows)
     assert all("engine_tokens_per_s_split_triton" in r for r in rows)  # the deltas by the Triton kernel too
-    assert [kw["decode"] for kw in routes if "decode" in kw] == ["split", "fused", "split", "fused"]
+    assert all("engine_tokens_per_s_fused" in r and r["auto_decode_route"] == "fused" for r in rows)  # no Gluon here
+    # each route timed, then the model left on the default
+    assert [kw["decode"] for kw in routes if "decode" in kw] == ["fused", "split", "auto"] * 2
     from hf_deltazip.kernels import multi_delta as md
 
     assert md._DEFAULT_BACKEND[0] == "auto"  # the kernel choice put back

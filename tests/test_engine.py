@@ -97,6 +97,46 @@ def test_kernel_route_with_device_side_rows_under_interpreter(delta_dirs, monkey
     assert any(seen), "decode steps did not take the device-side route"
 
 
+def test_auto_decode_route_is_chosen_per_step_by_its_distinct_deltas(delta_dirs, monkeypatch):
+    """decode="auto" (the default): the engine counts each step's distinct deltas and runs the step on the
+    split route from decode_split_min_deltas of them (where the Gluon kernel would add the deltas; faked
+    here, the Triton kernel adds them under the interpreter), on the fused kernel below; the tokens are
+    the reference path's either way."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import hf_deltazip.kernels as hk
+    from hf_deltazip.modeling.routing import KernelPolicy
+
+    monkeypatch.setattr(hk, "gluon_decode_available", lambda device: True)
+    ref = DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="never")
+    ker = DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="always")
+    for m in (ref, ker):
+        for name in ("d1", "d2"):
+            m.load_delta(delta_dirs[name], delta_name=name)
+    ker.configure_kernels(decode_split_min_deltas=2)
+    routes = []
+    real = KernelPolicy.wants_decode_split
+
+    def spy(self, rows, deltas=None, device=None):
+        routes.append(real(self, rows, deltas, device))
+        return routes[-1]
+
+    monkeypatch.setattr(KernelPolicy, "wants_decode_split", spy)
+    ps = prompts(4, seed=9)
+    names, news = ["d2", None, "d1", "d2"], [5, 5, 2, 7]  # "d1" leaves early: the last steps carry one delta
+    want = DecodeEngine(ref, max_batch_size=4, max_length=24).run(ps, names, max_new_tokens=news)
+    engine = DecodeEngine(ker, max_batch_size=4, max_length=24)
+    assert engine.run(ps, names, max_new_tokens=news) == want
+    st = engine.stats
+    assert 0 < st.split_steps < st.decode_steps
+    assert True in routes and False in routes
+    routes.clear()
+    ker.configure_kernels(decode="fused")  # one route for every step
+    engine = DecodeEngine(ker, max_batch_size=4, max_length=24)
+    assert engine.run(ps, names, max_new_tokens=news) == want
+    assert engine.stats.split_steps == 0 and True not in routes
+
+
 def test_eos_sampling_and_finished_reasons(delta_dirs):
     model = DeltaModel(copy.deepcopy(base_model("llama")))
     model.load_delta(delta_dirs["d1"], delta_name="d1")
@@ -180,11 +220,40 @@ def test_cuda_graph_steps_match_eager_steps_as_deltas_come_and_go(delta_dirs):
     model = make()
     engine = DecodeEngine(model, max_batch_size=4, max_length=32, cuda_graphs=True)
     assert engine.run(ps, names, max_new_tokens=6) == eager
-    assert engine._graph is not None, "no graph was captured"
+    assert engine._graphs, "no graph was captured"
     model.delete_delta("d3")  # frees its place in the stacks
     model.load_delta(delta_dirs["d3"], delta_name="d3")  # written back into room kept for it
     assert engine.run(ps, names, max_new_tokens=6) == eager
     assert engine.captures == 1, "loading and evicting deltas (embeddings and norms too) must not re-capture"
+
+
+@cuda
+def test_auto_route_keeps_one_graph_per_route(delta_dirs):
+    """decode="auto" on a GPU whose split route takes the Gluon kernel: steps of many distinct deltas replay
+    the split route's graph and the others the fused one's; each is captured once and gives the tokens the
+    same routes give eagerly."""
+    import hf_deltazip.kernels as hk
+
+    if not hk.gluon_decode_available(torch.device("cuda")):
+        pytest.skip("the split route has no Gluon kernel on this GPU: decode='auto' is the fused route here")
+
+    def make():
+        m = DeltaModel(copy.deepcopy(base_model("llama")).to("cuda", torch.bfloat16))
+        m.configure_cache(max_resident=3)
+        m.configure_kernels(decode_split_min_deltas=2)
+        for name, path in delta_dirs.items():
+            m.load_delta(path, delta_name=name)
+        return m
+
+    ps = prompts(8, seed=5)
+    names, news = ["d1", "d3", "d1", "d3", "d2", None, "d1", "d3"], [6, 3, 8, 2, 5, 7, 4, 9]
+    eager = DecodeEngine(make(), max_batch_size=4, max_length=32, cuda_graphs=False)
+    want = eager.run(ps, names, max_new_tokens=news)
+    engine = DecodeEngine(make(), max_batch_size=4, max_length=32, cuda_graphs=True)
+    assert engine.run(ps, names, max_new_tokens=news) == want
+    assert set(engine._graphs) == {"split", "fused"} and engine.captures == 2
+    assert 0 < engine.stats.split_steps < engine.stats.decode_steps
+    assert engine.stats.split_steps == eager.stats.split_steps
 
 
 @cuda
@@ -233,7 +302,7 @@ def test_server_on_gpu_continuous_with_graphs_prefetch_and_eviction(delta_dirs):
     with DeltaServer(make(), max_batch_size=4, max_length=32) as server:
         futures = [server.submit(p, n, max_new_tokens=5) for p, n in zip(ps, names)]
         got = [f.result(timeout=300) for f in futures]
-        assert server.engine._graph is not None
+        assert server.engine._graphs
     assert got == want
 
 

@@ -135,11 +135,15 @@ def test_configure_kernels_refuses_bad_values():
         with pytest.raises(DeltaZipError, match="prefill_split_min_rows must be a positive int"):
             m.configure_kernels(prefill="split", prefill_split_min_rows=bad)
     assert (m.kernel_policy.prefill, m.kernel_policy.prefill_split_min_rows) == ("auto", 1024)  # nothing changed
-    with pytest.raises(DeltaZipError, match='decode must be "fused" or "split"'):
+    with pytest.raises(DeltaZipError, match='decode must be "auto", "fused" or "split"'):
         m.configure_kernels(decode="dequant")
     with pytest.raises(DeltaZipError, match="decode_split_min_rows must be a positive int"):
         m.configure_kernels(decode_split_min_rows=0)
-    assert (m.kernel_policy.decode, m.kernel_policy.decode_split_min_rows) == ("fused", 1)  # nothing changed
+    for bad in (0, True, 2.0):
+        with pytest.raises(DeltaZipError, match="decode_split_min_deltas must be a positive int"):
+            m.configure_kernels(decode="split", decode_split_min_deltas=bad)
+    policy = m.kernel_policy
+    assert (policy.decode, policy.decode_split_min_rows, policy.decode_split_min_deltas) == ("auto", 1, 6)
     m.configure_kernels(prefill="dequant")
     assert (m.kernel_policy.prefill, m.kernel_policy.dequant_min_rows) == ("dequant", 64)
     m.configure_kernels(prefill_split_min_rows=256)
@@ -251,6 +255,49 @@ def test_decode_split_route_matches_the_fused_kernel_and_the_reference(planar_pa
     reads_base.clear()
     assert torch.equal(ker.generate(ids[:2, :5], **kw), ref.generate(ids[:2, :5], **kw))
     assert reads_base and not any(reads_base)  # prefill and one-token steps alike
+
+
+def test_auto_decode_splits_forwards_of_decode_split_min_deltas_deltas(planar_pair, monkeypatch):
+    """decode="auto" (the default): where the Gluon kernel would add the deltas (faked here), a forward routed
+    on the host takes the split route when its rows carry decode_split_min_deltas distinct deltas or more,
+    the fused kernel otherwise; a route the decode engine sets for its step overrides the count. Without
+    the Gluon kernel (this CPU), always the fused kernel."""
+    import threading
+
+    import hf_deltazip.kernels as hk
+
+    ker, reads_base, forward, want, fused, _ = _three_rows(planar_pair, monkeypatch, seed=11)
+    policy = ker.kernel_policy
+    assert policy.decode == "auto" and sum(reads_base) == LINEAR_LAYERS
+    assert policy.decode_route(24, 2, "cpu") == "fused"
+    monkeypatch.setattr(hk, "gluon_decode_available", lambda device: True)
+    version = ker.layout_version.value
+    ker.configure_kernels(decode_split_min_deltas=2)  # this forward's rows carry "two" and "four"
+    assert ker.layout_version.value > version
+    reads_base.clear()
+    got = forward(ker)
+    assert len(reads_base) == LAUNCHES and not any(reads_base)
+    reads_base.clear()
+    ker.configure_kernels(decode_split_min_deltas=3)
+    again = forward(ker)
+    assert sum(reads_base) == LINEAR_LAYERS
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(again, fused)
+    reads_base.clear()
+    with policy.step_route("split"):  # what the engine sets for a step: the count is not consulted
+        assert torch.equal(forward(ker), got)
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(policy.wants_decode_split(24, 2)))  # another thread
+        t.start()
+        t.join()
+        assert seen == [False]
+    assert not any(reads_base)
+    with policy.step_route("fused"):
+        assert torch.equal(forward(ker), fused)
+    with pytest.raises(DeltaZipError, match="a step route"):
+        with policy.step_route("dequant"):
+            pass
+    assert copy.deepcopy(policy).decode_split_min_deltas == 3
 
 
 @pytest.mark.parametrize("route", ["dequant", "split"])

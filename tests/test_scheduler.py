@@ -199,17 +199,17 @@ def test_steps_that_capture_a_graph_are_no_cost_samples(lm, monkeypatch):
     real = eng._decode_step
     calls = []
 
-    def step_that_captures_first():  # the CPU has no graphs: count the first step as a capture
-        calls.append(1)
+    def step_that_captures_first(deltas):  # the CPU has no graphs: count the first step as a capture
+        calls.append(deltas)
         if len(calls) == 1:
             eng.captures += 1
-        real()
+        real(deltas)
 
     monkeypatch.setattr(eng, "_decode_step", step_that_captures_first)
     eng.add([[1, 2, 3]], ["x"], max_new_tokens=6, eos_token_id=None)
     while eng.active:
         eng.step()
-    assert len(calls) == 5 and eng.step_costs[1][0] == 4
+    assert calls == [1] * 5 and eng.step_costs[1][0] == 4  # each step told its distinct deltas
 
 
 def test_default_bypass_bound_is_sixteen_per_row(lm):

@@ -541,7 +541,8 @@ def main(argv=None) -> int:
                    help="also time transformers + PEFT generate with max(--deltas) LoRA adapters in one mixed batch")
     p.add_argument("--lora-rank", type=int, default=16, help="--peft: rank of each LoRA adapter (default 16)")
     p.add_argument("--decode-split", action="store_true",
-                   help="also time the engine with DeltaModel.configure_kernels(decode='split') (base by cuBLAS)")
+                   help="also time the engine on each decode route, DeltaModel.configure_kernels(decode='fused' / "
+                        "'split' (base by cuBLAS), the latter with the Triton kernel too")
     p.add_argument("--profile", action="store_true",
                    help="also profile engine decode steps (base alone and each U) and the prefills (base alone, fused and "
                    "dequant routes): GPU time per step by kernel kind")
@@ -595,21 +596,25 @@ def main(argv=None) -> int:
                                  "tokens_per_s": args.rows * args.new_tokens / t, "engine_tokens_per_s": e, "gpu_gib": mem})
         print(f"U={u:3d}: generate {args.rows * args.new_tokens / t:8.1f} tokens/s, engine {e:8.1f} tokens/s, "
               f"GPU memory {mem:.1f} GiB", flush=True)
-        if args.decode_split:  # the same engine steps with the base by cuBLAS, the deltas added
+        if args.decode_split:  # the same engine steps on each decode route (the figure above: the default)
             from ..kernels import multi_delta as md
 
-            dm.configure_kernels(decode="split")
+            dm.configure_kernels(decode="fused")
+            ef = engine_tokens_per_s(dm, names, args.rows, args.prompt_len, steps)
+            dm.configure_kernels(decode="split")  # the base by cuBLAS, the deltas added
             es = engine_tokens_per_s(dm, names, args.rows, args.prompt_len, steps)
             md.set_default_backend("triton")  # the deltas by the planar Triton kernel instead of the Gluon one
             try:
                 est = engine_tokens_per_s(dm, names, args.rows, args.prompt_len, steps)
             finally:
                 md.set_default_backend("auto")
-            dm.configure_kernels(decode="fused")
-            result["decode"][-1]["engine_tokens_per_s_split"] = es
-            result["decode"][-1]["engine_tokens_per_s_split_triton"] = est
-            print(f"U={u:3d}: engine, decode='split' {es:8.1f} tokens/s ({es / e:.2f}x the fused route; deltas by "
-                  f"the Triton kernel: {est:8.1f}, {est / e:.2f}x)", flush=True)
+            dm.configure_kernels(decode="auto")
+            route = dm.kernel_policy.decode_route(args.rows, u, base.device)
+            result["decode"][-1].update(engine_tokens_per_s_fused=ef, engine_tokens_per_s_split=es,
+                                        engine_tokens_per_s_split_triton=est, auto_decode_route=route)
+            print(f"U={u:3d}: engine, decode='fused' {ef:8.1f} tokens/s; 'split' {es:8.1f} ({es / ef:.2f}x fused; "
+                  f"deltas by the Triton kernel: {est:8.1f}, {est / ef:.2f}x); the default 'auto' took {route!r}: "
+                  f"{e / ef:.2f}x fused", flush=True)
         if args.profile:
             prof = profile_engine_step(dm, names, args.rows, args.prompt_len)
             result["decode"][-1]["profile"] = prof

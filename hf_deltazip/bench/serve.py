@@ -282,7 +282,7 @@ def time_split(engine_stats, run: Replay) -> dict:
     load = st["load_s"] + run.switch_s
     split.update({k: st[k] for k in ("prefill_s", "decode_s", "idle_row_s", "prefills", "decode_steps", "loads",
                                       "mean_distinct_deltas", "bytes_per_step", "floor_bytes_per_step", "step_ms",
-                                      "floor_GBps", "captures", "max_deltas_auto")})
+                                      "floor_GBps", "captures", "split_steps", "max_deltas_auto")})
     split["load_s"] = load
     split["other_s"] = run.wall_s - load - st["prefill_s"] - st["decode_s"]
     return split
@@ -730,7 +730,7 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
             f"{resident} of {args.deltas} deltas resident on the GPU (LRU), the others in pinned host memory, "
             "uploaded when a request needs them")
     tier += f"; prefill route {args.prefill!r}"
-    if getattr(args, "decode", "fused") != "fused":
+    if getattr(args, "decode", "auto") != "auto":
         tier += f"; decode route {args.decode!r}"
     if getattr(args, "max_bypass", None) is not None:
         tier += f"; fairness bound {args.max_bypass} (a request is passed over by at most that many later ones)"
@@ -742,7 +742,7 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
     try:
         dm = DeltaModel(base)
         dm.configure_cache(max_resident=resident)  # before adding: the kernel stacks are sized once
-        dm.configure_kernels(prefill=args.prefill, decode=getattr(args, "decode", "fused"))
+        dm.configure_kernels(prefill=args.prefill, decode=getattr(args, "decode", "auto"))
         if real:
             names = list(real)
             for i, (n, path) in enumerate(real.items()):  # popularity follows the order given
@@ -1187,8 +1187,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", choices=["auto", "fused", "dequant", "split"], default="auto",
                    help="deltazip systems: how prefills run the deltas (DeltaModel.configure_kernels; default auto: "
                         "split from 1024 tokens per forward, else fused)")
-    p.add_argument("--decode", choices=["fused", "split"], default="fused",
-                   help="deltazip systems: how decode steps run (DeltaModel.configure_kernels; default fused)")
+    p.add_argument("--decode", choices=["auto", "fused", "split"], default="auto",
+                   help="deltazip systems: how decode steps run (DeltaModel.configure_kernels; default auto: the "
+                        "split route for steps of many distinct deltas where the Gluon kernel adds them)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--per-request", action="store_true", help="add every request's timings to the JSON")
     return p

@@ -30,7 +30,7 @@ from ..quantization import dequantize_module_weight, logical_weight_shape
 from .activation_sparsity import add_sparsity_correction, base_sees_whole_input, kernel_sparsity, sparsify_module_input
 from .arch import conv1d_class
 from .quantized import base_runs_itself, unhooked
-from .routing import KernelPolicy, LayoutVersion, Router
+from .routing import BASE_SLOT, KernelPolicy, LayoutVersion, Router
 from .tensor_parallel import TPShard, local_tensor
 
 
@@ -499,7 +499,8 @@ class DeltaLinear(DeltaModule):
             # deltas added to its output by the kernel
             y = self.base_layer(x2) if self._through else F.linear(x2, self._kernel_weight(), self.base_layer.bias)
             y = stacks.accumulate(x2, y.contiguous(), slot_tok, segments, share)
-        elif self.policy.wants_decode_split(x2.shape[0]) and self._width == self.out_features:
+        elif (self._width == self.out_features and self.policy.wants_decode_split(
+                x2.shape[0], None if groups is None else sum(1 for s in groups if s != BASE_SLOT), x.device)):
             # the split route of KernelPolicy.decode: the base's product by one dense matmul (its weight read
             # once for every row), each row's delta added into it by the kernel, which skips the base
             y = stacks.accumulate(x2, F.linear(x2, self._kernel_weight(), self.base_layer.bias), slot_tok, segments,

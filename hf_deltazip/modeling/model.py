@@ -235,7 +235,8 @@ class DeltaModel(nn.Module):
 
     def configure_kernels(self, *, prefill: Optional[str] = None, dequant_min_rows: Optional[int] = None,
                           decode: Optional[str] = None, decode_split_min_rows: Optional[int] = None,
-                          prefill_split_min_rows: Optional[int] = None) -> None:
+                          prefill_split_min_rows: Optional[int] = None,
+                          decode_split_min_deltas: Optional[int] = None) -> None:
         """Choose how prefills and decode steps run the kernels.
 
         Args:
@@ -254,25 +255,31 @@ class DeltaModel(nn.Module):
                 together) a forward needs for the split route (default 1024: at 8B layer shapes the split
                 prefill was 1.18-1.31x the fused kernel at 1024-2048 tokens on an H200 and an H100, 0.94-1.17x
                 at 512 and 0.90x for one 2-bit prompt of 128; BENCHMARKS.md section 4).
-            decode: how every other forward runs, decode steps (captured or not) included: ``"fused"``
-                (default): the multi-delta kernel reads the base and the rows' deltas in one launch.
-                ``"split"``: the base through one dense matmul, then the kernel adds each row's delta to
-                its output without reading the base (the fused kernel reads the base once per block of 16
-                rows).
-            decode_split_min_rows: with ``decode="split"``, the fewest rows a forward needs for it
-                (default 1); smaller ones keep the fused kernel.
+            decode: how every other forward runs, decode steps (captured or not) included: ``"fused"``:
+                the multi-delta kernel reads the base and the rows' deltas in one launch. ``"split"``: the
+                base through one dense matmul, then the kernel adds each row's delta to its output without
+                reading the base (the fused kernel reads the base once per block of 16 rows). ``"auto"``
+                (default): ``"split"`` for a forward whose rows carry ``decode_split_min_deltas`` distinct
+                deltas or more where the Gluon decode kernel adds them (an sm_90 GPU), ``"fused"`` otherwise;
+                the decode engine captures one graph per route and replays the one each step's mix needs.
+            decode_split_min_rows: with ``decode="split"`` or ``"auto"``, the fewest rows a forward needs
+                for the split route (default 1); smaller ones keep the fused kernel.
+            decode_split_min_deltas: with ``decode="auto"``, the fewest distinct deltas a forward's rows
+                need for the split route (default ``routing.DECODE_SPLIT_MIN_DELTAS``, measured:
+                BENCHMARKS.md section 4).
 
         Outputs agree with the fused route to 16-bit rounding (the split routes round the base's product
         before the deltas are added). Captured decode steps are captured again after a change of ``decode``.
 
         Raises:
             DeltaZipError: an unknown ``prefill`` or ``decode``, or a ``dequant_min_rows``,
-            ``decode_split_min_rows`` or ``prefill_split_min_rows`` below 1.
+            ``decode_split_min_rows``, ``decode_split_min_deltas`` or ``prefill_split_min_rows`` below 1.
         """
-        self.kernel_policy.set_prefill(prefill, dequant_min_rows, prefill_split_min_rows)
-        before = (self.kernel_policy.decode, self.kernel_policy.decode_split_min_rows)
-        self.kernel_policy.set_decode(decode, decode_split_min_rows)
-        if (self.kernel_policy.decode, self.kernel_policy.decode_split_min_rows) != before:
+        policy = self.kernel_policy
+        policy.set_prefill(prefill, dequant_min_rows, prefill_split_min_rows)
+        before = (policy.decode, policy.decode_split_min_rows, policy.decode_split_min_deltas)
+        policy.set_decode(decode, decode_split_min_rows, decode_split_min_deltas)
+        if (policy.decode, policy.decode_split_min_rows, policy.decode_split_min_deltas) != before:
             self.layout_version.bump()  # captured steps took the other route
 
     @property

@@ -25,9 +25,11 @@ import torch
 
 from ..errors import DeltaZipError
 
-__all__ = ["BatchRouting", "Router", "LayoutVersion", "KernelPolicy", "BASE_SLOT"]
+__all__ = ["BatchRouting", "Router", "LayoutVersion", "KernelPolicy", "BASE_SLOT", "DECODE_SPLIT_MIN_DELTAS"]
 
 BASE_SLOT = -1
+#: distinct deltas from which ``KernelPolicy(decode="auto")`` takes the split route (see there)
+DECODE_SPLIT_MIN_DELTAS = 6
 
 
 @dataclass(frozen=True)
@@ -179,11 +181,18 @@ class KernelPolicy:
             section 4).
         decode: how the other forwards (decode steps, captured or not, and prefills the routes above do
             not take) run: ``"fused"`` (the base and every row's delta in one launch per class of delta
-            format) or ``"split"`` (the base by one dense matmul, which reads its weight once for every row;
+            format), ``"split"`` (the base by one dense matmul, which reads its weight once for every row;
             then the multi-delta kernel adds each row's delta into its output, skipping the base:
-            ``multi_delta_linear(accumulate=True)``).
-        decode_split_min_rows: with ``decode="split"``, the fewest rows a forward needs for it; fewer
-            take the fused kernel.
+            ``multi_delta_linear(accumulate=True)``) or ``"auto"`` (the default): ``"split"`` for a forward
+            whose rows carry ``decode_split_min_deltas`` distinct deltas or more where the split route
+            adds them with the Gluon decode kernel (an sm_90 GPU, ``kernels.gluon_decode_available``),
+            else ``"fused"``. A forward routed on the host counts its deltas itself; a captured step
+            cannot, so the decode engine counts the step's deltas and replays the graph it captured for
+            that route (:meth:`step_route`).
+        decode_split_min_rows: with ``decode="split"`` or ``"auto"``, the fewest rows a forward needs for
+            the split route; fewer take the fused kernel.
+        decode_split_min_deltas: with ``decode="auto"``, the fewest distinct deltas a forward's rows need
+            for the split route (BENCHMARKS.md section 4, "The decode routes chosen per step").
 
     :attr:`sparse` (set by ``DeltaModel.set_activation_sparsity``): whether thresholded layers run decode steps
     through the activation-sparse kernels; layers wrapped later follow it.
@@ -191,21 +200,22 @@ class KernelPolicy:
 
     MODES = ("auto", "always", "never")
     PREFILL = ("auto", "fused", "dequant", "split")
-    DECODE = ("fused", "split")
+    DECODE = ("auto", "fused", "split")
 
     def __init__(self, mode: str = "auto", capacity: Optional[int] = None, prefill: str = "auto",
-                 dequant_min_rows: int = 64, decode: str = "fused", decode_split_min_rows: int = 1,
-                 prefill_split_min_rows: int = 1024):
+                 dequant_min_rows: int = 64, decode: str = "auto", decode_split_min_rows: int = 1,
+                 prefill_split_min_rows: int = 1024, decode_split_min_deltas: int = DECODE_SPLIT_MIN_DELTAS):
         if mode not in self.MODES:
             raise DeltaZipError(f'use_kernels must be "auto", "always" or "never", got {mode!r}')
         self.mode = mode
         self.capacity = capacity
         # set (and checked) by the two setters below from the arguments, whose defaults are the only ones
         self.prefill = self.dequant_min_rows = self.prefill_split_min_rows = None
-        self.decode = self.decode_split_min_rows = None
+        self.decode = self.decode_split_min_rows = self.decode_split_min_deltas = None
         self.sparse = False
+        self._step = threading.local()  # the route a decode engine chose for the step it runs (step_route)
         self.set_prefill(prefill, dequant_min_rows, prefill_split_min_rows)
-        self.set_decode(decode, decode_split_min_rows)
+        self.set_decode(decode, decode_split_min_rows, decode_split_min_deltas)
 
     def set_prefill(self, prefill: Optional[str] = None, dequant_min_rows: Optional[int] = None,
                     split_min_rows: Optional[int] = None) -> None:
@@ -220,18 +230,53 @@ class KernelPolicy:
         self.dequant_min_rows = dequant_min_rows or self.dequant_min_rows
         self.prefill_split_min_rows = split_min_rows or self.prefill_split_min_rows
 
-    def set_decode(self, decode: Optional[str] = None, min_rows: Optional[int] = None) -> None:
-        """Change :attr:`decode` and/or :attr:`decode_split_min_rows` (``None`` keeps the current value)."""
+    def set_decode(self, decode: Optional[str] = None, min_rows: Optional[int] = None,
+                   min_deltas: Optional[int] = None) -> None:
+        """Change :attr:`decode`, :attr:`decode_split_min_rows` and/or :attr:`decode_split_min_deltas`
+        (``None`` keeps the current value); nothing changes when one of them is refused."""
         if decode is not None and decode not in self.DECODE:
-            raise DeltaZipError(f'decode must be "fused" or "split", got {decode!r}')
-        if min_rows is not None and (isinstance(min_rows, bool) or not isinstance(min_rows, int) or min_rows < 1):
-            raise DeltaZipError(f"decode_split_min_rows must be a positive int, got {min_rows!r}")
+            raise DeltaZipError(f'decode must be "auto", "fused" or "split", got {decode!r}')
+        for name, v in (("decode_split_min_rows", min_rows), ("decode_split_min_deltas", min_deltas)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise DeltaZipError(f"{name} must be a positive int, got {v!r}")
         self.decode = decode or self.decode
         self.decode_split_min_rows = min_rows or self.decode_split_min_rows
+        self.decode_split_min_deltas = min_deltas or self.decode_split_min_deltas
 
-    def wants_decode_split(self, rows: int) -> bool:
-        """Whether a forward of ``rows`` rows outside the prefill routes takes the split route."""
-        return self.decode == "split" and rows >= self.decode_split_min_rows
+    def decode_route(self, rows: int, deltas: int, device) -> str:
+        """``"split"`` or ``"fused"``: the route of a forward of ``rows`` rows carrying ``deltas`` distinct
+        deltas on ``device`` outside the prefill routes (see ``decode``)."""
+        if rows < self.decode_split_min_rows or self.decode == "fused":
+            return "fused"
+        if self.decode == "split":
+            return "split"
+        from ..kernels import gluon_decode_available
+
+        return "split" if deltas >= self.decode_split_min_deltas and gluon_decode_available(device) else "fused"
+
+    def wants_decode_split(self, rows: int, deltas: Optional[int] = None, device=None) -> bool:
+        """Whether a forward of ``rows`` rows outside the prefill routes takes the split route. ``deltas``:
+        the distinct deltas of its rows where the host knows them (``None``: a captured step, which takes
+        the route its engine chose with :meth:`step_route`, else the fused one)."""
+        chosen = getattr(self._step, "route", None)
+        if chosen is not None:
+            return chosen == "split" and rows >= self.decode_split_min_rows
+        if self.decode == "auto" and deltas is None:
+            return False
+        return self.decode_route(rows, 0 if deltas is None else deltas, device) == "split"
+
+    @contextmanager
+    def step_route(self, route: Optional[str]):
+        """Within the block (this thread), forwards outside the prefill routes take ``route`` (``"split"``
+        or ``"fused"``; ``None``: as ``decode`` says). The decode engine runs and captures its steps in one."""
+        if route not in (None, "split", "fused"):
+            raise DeltaZipError(f'a step route is "split", "fused" or None, got {route!r}')
+        before = getattr(self._step, "route", None)
+        self._step.route = route
+        try:
+            yield
+        finally:
+            self._step.route = before
 
     def wants_dequant(self, rows_per_delta: int) -> bool:
         """Whether an eager forward whose every delta has ``rows_per_delta`` rows or more takes the dequant route."""
@@ -248,6 +293,6 @@ class KernelPolicy:
 
     def __deepcopy__(self, memo):
         policy = KernelPolicy(self.mode, self.capacity, self.prefill, self.dequant_min_rows, self.decode,
-                              self.decode_split_min_rows, self.prefill_split_min_rows)
+                              self.decode_split_min_rows, self.prefill_split_min_rows, self.decode_split_min_deltas)
         policy.sparse = self.sparse
         return policy

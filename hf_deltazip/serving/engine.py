@@ -6,7 +6,7 @@ decodes one token for every active row. Rows finish on their own (``max_new_toke
 end-of-sequence token) and their row is free for the next request: continuous batching. With a
 :class:`~hf_deltazip.DeltaModel` every row may use a different delta.
 
-How it stays static (so one captured CUDA graph serves every step):
+How it stays static (so one captured CUDA graph, per kernel route, serves every step):
 
 * **KV cache**: per layer one ``[rows, kv_heads, max_length, head_dim]`` tensor. Every decode step
   writes all rows' new keys at one shared index (the write pointer) and each row sees its own
@@ -18,6 +18,10 @@ How it stays static (so one captured CUDA graph serves every step):
   for more deltas, so loading or evicting a delta changes table entries, not tensors. A change the
   stacks cannot absorb (a new format, a full stack) bumps the model's layout version and the step is
   captured again before its next replay.
+* **Routes**: with ``KernelPolicy.decode="auto"`` (the default) a step whose rows carry many distinct
+  deltas runs the split route (the base by one dense matmul, the deltas by the Gluon kernel) and other
+  steps the fused kernel; the host knows each step's deltas, so the engine keeps one graph per route
+  and replays the one the step needs (``stats.split_steps`` counts the split ones).
 
 On a CPU, or for models whose deltas cannot run in a captured step (fine-tunes that add tokens or
 replace norms), steps run eagerly with the same cache. Prefill always runs eagerly.
@@ -103,7 +107,9 @@ class EngineStats:
             distinct delta once and the whole static KV cache of every row.
         floor_bytes: summed over steps, the bytes a step cannot avoid: the base's weights, each distinct
             delta once, and only the KV entries the active rows attend to.
-        captures: decode steps captured as CUDA graphs (a delta layout change costs one).
+        captures: decode steps captured as CUDA graphs (a delta layout change costs one per route).
+        split_steps: of the decode steps, those that took the split route (``KernelPolicy.decode``:
+            ``"auto"`` takes it for steps of many distinct deltas).
         max_deltas_auto: the cap ``max_deltas="auto"`` has chosen so far (``None``: not measured yet).
         jacobi_steps: of the decode steps, Jacobi steps (a block of tokens per row, run eagerly).
         jacobi_row_steps, jacobi_tokens: Jacobi rows in those steps, and the tokens they accepted.
@@ -123,6 +129,7 @@ class EngineStats:
     bytes_read: int = 0
     floor_bytes: int = 0
     captures: int = 0
+    split_steps: int = 0
     max_deltas_auto: Optional[int] = None
     jacobi_steps: int = 0
     jacobi_row_steps: int = 0
@@ -419,8 +426,7 @@ class DecodeEngine:
         self._rows: list[Optional[_Row]] = [None] * max_batch_size
         self._finished: list[Finished] = []
         self._ptr = 0  # host copy of the write index
-        self._graph = None
-        self._graph_version = None
+        self._graphs: dict = {}  # decode route (None: the policy's only one) -> (CUDA graph, layout version)
         self._graph_failed = False
         self.captures = 0  # decode steps captured as CUDA graphs so far (each layout change costs one)
         self._static_failed = False
@@ -873,7 +879,7 @@ class DecodeEngine:
         if width > 1:
             accepted = self._jacobi_step(width)
         else:
-            self._decode_step()
+            self._decode_step(used[1])
             self._after_step()  # reads the tokens back: the step is done
         seconds = time.perf_counter() - t0
         # a step that captured a CUDA graph (and compiled its kernels) is no sample of a step's cost
@@ -1018,30 +1024,54 @@ class DecodeEngine:
                 if self.max_deltas == "auto":
                     st.max_deltas_auto = _cap_of(self._step_fit)
 
-    def _decode_step(self) -> None:
+    def _route_of(self, deltas: int) -> Optional[str]:
+        """The kernel route of a decode step whose rows carry ``deltas`` distinct deltas: ``"split"`` or
+        ``"fused"`` where the policy chooses per step (``decode="auto"`` with kernels on), else ``None`` (the
+        policy's one route)."""
+        if self.delta_model is None or not self._wants_kernels():
+            return None
+        policy = self.delta_model.kernel_policy
+        if policy.decode != "auto":
+            return None
+        return policy.decode_route(self.max_batch_size, deltas, self.device)
+
+    @contextmanager
+    def _route_scope(self, route: Optional[str]):
+        with self.delta_model.kernel_policy.step_route(route) if route is not None else nullcontext():
+            yield
+
+    def _decode_step(self, deltas: int = 0) -> None:
+        route = self._route_of(deltas)
+        if route is None and self.delta_model is not None and self._wants_kernels():
+            policy = self.delta_model.kernel_policy
+            self.stats.split_steps += policy.wants_decode_split(self.max_batch_size, deltas, self.device)
+        else:
+            self.stats.split_steps += route == "split"
         if self.cuda_graphs and not self._graph_failed and self._graph_safe():
             version = self._layout_version()
-            if self._graph is None or self._graph_version != version:
-                self._capture(version)
-            if self._graph is not None:
-                self._graph.replay()
+            held = self._graphs.get(route)
+            if held is None or held[1] != version:
+                self._capture(version, route)
+                held = self._graphs.get(route)
+            if held is not None:
+                held[0].replay()
             else:
-                self._run_step()
+                self._run_step(route)
         else:
-            self._run_step()
+            self._run_step(route)
 
-    def _run_step(self) -> None:
+    def _run_step(self, route: Optional[str] = None) -> None:
         """One eager decode step (CPU, or models a captured step cannot run)."""
         if self.delta_model is not None and self._graph_safe() and self._wants_kernels():
             try:
-                with self._static_rows():
+                with self._static_rows(), self._route_scope(route):
                     self._body()
                 return
             except DeltaZipError:  # a module that needs host-side routing: route on the host from now on
                 self._static_failed = True
         names = [r.delta if r is not None else None for r in self._rows]
-        route = self.delta_model.route(names) if self.delta_model is not None else nullcontext()
-        with route:
+        routing = self.delta_model.route(names) if self.delta_model is not None else nullcontext()
+        with routing:
             self._body()
 
     def _body(self) -> None:
@@ -1107,24 +1137,26 @@ class DecodeEngine:
         with self.delta_model.route_static(self._slots) if self.delta_model is not None else nullcontext():
             yield
 
-    def _capture(self, version) -> None:
-        self._graph = None
+    def _capture(self, version, route: Optional[str] = None) -> None:
+        # graphs of an older layout are dropped (their memory with them) before another is captured
+        self._graphs = {r: held for r, held in self._graphs.items() if held[1] == version and r != route}
         torch.cuda.synchronize(self.device)
         try:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side), self._static_rows():
+            with torch.cuda.stream(side), self._static_rows(), self._route_scope(route):
                 self._body()  # warm-up: compiles kernels, allocates workspaces (the step is idempotent)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"), self._static_rows():
+            with (torch.cuda.graph(graph, capture_error_mode="thread_local"), self._static_rows(),
+                  self._route_scope(route)):
                 self._body()
         except Exception as e:  # an architecture whose forward syncs with the host: decode eagerly
             self._graph_failed = True
             warnings.warn(f"DecodeEngine: CUDA graph capture failed ({e}); decoding without graphs")
             torch.cuda.synchronize(self.device)
             return
-        self._graph, self._graph_version = graph, version
+        self._graphs[route] = (graph, version)
         self.captures += 1
 
 

@@ -271,6 +271,9 @@ def test_auto_decode_splits_forwards_of_decode_split_min_deltas_deltas(planar_pa
     assert policy.decode == "auto" and sum(reads_base) == LINEAR_LAYERS
     assert policy.decode_route(24, 2, "cpu") == "fused"
     monkeypatch.setattr(hk, "gluon_decode_available", lambda device: True)
+    assert policy.decode_route(64, 6, "cuda") == "split"
+    assert policy.decode_route(65, 6, "cuda") == "fused"  # more rows than the Gluon kernel takes: a prefill
+    assert policy.decode_route(64, 5, "cuda") == "fused"
     version = ker.layout_version.value
     ker.configure_kernels(decode_split_min_deltas=2)  # this forward's rows carry "two" and "four"
     assert ker.layout_version.value > version

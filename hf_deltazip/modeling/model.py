@@ -259,8 +259,8 @@ class DeltaModel(nn.Module):
                 the multi-delta kernel reads the base and the rows' deltas in one launch. ``"split"``: the
                 base through one dense matmul, then the kernel adds each row's delta to its output without
                 reading the base (the fused kernel reads the base once per block of 16 rows). ``"auto"``
-                (default): ``"split"`` for a forward whose rows carry ``decode_split_min_deltas`` distinct
-                deltas or more where the Gluon decode kernel adds them (an sm_90 GPU), ``"fused"`` otherwise;
+                (default): ``"split"`` for a forward of up to 64 rows whose rows carry ``decode_split_min_deltas``
+                distinct deltas or more where the Gluon decode kernel adds them (an sm_90 GPU), ``"fused"`` otherwise;
                 the decode engine captures one graph per route and replays the one each step's mix needs.
             decode_split_min_rows: with ``decode="split"`` or ``"auto"``, the fewest rows a forward needs
                 for the split route (default 1); smaller ones keep the fused kernel.

@@ -184,9 +184,9 @@ class KernelPolicy:
             format), ``"split"`` (the base by one dense matmul, which reads its weight once for every row;
             then the multi-delta kernel adds each row's delta into its output, skipping the base:
             ``multi_delta_linear(accumulate=True)``) or ``"auto"`` (the default): ``"split"`` for a forward
-            whose rows carry ``decode_split_min_deltas`` distinct deltas or more where the split route
-            adds them with the Gluon decode kernel (an sm_90 GPU, ``kernels.gluon_decode_available``),
-            else ``"fused"``. A forward routed on the host counts its deltas itself; a captured step
+            of at most ``kernels.multi_delta.GLUON_MAX_ROWS`` rows carrying ``decode_split_min_deltas``
+            distinct deltas or more where the split route adds them with the Gluon decode kernel (an sm_90
+            GPU, ``kernels.gluon_decode_available``), else ``"fused"``. A forward routed on the host counts its deltas itself; a captured step
             cannot, so the decode engine counts the step's deltas and replays the graph it captured for
             that route (:meth:`step_route`).
         decode_split_min_rows: with ``decode="split"`` or ``"auto"``, the fewest rows a forward needs for
@@ -251,8 +251,12 @@ class KernelPolicy:
         if self.decode == "split":
             return "split"
         from ..kernels import gluon_decode_available
+        from ..kernels.multi_delta import GLUON_MAX_ROWS
 
-        return "split" if deltas >= self.decode_split_min_deltas and gluon_decode_available(device) else "fused"
+        # where the Gluon kernel would not add the deltas (a prefill's many rows), the split route has not paid
+        if rows > GLUON_MAX_ROWS or deltas < self.decode_split_min_deltas:
+            return "fused"
+        return "split" if gluon_decode_available(device) else "fused"
 
     def wants_decode_split(self, rows: int, deltas: Optional[int] = None, device=None) -> bool:
         """Whether a forward of ``rows`` rows outside the prefill routes takes the split route. ``deltas``:

@@ -222,6 +222,14 @@ def gluon_delta_decode_kernel(
         x_rows = (xr.to(gl.int64) * stride_xm)[:, None]
         x_mask, _unused = gl.broadcast(xr_ok[:, None], x_cols)
 
+        # the output rows this item adds to; unsplit, what they hold is read now, its latency hidden behind the
+        # k-loop instead of added after it (only this item writes them)
+        r_ok = offs_rc < cnt
+        rows_c = gl.load(seg_ptr + bstart + offs_rc, mask=r_ok, other=0)
+        o_off = rows_c.to(gl.int64)[None, :] * stride_om + offs_n_c.to(gl.int64)[:, None]
+        o_mask = nmask_c[:, None] & r_ok[None, :]
+        prev = gl.load(out_ptr + o_off, mask=o_mask & (split == 1), other=0.0).to(gl.float32)
+
         gl.thread_barrier()  # the last item's reads of shared memory are done
         for j in gl.static_range(STAGES - 1):  # prologue: STAGES - 1 k-steps in flight
             if j < nk:
@@ -283,12 +291,7 @@ def gluon_delta_decode_kernel(
         async_copy.wait_group(0)
 
         # ---------------------------------------------------------- add into the output
-        r_ok = offs_rc < cnt
-        rows_c = gl.load(seg_ptr + bstart + offs_rc, mask=r_ok, other=0)
-        o_off = rows_c.to(gl.int64)[None, :] * stride_om + offs_n_c.to(gl.int64)[:, None]
-        o_mask = nmask_c[:, None] & r_ok[None, :]
-        if split == 1:
-            prev = gl.load(out_ptr + o_off, mask=o_mask, other=0.0).to(gl.float32)
+        if split == 1:  # what the output holds was read at the item's start
             gl.store(out_ptr + o_off, (prev + acc).to(out_ptr.dtype.element_ty), mask=o_mask)
         else:
             # partial sums by row; the last item of this (block, tile) adds them up in split order

@@ -44,6 +44,15 @@ def thresholds():
     return S.ActivationThresholds(0.5, {n: th.thresholds[n] for n in LAYERS}, rank=4)
 
 
+@pytest.fixture(scope="module")
+def centred_thresholds():
+    model = DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="never")
+    model.add_delta(_delta(4, 1), "d4")
+    th = S.calibrate_activation_thresholds(model, calibration_ids(), 0.5, rank=4, centre=True)
+    return S.ActivationThresholds(0.5, {n: th.thresholds[n] for n in LAYERS}, rank=4,
+                                  centres={n: th.centres[n] for n in LAYERS})
+
+
 def _models(th, kernels, deltas=(("d4", 4, 1), ("d2", 2, 2)), capacity=None, base_rows=1):
     ker = DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="always")
     ref = DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="never")
@@ -247,6 +256,41 @@ def test_a_delta_written_into_free_room_later_is_served_from_its_input_major_cop
                                atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.parametrize("base_rows", [None, 1])
+def test_centred_thresholds_on_the_sparse_kernels_equal_the_pytorch_route(interpret, monkeypatch, centred_thresholds,
+                                                                          base_rows):
+    """Centred thresholds: the kernels threshold x - mu, the base adds W mu and each row's delta D mu (a table per
+    layer, rewritten in place when a delta is written into free room or evicted); the result is the PyTorch
+    route's, where a dropped input stands at its centre."""
+    ker, ref = _models(centred_thresholds, True, deltas=(("d4", 4, 1),), capacity=4, base_rows=base_rows)
+    calls = _Calls(monkeypatch)
+    ids = calibration_ids(n=3, length=2, seed=9)
+    rows = ["d4", None, "d4"]
+    torch.testing.assert_close(_decode_step(ker, ids, rows), _decode_step(ref, ids, rows), atol=2e-4, rtol=2e-4)
+    n = len(_linears(ker))
+    assert calls.delta == n and calls.base == (n if base_rows is None else 0)  # 3 rows: base on the whole input
+    stacks = [m.stacks for m in _linears(ker)]
+    for m in (ker, ref):
+        m.add_delta(_delta(4, 3), "late")  # written into the room kept for it: its D mu row too
+    rows = ["late", "d4", None]
+    torch.testing.assert_close(_decode_step(ker, ids, rows), _decode_step(ref, ids, rows), atol=2e-4, rtol=2e-4)
+    assert [m.stacks for m in _linears(ker)] == stacks
+    slot = ker._cache.slot_of("late")
+    for m in (ker, ref):
+        m.delete_delta("late")
+    assert all(not m._centre_delta[1][slot + 1].any() for m in _linears(ker))  # its row cleared with it
+    for m in (ker, ref):
+        m.add_delta(_delta(4, 4), "again")
+    rows = ["again", None, "d4"]
+    torch.testing.assert_close(_decode_step(ker, ids, rows), _decode_step(ref, ids, rows), atol=2e-4, rtol=2e-4)
+    plain = DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="never")
+    plain.add_delta(_delta(4, 1), "d4")
+    plain.add_delta(_delta(4, 4), "again")
+    plain.set_activation_sparsity(S.ActivationThresholds(0.5, centred_thresholds.thresholds, rank=4), strict=False,
+                                  threshold_base_rows=base_rows)
+    assert not torch.allclose(_decode_step(plain, ids, rows), _decode_step(ref, ids, rows), atol=1e-4)  # centres count
+
+
 def test_three_bit_deltas_fall_back_to_the_dense_delta_kernel_on_thresholded_inputs(interpret, monkeypatch,
                                                                                    thresholds):
     ker, ref = _models(thresholds, True, deltas=(("d3", 3, 1),), base_rows=None)
@@ -410,10 +454,11 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @needs_cuda
+@pytest.mark.parametrize("centre", [False, True], ids=["plain", "centred"])
 @pytest.mark.parametrize("base_rows", [None, 1], ids=["base-thresholded", "base-whole-input"])
 @pytest.mark.parametrize("deltas", [(("d4", 4, 1), ("d2", 2, 2), ("d8", 8, 3)), (("d4", 4, 1), ("d3", 3, 2))],
                          ids=["input-major", "3-bit fallback"])
-def test_compiled_sparse_route_matches_pytorch_thresholding_on_gpu(monkeypatch, deltas, base_rows):
+def test_compiled_sparse_route_matches_pytorch_thresholding_on_gpu(monkeypatch, deltas, base_rows, centre):
     """The compiled kernels in eager and in a decode engine's captured steps. Whole-model outputs in float32
     (in bf16 a rounding either way moves inputs across their thresholds, and the outputs part); bf16 (which the
     interpreter is not trusted with) layer by layer, on the inputs each layer got in the model. With
@@ -423,7 +468,8 @@ def test_compiled_sparse_route_matches_pytorch_thresholding_on_gpu(monkeypatch, 
     from hf_deltazip.bench.act_sparsity import _layer_errors
     from hf_deltazip.serving import DecodeEngine
 
-    th = S.calibrate_activation_thresholds(copy.deepcopy(base_model("llama")), calibration_ids(), 0.5, rank=4)
+    th = S.calibrate_activation_thresholds(copy.deepcopy(base_model("llama")), calibration_ids(), 0.5, rank=4,
+                                           centre=centre)
     ids = calibration_ids(n=4, length=6, seed=5).cuda()
     rows = [deltas[0][0], None, deltas[1][0], deltas[-1][0]]
     models = {}

@@ -535,6 +535,85 @@ def test_thresholds_file_keeps_every_target_and_refuses_what_it_lacks(tmp_path):
     assert S.install_activation_sparsity(model, ths[0.4], strict=True) > 0
 
 
+def test_centred_calibration_records_each_inputs_mean_and_thresholds_its_deviations():
+    model = copy.deepcopy(base_model("llama"))
+    ids = calibration_ids(n=8, length=24, seed=1)
+    th = S.calibrate_activation_thresholds(model, ids, 0.5, centre=True, samples_per_call=1 << 20)
+    assert set(th.centres) == set(th.thresholds)
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        x = _inputs_of(model, name, ids).reshape(-1, th.centres[name].numel())
+        mu = x.double().mean(0).float()
+        torch.testing.assert_close(th.centres[name], mu, rtol=1e-5, atol=1e-6)
+        dev = (x - mu).abs()
+        assert abs(float((dev <= th.thresholds[name]).float().mean()) - 0.5) < 0.02, name
+    plain = S.calibrate_activation_thresholds(model, ids, 0.5, samples_per_call=1 << 20)
+    assert plain.centres == {} and plain.thresholds != th.thresholds
+    with pytest.raises(ValueError, match="allocation='uniform' only"):
+        S.calibrate_activation_thresholds(model, ids, 0.5, centre=True, allocation="measured")
+    with pytest.raises(ValueError, match="no threshold"):
+        S.ActivationThresholds(0.5, {"a": 1.0}, centres={"b": torch.zeros(3)})
+    with pytest.raises(ValueError, match="finite vector"):
+        S.ActivationThresholds(0.5, {"a": 1.0}, centres={"a": torch.tensor([float("nan")])})
+
+
+@pytest.mark.parametrize("rank", [0, 4])
+def test_centred_thresholds_drop_inputs_to_their_centre_and_compensate_the_deviation(rank):
+    model = copy.deepcopy(base_model("llama"))
+    ids = calibration_ids(n=4, length=16, seed=3)
+    th = S.calibrate_activation_thresholds(model, ids, 0.5, centre=True, rank=rank)
+    name = "model.layers.1.mlp.down_proj"
+    mod = S.target_modules(model)[name]
+    x = _inputs_of(model, name, ids)
+    with torch.no_grad():
+        dense = mod(x)
+    S.install_activation_sparsity(model, th)
+    mu, t = th.centres[name], th.thresholds[name]
+    y = torch.where((x - mu).abs() > t, x, mu.expand_as(x))
+    assert 0.3 < float((y == mu).float().mean()) < 0.7
+    with torch.no_grad():
+        got = mod(x)
+        want = torch.nn.functional.linear(y, mod.weight, mod.bias)
+        if rank:
+            a, b = S._RULES[mod].factors
+            want = want + torch.nn.functional.linear(torch.nn.functional.linear(x - y, a), b)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, dense, atol=1e-4)
+    small = dict(th.centres)
+    small[name] = small[name][:-1]  # a centre of another model's width
+    with pytest.raises(DeltaZipError, match="calibrated on another model"):
+        S.install_activation_sparsity(model, S.ActivationThresholds(0.5, th.thresholds, centres=small))
+    assert S._RULES[mod].centre is not None  # the refused call left the installed thresholds
+
+
+def test_centred_thresholds_round_trip_with_their_centres_beside_the_file(tmp_path):
+    model = copy.deepcopy(base_model("llama"))
+    ids = calibration_ids()
+    centred = S.calibrate_activation_thresholds(model, ids, 0.4, centre=True)
+    plain = S.calibrate_activation_thresholds(model, ids, 0.25)
+    plain.save(tmp_path)
+    doc = json.loads((tmp_path / S.THRESHOLDS_FILENAME).read_text())
+    assert doc["version"] == 1 and not (tmp_path / S.CENTRES_FILENAME).exists()
+    centred.save(tmp_path)
+    doc = json.loads((tmp_path / S.THRESHOLDS_FILENAME).read_text())
+    assert doc["version"] == 2 and doc["targets"]["0.4000"]["centred"] is True  # older readers refuse it
+    assert S.ActivationThresholds.load(tmp_path, 0.4) == centred
+    assert S.ActivationThresholds.load(tmp_path, 0.25) == plain and S.ActivationThresholds.load(tmp_path, 0.25).centres == {}
+    again = S.calibrate_activation_thresholds(model, calibration_ids(n=2, seed=4), 0.4, centre=True)
+    again.save(tmp_path)  # the target's centres replaced, the other target kept
+    assert S.ActivationThresholds.load(tmp_path, 0.4) == again != centred
+    (tmp_path / S.CENTRES_FILENAME).write_bytes(b"not safetensors")
+    with pytest.raises(DeltaZipError, match="not a readable safetensors file"):
+        S.ActivationThresholds.load(tmp_path, 0.4)
+    (tmp_path / S.CENTRES_FILENAME).unlink()
+    with pytest.raises(DeltaZipError, match="activation_centres.safetensors"):
+        S.ActivationThresholds.load(tmp_path, 0.4)
+    assert S.ActivationThresholds.load(tmp_path, 0.25) == plain  # an uncentred target needs no centres
+    doc["version"] = 3
+    (tmp_path / S.THRESHOLDS_FILENAME).write_text(json.dumps(doc))
+    with pytest.raises(DeltaZipError, match="newer hf-deltazip"):
+        S.ActivationThresholds.load(tmp_path, 0.25)
+
+
 def _dense_wt(mod):
     return mod.weight.detach().t() if not isinstance(mod, torch.nn.Linear) else mod.weight.detach()
 
@@ -830,6 +909,29 @@ def test_quality_bench_scores_decode_only_sparsity_after_a_dense_prefix(tmp_path
         bench.main(["quality", "--tiny", "--dense-prefix", "1.5"])
     with pytest.raises(SystemExit, match="real-pair"):  # no prompts to take the lengths of
         bench.main(["quality", "--tiny", "--sparsity", "0.5", "--dense-prefix", "prompt"])
+
+
+def test_quality_bench_measures_centred_thresholds_and_saves_their_centres(tmp_path):
+    from hf_deltazip.bench import act_sparsity as bench
+
+    runs = {}
+    for centre in (False, True):
+        out = tmp_path / f"c{centre}.json"
+        argv = ["quality", "--tiny", "--sparsity", "0.5", "--device", "cpu", "--json", str(out),
+                "--save-thresholds", str(tmp_path / f"th{centre}")]
+        assert bench.main(argv + (["--centre"] if centre else [])) == 0
+        runs[centre] = json.loads(out.read_text())
+    assert runs[True]["centred"] is True and runs[False]["centred"] is False
+    assert "centred thresholds" in bench.quality_table(runs[True]) and "centred" not in bench.quality_table(runs[False])
+
+    def nll(result):
+        return next(r["nll"] for r in result["rows"] if r["model"] == "fine-tune" and r["sparsity"] == 0.5)
+
+    assert nll(runs[True]) != nll(runs[False])
+    saved = S.ActivationThresholds.load(tmp_path / "thTrue", 0.5)
+    assert saved.centres and set(saved.centres) == set(saved.thresholds)
+    assert (tmp_path / "thTrue" / S.CENTRES_FILENAME).is_file()
+    assert S.ActivationThresholds.load(tmp_path / "thFalse", 0.5).centres == {}
 
 
 def test_thresholds_beside_a_delta_go_stale_when_another_delta_is_saved_there(delta_folder, tmp_path):

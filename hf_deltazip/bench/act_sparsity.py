@@ -252,14 +252,14 @@ def _only(th, layers):
         raise DeltaZipError(f"--layers {','.join(layers)} matches no layer; the layers end in "
                             f"{sorted({n.rsplit('.', 1)[-1] for n in th.thresholds})}")
     return acts.ActivationThresholds(th.sparsity, {n: (t if picked(n) else 0.0) for n, t in th.thresholds.items()},
-                                     th.num_tokens, rank=th.rank)
+                                     th.num_tokens, rank=th.rank, centres=th.centres)
 
 
 def _sweep(model, calib, evals, sparsities, batch_size, save_dir=None, dense_prefix=None, lengths=None,
            layers=None, allocation="uniform", rank: int = acts.DEFAULT_RANK, base_rows=None,
-           examples=None, em_out: Optional[dict] = None) -> dict:
+           examples=None, em_out: Optional[dict] = None, centre: bool = False) -> dict:
     """NLL per eval set at each sparsity, thresholds calibrated on ``model`` itself (``dense_prefix``: see
-    :func:`_prefix_nll`; ``layers``: see :func:`_only`; ``allocation``, ``rank``: see
+    :func:`_prefix_nll`; ``layers``: see :func:`_only`; ``allocation``, ``rank``, ``centre``: see
     ``calibrate_activation_thresholds``; ``base_rows``: a ``DeltaModel``'s ``threshold_base_rows``).
 
     ``examples`` (``(tokenizer, examples, max_new_tokens)``): also the greedy exact match of the examples at
@@ -267,7 +267,8 @@ def _sweep(model, calib, evals, sparsities, batch_size, save_dir=None, dense_pre
     prompt thresholded too, or the prompt dense and only the one-token steps thresholded)."""
     out = {}
     targets = [s for s in sparsities if s > 0]
-    ths = acts.calibrate_activation_thresholds(model, calib, targets, allocation=allocation, rank=rank) if targets else {}
+    ths = (acts.calibrate_activation_thresholds(model, calib, targets, allocation=allocation, rank=rank, centre=centre)
+           if targets else {})
 
     def install(th, decode_only=False):
         if hasattr(model, "set_activation_sparsity"):
@@ -328,7 +329,8 @@ def run_quality(args) -> dict:
         base_em = metrics.exact_match(base, tok, exs, max_new_tokens=max_new, batch_size=args.batch_size)
     ems = {"fine-tune": {}}
     ft_sweep = _sweep(ft, calib, evals, sparsities, args.batch_size, args.save_thresholds, prefix, lengths,
-                      args.layers, args.allocation, args.rank, examples=examples, em_out=ems["fine-tune"])
+                      args.layers, args.allocation, args.rank, examples=examples, em_out=ems["fine-tune"],
+                      centre=getattr(args, "centre", False))
     rows, em_rows = [], []
     for kind, sweep in [("fine-tune", ft_sweep)] + _delta_sweeps(args, pair, calib, evals, sparsities, DeltaModel,
                                                                   ems):
@@ -344,7 +346,8 @@ def run_quality(args) -> dict:
                                 "finetune_exact_match": ft_em, "gain_kept": _kept(em, base_em, ft_em)})
     out = {"mode": "quality", "pair": pair["name"], "device": device, "dtype": str(dtype).replace("torch.", ""),
            "calibration_sequences": len(calib), "dense_prefix": prefix, "layers": args.layers,
-           "allocation": args.allocation, "rank": args.rank, "rows": rows,
+           "allocation": args.allocation, "rank": args.rank, "centred": bool(getattr(args, "centre", False)),
+           "rows": rows,
            "seconds": round(time.time() - t0, 1)}
     if examples is not None:
         out.update(exact_match_examples=len(examples[1]), exact_match_rows=em_rows)
@@ -381,7 +384,7 @@ def _delta_sweeps(args, pair, calib, evals, sparsities, delta_model_cls, ems: Op
         return [(name, _sweep(dm, calib, evals, sparsities, args.batch_size, dense_prefix=args.dense_prefix,
                               lengths=pair.get("prompt_lengths"), layers=args.layers, allocation=args.allocation,
                               rank=args.rank, base_rows=base_rows, examples=pair.get("examples"),
-                              em_out=ems.setdefault(name, {})))
+                              em_out=ems.setdefault(name, {}), centre=getattr(args, "centre", False)))
                 for name, base_rows in (("DeltaModel (compressed delta)", None),
                                         ("DeltaModel, delta only", 0))]
     finally:
@@ -397,6 +400,7 @@ def quality_table(result: dict) -> str:
              f"{result['calibration_sequences']} calibration sequences{scope}"
              f"{'; only ' + ','.join(result['layers']) + ' thresholded' if result.get('layers') else ''}"
              f"; {result.get('allocation', 'uniform')} allocation over the layers"
+             f"{'; centred thresholds (|x - mean| per input)' if result.get('centred') else ''}"
              f"; low-rank compensation of rank {result.get('rank', 0)})",
              f"{'model':<30} {'eval':<20} {'sparsity':>8} {'NLL':>8} {'rel. NLL':>9} {'gain kept':>9}"]
     for r in result["rows"]:
@@ -819,6 +823,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     q.add_argument("--allocation", choices=list(acts.ALLOCATIONS), default="uniform",
                    help="how each target is spread over the layers (calibrate_activation_thresholds; 'measured': "
                         "one more calibration pass per layer group and level)")
+    q.add_argument("--centre", action="store_true", help="centred thresholds: each input is thresholded on its "
+                   "distance from its calibration mean, and a dropped input stands at that mean "
+                   "(calibrate_activation_thresholds(centre=True); uniform allocation only)")
     q.add_argument("--layers", type=lambda v: [x for x in v.split(",") if x],
                    help="threshold only the layers whose names end in one of these (comma list, e.g. "
                         "q_proj,k_proj,v_proj or layers.3.mlp.up_proj); the others stay dense: which layers the "

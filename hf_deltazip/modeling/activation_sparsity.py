@@ -32,6 +32,13 @@ from +2.6 % to +1.0 % (H200, bf16; less so at a document's late positions: BENCH
 Not supported on a tensor-parallel model (``rank=0`` there). In a ``DeltaModel`` the factors are the base weight's; a delta's
 own dropped inputs are not compensated.
 
+**Centred thresholds** (``calibrate_activation_thresholds(..., centre=True)``): each layer also records
+its inputs' mean ``mu`` over the calibration tokens; an input is dropped when ``|x_j - mu_j|`` is at or
+below the threshold and then stands at ``mu_j`` rather than 0, so the layer keeps ``W mu`` exactly and loses
+only the deviations (the compensation passes those through ``B A``). The kernels threshold ``x - mu`` and
+the layer adds ``W mu`` and each row's ``D mu`` (a per-slot table kept in step with loads). The centres are
+saved beside the thresholds file (``activation_centres.safetensors``).
+
 **Which weights.** In a ``DeltaModel`` decode step of several rows, the base weights serve every row and the
 rows' kept inputs together cover nearly every column, so skipping columns saves the base no bytes;
 ``DeltaModel.set_activation_sparsity`` therefore thresholds the base's input only in steps of at most
@@ -70,6 +77,7 @@ from .arch import is_linear, weight_as_nk
 
 __all__ = [
     "THRESHOLDS_FILENAME",
+    "CENTRES_FILENAME",
     "ActivationThresholds",
     "calibrate_activation_thresholds",
     "install_activation_sparsity",
@@ -86,11 +94,12 @@ __all__ = [
 ]
 
 THRESHOLDS_FILENAME = "activation_thresholds.json"
+CENTRES_FILENAME = "activation_centres.safetensors"  # the centres of centred thresholds, beside the JSON
 ALLOCATIONS = ("uniform", "measured")
 MEASURED_LEVELS = (0.2, 0.4, 0.6, 0.8)
 DEFAULT_RANK = 16  # the low-rank compensation's rank new calibrations record
 _FORMAT = "hf-deltazip/activation-thresholds"
-_VERSION = 1
+_VERSION = 2  # the newest file version read; 2: a target may be centred (older readers must refuse those)
 
 
 def _target_key(sparsity: float) -> str:
@@ -109,7 +118,7 @@ def _check_sparsity(sparsity) -> float:
     return float(sparsity)
 
 
-@dataclass
+@dataclass(eq=False)  # __eq__ below: the centres are tensors
 class ActivationThresholds:
     """Per-layer input thresholds for one target sparsity.
 
@@ -125,6 +134,11 @@ class ActivationThresholds:
             for ``"measured"``; empty for ``"uniform"``, where it is ``sparsity`` everywhere).
         rank: the rank of the low-rank compensation of the dropped inputs (0: none; see the module
             docstring). Files written before it existed read as 0.
+        centres: module name -> its inputs' mean over the calibration tokens (a float32 vector of the
+            layer's input size), for *centred* thresholds: an input ``x_j`` is dropped when
+            ``|x_j - mu_j| <= threshold`` and then stands at ``mu_j`` instead of 0, so the layer keeps
+            ``W mu`` exactly and loses only the deviations (see ``calibrate_activation_thresholds(centre=True)``).
+            Empty: thresholds on ``|x_j|``, dropped inputs 0.
     """
 
     sparsity: float
@@ -133,6 +147,7 @@ class ActivationThresholds:
     allocation: str = "uniform"
     layer_sparsity: dict = field(default_factory=dict)
     rank: int = 0
+    centres: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.sparsity = _check_sparsity(self.sparsity)
@@ -144,6 +159,22 @@ class ActivationThresholds:
             raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {self.allocation!r}")
         self.layer_sparsity = {str(k): _check_sparsity(v) for k, v in self.layer_sparsity.items()}
         self.rank = _check_rank(self.rank)
+        centres = {}
+        for name, c in self.centres.items():
+            if str(name) not in self.thresholds:
+                raise ValueError(f"a centre for {name!r}, which has no threshold")
+            c = torch.as_tensor(c).detach().to("cpu", torch.float32)
+            if c.dim() != 1 or c.numel() == 0 or not bool(torch.isfinite(c).all()):
+                raise ValueError(f"the centre of {name!r} must be a non-empty finite vector, got shape {tuple(c.shape)}")
+            centres[str(name)] = c
+        self.centres = centres
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, ActivationThresholds):
+            return NotImplemented
+        plain = ("sparsity", "thresholds", "num_tokens", "allocation", "layer_sparsity", "rank")
+        return (all(getattr(self, f) == getattr(other, f) for f in plain) and self.centres.keys() == other.centres.keys()
+                and all(torch.equal(c, other.centres[n]) for n, c in self.centres.items()))
 
     def save(self, folder: Union[str, os.PathLike]) -> Path:
         """Write these thresholds into ``folder/activation_thresholds.json`` (atomically), keeping
@@ -151,22 +182,39 @@ class ActivationThresholds:
 
         Next to a delta (a ``delta.dz`` in the folder) the file records which delta it was calibrated with;
         once another delta is saved into the folder, loading the thresholds is refused, and the next
-        ``save`` starts a fresh file for the new delta."""
+        ``save`` starts a fresh file for the new delta. Centred thresholds keep their centres beside it in
+        ``activation_centres.safetensors`` (written first; the JSON's version is then 2, which older
+        releases refuse rather than apply the thresholds uncentred)."""
         path = Path(folder)
         if path.suffix != ".json":
             path = path / THRESHOLDS_FILENAME
         delta = _delta_beside(path)
         doc = _read(path, check_delta=False) if path.exists() else None
-        if doc is None or doc.get("delta") != delta:  # none yet, or the targets of a delta saved there before
-            doc = {"format": _FORMAT, "version": _VERSION, "targets": {}}
+        fresh = doc is None or doc.get("delta") != delta  # none yet, or the targets of a delta saved there before
+        if fresh:
+            doc = {"format": _FORMAT, "version": 1, "targets": {}}
         if delta is not None:
             doc["delta"] = delta
+        key = _target_key(self.sparsity)
         entry = {"num_tokens": self.num_tokens, "thresholds": self.thresholds}
         if self.allocation != "uniform":
             entry.update(allocation=self.allocation, layer_sparsity=self.layer_sparsity)
         if self.rank:
             entry["rank"] = self.rank
-        doc["targets"][_target_key(self.sparsity)] = entry
+        # the centres beside the file (safetensors), this target's replacing what it had there before; written
+        # first, so the JSON never names centres that are not on disk
+        side = path.parent / CENTRES_FILENAME
+        kept = {} if fresh or not side.exists() else {
+            k: v for k, v in _read_centres(side).items() if not k.startswith(key + ":")}
+        if self.centres:
+            entry["centred"] = True
+            kept.update({f"{key}:{name}": c.contiguous() for name, c in self.centres.items()})
+        if kept or side.exists():
+            from safetensors.torch import save as save_tensors
+
+            atomic_write_bytes(side, save_tensors(kept))
+        doc["targets"][key] = entry
+        doc["version"] = 2 if any(t.get("centred") for t in doc["targets"].values()) else 1
         atomic_write_bytes(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
         return path
 
@@ -187,12 +235,36 @@ class ActivationThresholds:
             have = ", ".join(sorted(doc["targets"])) or "none"
             raise DeltaZipError(f"{path} has no thresholds for sparsity {sparsity} (it has: {have}); calibrate them "
                                 f"with calibrate_activation_thresholds(model, texts, sparsity={sparsity}) and .save() them")
+        centres = {}
+        if target.get("centred"):
+            side = path.parent / CENTRES_FILENAME
+            if not side.is_file():
+                raise DeltaZipError(f"{path} has centred thresholds for sparsity {sparsity} but {side.name} (their "
+                                    "centres) is not beside it: copy it there, or calibrate again with "
+                                    "calibrate_activation_thresholds(..., centre=True) and .save() them")
+            prefix = _target_key(sparsity) + ":"
+            centres = {k[len(prefix):]: v for k, v in _read_centres(side).items() if k.startswith(prefix)}
+            lacking = sorted(set(target.get("thresholds", {})) - set(centres))
+            if lacking:
+                raise DeltaZipError(f"{side} lacks the centres of {lacking[:3]} for sparsity {sparsity}: calibrate "
+                                    "again with calibrate_activation_thresholds(..., centre=True) and .save() them")
         try:
             return cls(sparsity, dict(target["thresholds"]), int(target.get("num_tokens", 0)),
                        target.get("allocation", "uniform"), dict(target.get("layer_sparsity", {})),
-                       target.get("rank", 0))
+                       target.get("rank", 0), centres)
         except (TypeError, ValueError, KeyError) as e:
             raise DeltaZipError(f"{path}: bad thresholds for sparsity {sparsity}: {e}") from e
+
+
+def _read_centres(path: Path) -> dict:
+    from safetensors import SafetensorError
+    from safetensors.torch import load as load_tensors
+
+    try:
+        return load_tensors(Path(path).read_bytes())
+    except (SafetensorError, ValueError, RuntimeError) as e:
+        raise DeltaZipError(f"{path} is not a readable safetensors file of activation centres ({e}): delete it and "
+                            "calibrate again with calibrate_activation_thresholds(..., centre=True)") from e
 
 
 def _file(path) -> Path:
@@ -268,19 +340,46 @@ class _Rule:
     drops), or recording for calibration."""
 
     def __init__(self, threshold: Optional[float] = None, recorder=None, decode_only: bool = False,
-                 factors: Optional[tuple] = None, base_rows: Optional[int] = None):
+                 factors: Optional[tuple] = None, base_rows: Optional[int] = None,
+                 centre: Optional[torch.Tensor] = None):
         self.threshold = threshold
         self.recorder = recorder
         self.decode_only = decode_only
         self.factors = factors  # (A [r, in], B [out, r]) or None
         self.base_rows = base_rows  # the base sees its whole input in one-token steps of more rows (None: never)
+        self.centre = centre  # float32 [in] (centred thresholds: a dropped input stands at its centre) or None
         self.handles = []
         self.last_out = None  # weakref to the last tensor produced: not processed twice
         self.pending = None  # (input, thresholded input) of the call in flight through the hooks
         self._kernel_factors = None  # ((dtype, device), the kernels' (A^T, B)), made on first use
+        self._centres = {}  # (dtype, device) -> the centre there; (dtype, device, "w") -> (centre, W centre)
 
     def __getstate__(self):  # a pickled or deep-copied module's hook: no weak reference, nothing in flight
-        return {**self.__dict__, "last_out": None, "pending": None, "handles": [], "_kernel_factors": None}
+        return {**self.__dict__, "last_out": None, "pending": None, "handles": [], "_kernel_factors": None,
+                "_centres": {}}
+
+    def centre_as(self, dtype: torch.dtype, device) -> Optional[torch.Tensor]:
+        """The centre in ``dtype`` on ``device`` (made once; ``None``: thresholds on ``|x|``)."""
+        if self.centre is None:
+            return None
+        key = (dtype, torch.device(device))
+        c = self._centres.get(key)
+        if c is None:
+            c = self._centres[key] = self.centre.to(device, dtype)
+        return c
+
+    def kernel_centre(self, module: nn.Module, dtype: torch.dtype, device) -> Optional[tuple]:
+        """``(centre [in] in dtype, W centre [out] float32)`` for the kernel route, where the kernels threshold
+        ``x - centre`` and the layer adds ``W centre`` (made once per dtype and device; ``None``: not centred)."""
+        if self.centre is None:
+            return None
+        key = (dtype, torch.device(device), "w")
+        got = self._centres.get(key)
+        if got is None:
+            w = _dense_weight(module).to(device)
+            got = self._centres[key] = (self.centre_as(dtype, device),
+                                        w.float() @ self.centre.to(device, torch.float32))
+        return got
 
     def kernel_lowrank(self, dtype: torch.dtype, device) -> Optional[tuple]:
         """The compensation's factors as the activation-sparse kernels take them (``lowrank=``), in ``dtype``
@@ -308,7 +407,10 @@ class _Rule:
         return x.numel() // x.shape[-1] > self.base_rows
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.where(x.abs() > self.threshold, x, torch.zeros((), dtype=x.dtype, device=x.device))
+        c = self.centre_as(x.dtype, x.device)
+        if c is None:
+            return torch.where(x.abs() > self.threshold, x, torch.zeros((), dtype=x.dtype, device=x.device))
+        return torch.where((x - c).abs() > self.threshold, x, c.expand_as(x))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_tensor(x) or (self.last_out is not None and self.last_out() is x):
@@ -353,11 +455,13 @@ def has_activation_sparsity(module: nn.Module) -> bool:
 
 
 def kernel_sparsity(module: nn.Module, x: torch.Tensor) -> Optional[tuple]:
-    """``(threshold, lowrank)`` when ``module``'s installed thresholds apply to all of ``x`` and the
+    """``(threshold, lowrank, centre)`` when ``module``'s installed thresholds apply to all of ``x`` and the
     activation-sparse kernels can apply them (``lowrank``: the compensation's factors in kernel form, or
-    ``None``); ``None`` when nothing is installed, thresholds are being recorded, a prompt's part of ``x``
-    stays dense (``decode_start``), or the compensation's rank is above what the kernels take
-    (``kernels.act_sparse.LOWRANK_MAX_RANK``; such layers stay on the PyTorch route)."""
+    ``None``; ``centre``: for centred thresholds ``(mu, W mu)``, the kernels then threshold ``x - mu`` and
+    the caller adds ``W mu`` (and each delta's ``D mu``), else ``None``); ``None`` when nothing is installed,
+    thresholds are being recorded, a prompt's part of ``x`` stays dense (``decode_start``), or the
+    compensation's rank is above what the kernels take (``kernels.act_sparse.LOWRANK_MAX_RANK``; such layers
+    stay on the PyTorch route)."""
     from ..kernels.act_sparse import LOWRANK_MAX_RANK
 
     rule = _RULES.get(module)
@@ -365,7 +469,7 @@ def kernel_sparsity(module: nn.Module, x: torch.Tensor) -> Optional[tuple]:
         return None
     if rule.factors is not None and rule.factors[0].shape[0] > LOWRANK_MAX_RANK:
         return None
-    return rule.threshold, rule.kernel_lowrank(x.dtype, x.device)
+    return rule.threshold, rule.kernel_lowrank(x.dtype, x.device), rule.kernel_centre(module, x.dtype, x.device)
 
 
 def base_sees_whole_input(module: nn.Module, x: torch.Tensor) -> bool:
@@ -447,6 +551,14 @@ def _dense_weight(module: nn.Module) -> torch.Tensor:
         raise DeltaZipError(f"cannot take the low-rank compensation of a {type(module).__name__} with a "
                             f"{w.dtype} weight of shape {tuple(w.shape)}: install the thresholds with rank=0")
     return w.detach()
+
+
+def _dense_weight_shape(module: nn.Module) -> tuple:
+    """``(out, in)`` of a linear layer (without dequantizing a bitsandbytes weight)."""
+    from ..quantization import logical_weight_shape
+
+    shape = logical_weight_shape(module)
+    return tuple(shape) if shape is not None else tuple(weight_as_nk(module).shape)
 
 
 def low_rank_factors(weight: torch.Tensor, rank: int, seed: int = 0) -> tuple:
@@ -533,11 +645,18 @@ def install_activation_sparsity(model: nn.Module, thresholds: Optional[Activatio
                 f"no threshold for {missing[:3]}" if missing else "")
             raise DeltaZipError(f"these thresholds do not fit this model ({what}{', ...' if len(unknown) > 3 or len(missing) > 3 else ''}): "
                                 "calibrate them on this model, or pass strict=False to apply the ones that fit")
-    chosen = [(mod, t) for name, mod in mods.items() if (t := thresholds.thresholds.get(name)) is not None]
-    factors = [low_rank_factors(_dense_weight(mod), rank) if rank else None for mod, _ in chosen]
+    chosen = [(name, mod, t) for name, mod in mods.items() if (t := thresholds.thresholds.get(name)) is not None]
+    for name, mod, _ in chosen:
+        c = thresholds.centres.get(name)
+        if c is not None and c.numel() != _dense_weight_shape(mod)[1]:
+            raise DeltaZipError(f"the centre of {name} has {c.numel()} entries but the layer takes "
+                                f"{_dense_weight_shape(mod)[1]} inputs: these thresholds were calibrated on another "
+                                "model; calibrate them on this one")
+    factors = [low_rank_factors(_dense_weight(mod), rank) if rank else None for _, mod, _ in chosen]
     remove_activation_sparsity(model)  # only now: a refused call leaves what was installed before
-    for (mod, t), f in zip(chosen, factors):
-        _install_rule(mod, _Rule(threshold=t, decode_only=decode_only, factors=f, base_rows=base_rows))
+    for (name, mod, t), f in zip(chosen, factors):
+        _install_rule(mod, _Rule(threshold=t, decode_only=decode_only, factors=f, base_rows=base_rows,
+                                 centre=thresholds.centres.get(name)))
     return len(chosen)
 
 
@@ -553,12 +672,17 @@ def activation_sparsity_of(model: nn.Module) -> dict:
 
 # --------------------------------------------------------------------------- calibration
 class _Sampler:
-    """Keeps a uniform random sample (at most ``per_call`` values of each call) of ``|x|``."""
+    """Keeps a uniform random sample (at most ``per_call`` values of each call) of ``|x|``; with ``centre``,
+    of ``x`` with each value's input feature, and every feature's sum, for thresholds on ``|x - mean|``."""
 
-    def __init__(self, per_call: int, gen: torch.Generator):
+    def __init__(self, per_call: int, gen: torch.Generator, centre: bool = False):
         self.per_call = per_call
         self.gen = gen
+        self.centre = centre
         self.parts: list = []
+        self.feats: list = []  # centre: the input feature of each kept value
+        self.total = None  # centre: float64 sum of the inputs, per feature
+        self.rows = 0
         self.count = 0
         self.first = None
 
@@ -566,15 +690,31 @@ class _Sampler:
         if self.first is None:  # a fingerprint of the first input: equal for layers that read one tensor
             d = x.detach().double()
             self.first = (tuple(x.shape), float(d.sum()), float(d.pow(2).sum()), float(d.reshape(-1)[0]))
-        v = x.detach().abs().reshape(-1).float()
+        k = x.shape[-1]
+        flat = x.detach().reshape(-1).float()
+        v = flat if self.centre else flat.abs()
+        idx = None
         if v.numel() > self.per_call:
             idx = torch.randint(0, v.numel(), (self.per_call,), generator=self.gen).to(v.device)
             v = v[idx]
+        if self.centre:
+            part = x.detach().reshape(-1, k).double().sum(0).cpu()
+            self.total = part if self.total is None else self.total + part
+            self.rows += flat.numel() // k
+            pos = idx if idx is not None else torch.arange(flat.numel(), device=flat.device)
+            self.feats.append((pos % k).cpu())
         self.parts.append(v.cpu())
         self.count += x.numel()
 
+    def mean(self) -> torch.Tensor:
+        """The inputs' mean per feature (float32; ``centre`` only)."""
+        return (self.total / max(self.rows, 1)).float()
+
     def quantiles(self, qs: Sequence[float]) -> list:
-        v = torch.cat(self.parts).sort().values
+        v = torch.cat(self.parts)
+        if self.centre:
+            v = (v - self.mean()[torch.cat(self.feats)]).abs()
+        v = v.sort().values
         return [_quantile(v, q) for q in qs]
 
 
@@ -685,7 +825,7 @@ def calibrate_activation_thresholds(model: nn.Module, calibration, sparsity: Uni
                                     tokenizer=None, max_length: int = 512, batch_size: int = 8,
                                     samples_per_call: int = 1 << 14, seed: int = 0, allocation: str = "uniform",
                                     levels: Sequence[float] = MEASURED_LEVELS, rank: int = DEFAULT_RANK,
-                                    **forward_kwargs):
+                                    centre: bool = False, **forward_kwargs):
     """Measure per-layer input thresholds that drop a fraction ``sparsity`` of the layers' inputs.
 
     Runs ``model`` (a transformers causal LM, or a ``DeltaModel``: its active delta, or
@@ -714,6 +854,13 @@ def calibrate_activation_thresholds(model: nn.Module, calibration, sparsity: Uni
         levels: ``"measured"``: the fractions a group may take besides 0; the largest caps every layer.
         rank: the low-rank compensation the thresholds are applied with (recorded in them; 0: none; see
             the module docstring). It does not change the thresholds.
+        centre: *centred* thresholds (``allocation="uniform"`` only): each layer's inputs' mean ``mu`` over the
+            calibration tokens is recorded, the threshold is the quantile of ``|x - mu|``, and a dropped input
+            stands at ``mu_j`` instead of 0, so the layer keeps ``W mu`` exactly and drops only deviations. On
+            Gemma 3 270M at 40 %, decode-only, it took the NLL rise from +6.07 % to +4.90 % (rank 16; no change at
+            25 %), but thresholding every token (the prompt too) it is worse: a document's first position is far
+            from the means (BENCHMARKS.md section 8). The centres are saved beside the thresholds
+            (``activation_centres.safetensors``).
 
     Returns:
         :class:`ActivationThresholds`, or ``{sparsity: ActivationThresholds}`` for several targets.
@@ -729,6 +876,8 @@ def calibrate_activation_thresholds(model: nn.Module, calibration, sparsity: Uni
     if allocation not in ALLOCATIONS:
         raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}")
     rank = _check_rank(rank)
+    if centre and allocation != "uniform":
+        raise ValueError("centred thresholds (centre=True) are calibrated with allocation='uniform' only")
     if allocation == "measured":
         levels = [_check_sparsity(q) for q in levels if q > 0]
         if not levels or max(targets) > max(levels):
@@ -739,7 +888,7 @@ def calibrate_activation_thresholds(model: nn.Module, calibration, sparsity: Uni
         raise DeltaZipError(f"{type(model).__name__} has no linear layers to sparsify")
     before = {name: _RULES.get(m) for name, m in mods.items()}
     gen = torch.Generator().manual_seed(seed)
-    samplers = {name: _Sampler(samples_per_call, gen) for name in mods}
+    samplers = {name: _Sampler(samples_per_call, gen, centre=centre) for name in mods}
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     tokens = 0
     was_training = model.training
@@ -781,7 +930,8 @@ def calibrate_activation_thresholds(model: nn.Module, calibration, sparsity: Uni
             th.rank = rank
         return out if many else out[targets[0]]
     per_layer = {n: s.quantiles(targets) for n, s in samplers.items() if s.parts}
-    out = {t: ActivationThresholds(t, {n: q[i] for n, q in per_layer.items()}, tokens, rank=rank)
+    centres = {n: s.mean() for n, s in samplers.items() if s.parts} if centre else {}
+    out = {t: ActivationThresholds(t, {n: q[i] for n, q in per_layer.items()}, tokens, rank=rank, centres=centres)
            for i, t in enumerate(targets)}
     return out if many else out[targets[0]]
 

@@ -179,6 +179,9 @@ class DeltaLinear(DeltaModule):
         self.stacks = None  # kernels.SlotStacks: the kernel-side copy of the packed deltas
         self._bias_delta = None
         self._sparse = False  # decode steps through the activation-sparse kernels (set_sparse_kernels)
+        # centred thresholds on the sparse route: (the centre it was made for, [table_size, out] float32 whose row
+        # slot + 1 is that slot's delta times the centre), made on first use and kept in step with loads
+        self._centre_delta = None
         self._changed()
 
     @property
@@ -212,6 +215,7 @@ class DeltaLinear(DeltaModule):
     def _changed(self) -> None:
         """A change the kernel stacks cannot absorb in place: rebuild them (now on CUDA, else lazily)."""
         self.stacks = None
+        self._centre_delta = None
         self._refresh()
         self.layout.bump()
         if self._kernel_route and self.packed:
@@ -230,6 +234,7 @@ class DeltaLinear(DeltaModule):
     def add_packed(self, slot: int, packed: PackedModule) -> None:
         if self.stacks is not None and slot not in self.packed and self._write_in_place(slot, packed):
             self._refresh()
+            self._centre_row(slot)
             return
         self.packed[slot] = packed
         self._changed()
@@ -245,6 +250,7 @@ class DeltaLinear(DeltaModule):
             self.packed.pop(slot, None)
             if self.overrides.pop(slot, None):
                 self._bias_delta[slot + 1].zero_()
+            self._centre_row(slot)
             self._refresh()
             if not self.packed and not keep_room:
                 self.stacks = None
@@ -588,15 +594,19 @@ class DeltaLinear(DeltaModule):
         spec = kernel_sparsity(self.base_layer, x)
         if spec is None:
             return None
-        threshold, lowrank = spec
+        threshold, lowrank, centre = spec
         bias = self.base_layer.bias
         lead = x.shape[:-1]
         x2 = x.reshape(rows, k)
         bias = None if bias is None else bias.to(x.dtype)
+        # centred thresholds: the kernels threshold x - mu (a dropped input stands at mu), and the layer adds
+        # W mu, each row's delta D mu
+        xk = x2 if centre is None else x2 - centre[0]
         if base_sees_whole_input(self.base_layer, x):  # many rows: their kept inputs cover almost every column
             y = F.linear(x2, wt.t(), bias)
         else:
-            y = sparse_base_linear(x2, wt, bias, threshold=threshold, lowrank=lowrank)
+            b = bias if centre is None else (centre[1] + (0.0 if bias is None else bias.float())).to(x.dtype)
+            y = sparse_base_linear(xk, wt, b, threshold=threshold, lowrank=lowrank)
         if not self.packed and not self.overrides and self.stacks is None:
             return y.reshape(*lead, y.shape[-1])
         routing = self.router.current
@@ -612,12 +622,35 @@ class DeltaLinear(DeltaModule):
         stacks = self.stacks if self.stacks is not None else self._build_stacks(x.device)
         slot_tok, segments = routing.kernel_rows(batch, rows // batch, x.device)
         if stacks.input_major_ready:
-            stacks.add_sparse_deltas(x2, y, segments, threshold, None if slots is None else set(slots))
+            stacks.add_sparse_deltas(xk, y, segments, threshold, None if slots is None else set(slots))
         else:  # the multi-delta kernel on the thresholded input, adding the deltas alone to the base's product
-            y = stacks.accumulate(sparsify_input(x2, threshold), y.contiguous(), slot_tok, segments, share)
+            y = stacks.accumulate(sparsify_input(xk, threshold), y.contiguous(), slot_tok, segments, share)
         if self._bias_delta is not None:
             y = (y.float() + self._bias_delta[slot_tok]).to(y.dtype)
+        if centre is not None:
+            y = (y.float() + self._centre_rows(stacks, centre[0])[slot_tok]).to(y.dtype)
         return y.reshape(*lead, y.shape[-1])
+
+    def _centre_rows(self, stacks, mu: torch.Tensor) -> torch.Tensor:
+        """``[table_size, out]`` float32: row ``slot + 1`` is ``delta(slot) @ mu`` for every slot the stacks hold (0
+        for the base and free room): what a row's delta adds for the centres its thresholds drop to. Made
+        once per centre (outside a captured step: the warm-up makes it); loads and evictions rewrite a row."""
+        held = self._centre_delta
+        if held is None or held[0] is not mu or held[1].shape[0] != stacks.table_size:
+            table = torch.zeros(stacks.table_size, self.out_features, dtype=torch.float32, device=mu.device)
+            self._centre_delta = held = (mu, table)
+            for slot in stacks.slots:
+                self._centre_row(slot)
+        return held[1]
+
+    def _centre_row(self, slot: int) -> None:
+        if self._centre_delta is None or self.stacks is None:
+            return
+        mu, table = self._centre_delta
+        if slot in self.stacks.slots:
+            table[slot + 1] = self.stacks.dense_delta(slot, torch.float32) @ mu.float()
+        else:
+            table[slot + 1].zero_()
 
     def _kernel_weight(self) -> torch.Tensor:
         """The base weight as ``[N, K]`` rows the kernels and the dense route read."""

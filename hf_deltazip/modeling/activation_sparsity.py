@@ -369,16 +369,19 @@ class _Rule:
         return c
 
     def kernel_centre(self, module: nn.Module, dtype: torch.dtype, device) -> Optional[tuple]:
-        """``(centre [in] in dtype, W centre [out] float32)`` for the kernel route, where the kernels threshold
-        ``x - centre`` and the layer adds ``W centre`` (made once per dtype and device; ``None``: not centred)."""
+        """``(centre [in], W centre + bias [out])`` in ``dtype`` for the kernel route, where the kernels threshold
+        ``x - centre`` and take the second as the layer's bias (made once per dtype and device; ``None``: not
+        centred)."""
         if self.centre is None:
             return None
         key = (dtype, torch.device(device), "w")
         got = self._centres.get(key)
         if got is None:
-            w = _dense_weight(module).to(device)
-            got = self._centres[key] = (self.centre_as(dtype, device),
-                                        w.float() @ self.centre.to(device, torch.float32))
+            wc = _dense_weight(module).to(device).float() @ self.centre.to(device, torch.float32)
+            bias = getattr(module, "bias", None)
+            if bias is not None:
+                wc = wc + bias.detach().to(device, torch.float32)
+            got = self._centres[key] = (self.centre_as(dtype, device), wc.to(dtype))
         return got
 
     def kernel_lowrank(self, dtype: torch.dtype, device) -> Optional[tuple]:
@@ -457,8 +460,8 @@ def has_activation_sparsity(module: nn.Module) -> bool:
 def kernel_sparsity(module: nn.Module, x: torch.Tensor) -> Optional[tuple]:
     """``(threshold, lowrank, centre)`` when ``module``'s installed thresholds apply to all of ``x`` and the
     activation-sparse kernels can apply them (``lowrank``: the compensation's factors in kernel form, or
-    ``None``; ``centre``: for centred thresholds ``(mu, W mu)``, the kernels then threshold ``x - mu`` and
-    the caller adds ``W mu`` (and each delta's ``D mu``), else ``None``); ``None`` when nothing is installed,
+    ``None``; ``centre``: for centred thresholds ``(mu, W mu + bias)``, the kernels then threshold ``x - mu``
+    and take ``W mu + bias`` as the bias (each delta's ``D mu`` is the caller's), else ``None``); ``None`` when nothing is installed,
     thresholds are being recorded, a prompt's part of ``x`` stays dense (``decode_start``), or the
     compensation's rank is above what the kernels take (``kernels.act_sparse.LOWRANK_MAX_RANK``; such layers
     stay on the PyTorch route)."""

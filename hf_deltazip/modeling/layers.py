@@ -605,8 +605,7 @@ class DeltaLinear(DeltaModule):
         if base_sees_whole_input(self.base_layer, x):  # many rows: their kept inputs cover almost every column
             y = F.linear(x2, wt.t(), bias)
         else:
-            b = bias if centre is None else (centre[1] + (0.0 if bias is None else bias.float())).to(x.dtype)
-            y = sparse_base_linear(xk, wt, b, threshold=threshold, lowrank=lowrank)
+            y = sparse_base_linear(xk, wt, bias if centre is None else centre[1], threshold=threshold, lowrank=lowrank)
         if not self.packed and not self.overrides and self.stacks is None:
             return y.reshape(*lead, y.shape[-1])
         routing = self.router.current

@@ -267,7 +267,7 @@ class KernelPolicy:
             return chosen == "split" and rows >= self.decode_split_min_rows
         if self.decode == "auto" and deltas is None:
             return False
-        return self.decode_route(rows, 0 if deltas is None else deltas, device) == "split"
+        return self.decode_route(rows, deltas or 0, device) == "split"
 
     @contextmanager
     def step_route(self, route: Optional[str]):

@@ -426,7 +426,7 @@ class DecodeEngine:
         self._rows: list[Optional[_Row]] = [None] * max_batch_size
         self._finished: list[Finished] = []
         self._ptr = 0  # host copy of the write index
-        self._graphs: dict = {}  # decode route (None: the policy's only one) -> (CUDA graph, layout version)
+        self._graphs: dict = {}  # decode route (None: no kernels) -> (CUDA graph, layout version)
         self._graph_failed = False
         self.captures = 0  # decode steps captured as CUDA graphs so far (each layout change costs one)
         self._static_failed = False
@@ -1025,15 +1025,11 @@ class DecodeEngine:
                     st.max_deltas_auto = _cap_of(self._step_fit)
 
     def _route_of(self, deltas: int) -> Optional[str]:
-        """The kernel route of a decode step whose rows carry ``deltas`` distinct deltas: ``"split"`` or
-        ``"fused"`` where the policy chooses per step (``decode="auto"`` with kernels on), else ``None`` (the
-        policy's one route)."""
+        """The kernel route (``"split"`` or ``"fused"``) of a decode step whose rows carry ``deltas`` distinct
+        deltas, as the model's ``KernelPolicy`` chooses it; ``None`` without kernels."""
         if self.delta_model is None or not self._wants_kernels():
             return None
-        policy = self.delta_model.kernel_policy
-        if policy.decode != "auto":
-            return None
-        return policy.decode_route(self.max_batch_size, deltas, self.device)
+        return self.delta_model.kernel_policy.decode_route(self.max_batch_size, deltas, self.device)
 
     @contextmanager
     def _route_scope(self, route: Optional[str]):
@@ -1042,11 +1038,7 @@ class DecodeEngine:
 
     def _decode_step(self, deltas: int = 0) -> None:
         route = self._route_of(deltas)
-        if route is None and self.delta_model is not None and self._wants_kernels():
-            policy = self.delta_model.kernel_policy
-            self.stats.split_steps += policy.wants_decode_split(self.max_batch_size, deltas, self.device)
-        else:
-            self.stats.split_steps += route == "split"
+        self.stats.split_steps += route == "split"
         if self.cuda_graphs and not self._graph_failed and self._graph_safe():
             version = self._layout_version()
             held = self._graphs.get(route)

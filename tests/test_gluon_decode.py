@@ -40,6 +40,18 @@ def test_gluon_launcher_refuses_an_unknown_split_rule():
         gluon_delta_accumulate(x, st, seg, torch.zeros(2, 64, dtype=torch.bfloat16), split_rule="even")
 
 
+def test_blocks_per_sm_gives_the_occupancy_nsight_compute_reported():
+    from hf_deltazip.kernels.launch import blocks_per_sm
+
+    # H100, 4 warps: Nsight Compute's block limits for the 2-bit build (208 registers, 71.81 KB dynamic shared
+    # memory + 1 KB reserved: registers 2, shared memory 3) and the 4-bit one (168 registers, 73.86 KB: 3 and 3)
+    assert blocks_per_sm(208, 73533, 4) == 2
+    assert blocks_per_sm(168, 75633, 4) == 3
+    assert blocks_per_sm(168, 120000, 4) == 1  # shared memory the limit
+    assert blocks_per_sm(32, 0, 4) == 16  # threads the limit (2048 per SM)
+    assert blocks_per_sm(255, 0, 8) == 1 and blocks_per_sm(256, 0, 16) == 0  # a program that does not fit
+
+
 def test_default_backend_reaches_default_config():
     st = K.random_delta_stack(2, 64, 512, bits=2, group_size=128)
     try:

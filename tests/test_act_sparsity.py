@@ -1118,8 +1118,9 @@ def test_model_speed_table_gives_each_case_against_dense_and_both_memory_figures
     table = bench.model_speed_table({"shape": "Llama-3-8B (random weights)", "layers": 32, "device": "H200", "deltas": 8,
                                      "delta_bits": 4, "group_size": 128, "rank": 16, "steps": 64, "prompt_len": 32,
                                      "max_rel_error_vs_pytorch": 3.1e-3, "base_gib": 15.0, "delta_gib_each": 6.80,
-                                     "delta_gib_each_packed": 3.40, "rows": rows})
+                                     "delta_gib_each_packed": 3.40, "decode": "fused", "rows": rows})
     lines = table.splitlines()
+    assert "dense steps decode='fused'" in table
     assert lines[-1].split()[-2:] == ["369.2", "1.07x"] and lines[-2].split()[-2:] == ["344.8", "1.00x"]
     assert "each delta 6.80 GiB with its input-major copy (kernels=True), 3.40 GiB without" in table
     assert "max error / max |y| = 3.10e-03" in table

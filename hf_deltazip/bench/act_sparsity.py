@@ -676,6 +676,8 @@ def run_model_speed(args) -> dict:
     th = acts.calibrate_activation_thresholds(base, calib, targets, rank=args.rank, batch_size=4)  # on the base
     th = th if isinstance(th, dict) else {targets[0]: th}
     model = DeltaModel(base)
+    decode = getattr(args, "decode", "auto")
+    model.configure_kernels(decode=decode)  # the dense steps' route (the sparse ones take their own kernels)
     names = [f"d{i}" for i in range(args.deltas)]
     model.configure_cache(max_resident=len(names))  # the kernel stacks sized once
     for i, n in enumerate(names):
@@ -728,7 +730,7 @@ def run_model_speed(args) -> dict:
         model.set_activation_sparsity(None)
     return {"mode": "model-speed", "device": torch.cuda.get_device_name(), "layers": args.layers,
             "shape": "Llama-3-8B (random weights)", "delta_bits": args.bits, "group_size": args.group_size,
-            "deltas": len(names), "rank": args.rank, "steps": args.steps, "prompt_len": args.prompt_len,
+            "deltas": len(names), "decode": decode, "rank": args.rank, "steps": args.steps, "prompt_len": args.prompt_len,
             "max_rel_error_vs_pytorch": err, "base_gib": mem["base"] / 2**30,
             "delta_gib_each": mem["deltas"][names[0]] / 2**30, "delta_gib_each_packed": packed / 2**30, "rows": rows,
             **({"profiles": profiles} if profiles else {}), "seconds": round(time.time() - t0, 1)}
@@ -768,7 +770,8 @@ def _layer_errors(model, thresholds, ids, rows, kernels, base_rows=1) -> float:
 def model_speed_table(result: dict) -> str:
     lines = [f"activation sparsity through DeltaModel + DecodeEngine: {result['shape']}, {result['layers']} blocks, "
              f"on {result['device']}; {result['deltas']} {result['delta_bits']}-bit deltas g{result['group_size']}, "
-             f"rank-{result['rank']} compensation; {result['steps']} decode steps after a {result['prompt_len']}-token prompt",
+             f"rank-{result['rank']} compensation; {result['steps']} decode steps after a {result['prompt_len']}-token prompt; "
+             f"dense steps decode={result.get('decode', 'auto')!r}",
              f"kernel route vs kernels=False, per layer on its in-model input: max error / max |y| = "
              f"{result['max_rel_error_vs_pytorch']:.2e}",
              f"device memory: base {result['base_gib']:.1f} GiB, each delta {result['delta_gib_each']:.2f} GiB with its "
@@ -853,6 +856,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ms.add_argument("--deltas", type=int, default=8)
     ms.add_argument("--steps", type=int, default=64, help="decode steps timed per case (default 64)")
     ms.add_argument("--prompt-len", type=int, default=32)
+    ms.add_argument("--decode", choices=("auto", "fused", "split"), default="auto",
+                    help="the dense steps' route (DeltaModel.configure_kernels(decode=...); default auto)")
     ms.add_argument("--profile", action="store_true", help="also profile the steps of several deltas (dense and each "
                     "sparsity): GPU time per step by kernel kind")
     for sp in (q, s, ms):

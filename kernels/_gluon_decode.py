@@ -323,300 +323,12 @@ def gluon_delta_decode_kernel(
                              mask=bad[:, None] & (nn < N)[None, :])
 
 
-
-@gluon.jit(do_not_specialize=["M", "U", "SPLIT_MAX", "TARGET"])
-def gluon_delta_decode_flat_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, seg_ptr, lut_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, K, U, QROW_E, G, stride_xm, stride_om, SPLIT_MAX, TARGET,
-    HAS_LUT: gl.constexpr, BITS: gl.constexpr, BKP: gl.constexpr, BR: gl.constexpr, MP: gl.constexpr,
-    STAGES: gl.constexpr, PPG: gl.constexpr, MAGICF: gl.constexpr, PW: gl.constexpr, GC: gl.constexpr,
-    BN: gl.constexpr, SPLIT_RULE: gl.constexpr,
-    A0: gl.constexpr, A1: gl.constexpr, A2: gl.constexpr, A3: gl.constexpr,
-    A4: gl.constexpr, A5: gl.constexpr, A6: gl.constexpr, A7: gl.constexpr,
-    H1: gl.constexpr, H2: gl.constexpr, H3: gl.constexpr,
-    num_warps: gl.constexpr,
-):
-    # gluon_delta_decode_kernel with one copy pipeline over all of a program's work items instead of one per
-    # item: the loads of the next item's first k-steps are in flight while the current item finishes, so an
-    # item's start does not wait out the memory latency (a program's k-steps are one stream, each item
-    # `steps` of them; a short last K chunk leaves its extra steps empty)
-    CDT: gl.constexpr = x_ptr.dtype.element_ty
-    SDT: gl.constexpr = s_ptr.dtype.element_ty
-    P: gl.constexpr = 16 // BITS
-    LB: gl.constexpr = P * BKP
-    NG: gl.constexpr = P // PPG
-    ITEM_COST: gl.constexpr = 8
-
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, BR, 16])
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    row_a: gl.constexpr = gl.SliceLayout(1, a_l)
-    row_c: gl.constexpr = gl.SliceLayout(1, mma)
-    col_c: gl.constexpr = gl.SliceLayout(0, mma)
-    ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    g_l: gl.constexpr = gl.BlockedLayout([4, 1], [8, 4], [1, num_warps], [0, 1])
-    sq_l: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [num_warps, 1], [1, 0])
-    sv_l: gl.constexpr = gl.SliceLayout(1, sq_l)
-    st_l: gl.constexpr = gl.SliceLayout(0, sq_l)
-    sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    flat1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-
-    xs = gl.allocate_shared_memory(CDT, [STAGES, P * BR, BKP], sl)
-    qs = gl.allocate_shared_memory(gl.uint16, [STAGES, BN, BKP], sl)
-    zs = gl.allocate_shared_memory(gl.uint8, [GC, BN], flat)
-    ss = gl.allocate_shared_memory(SDT, [GC, BN], flat)
-    zsv = zs._reinterpret(gl.uint8, [GC, BN], flat1)
-    ssv = ss._reinterpret(SDT, [GC, BN], flat1)
-
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    n_tiles = (N + BN - 1) // BN
-    nk_all = (K + LB - 1) // LB
-
-    # ---------------------------------------------------------------- row blocks of this step (as above)
-    offs_s = gl.arange(0, MP, layout=sv_l)
-    offs_t = gl.arange(0, MP, layout=st_l)
-    ok_s = offs_s < M
-    d_s = gl.load(seg_ptr + M + offs_s, mask=ok_s, other=-1)
-    sg_s = gl.load(seg_ptr + 2 * M + offs_s, mask=ok_s, other=-1)
-    sg_t = gl.load(seg_ptr + 2 * M + offs_t, mask=offs_t < M, other=-2)
-    if HAS_LUT:
-        d_s = gl.load(lut_ptr + d_s + 1, mask=ok_s, other=-1)
-    live = ok_s & (d_s >= 0) & (d_s < U)
-    before = offs_t[None, :] < offs_s[:, None]
-    pos = gl.sum(((sg_t[None, :] == sg_s[:, None]) & before).to(gl.int32), axis=1)
-    is_start = live & ((pos % BR) == 0)
-    start_t = gl.convert_layout(is_start, st_l)
-    rank = gl.sum((start_t[None, :] & before).to(gl.int32), axis=1)
-    v1: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-    offs_v = gl.arange(0, MP, layout=v1)
-    ok_v = offs_v < M
-    d_v = gl.convert_layout(d_s, v1)
-    sg_v = gl.convert_layout(sg_s, v1)
-    start_v = gl.convert_layout(is_start, v1)
-    rank_v = gl.convert_layout(rank, v1)
-    n_blocks = gl.sum(start_v.to(gl.int32), axis=0)
-
-    work = gl.maximum(n_tiles * n_blocks, 1)
-    if SPLIT_RULE == 0:
-        steps = nk_all
-        split = nk_all * 0 + 1
-        best = ((work + nprog - 1) // nprog) * (nk_all + ITEM_COST)
-        for s in range(2, gl.minimum(SPLIT_MAX, nk_all) + 1):
-            st = (nk_all + s - 1) // s
-            sp = (nk_all + st - 1) // st
-            cost = ((work * sp + nprog - 1) // nprog) * (st + ITEM_COST)
-            if cost < best:
-                best = cost
-                steps = st
-                split = sp
-    elif SPLIT_RULE == 1:
-        want = gl.minimum(gl.maximum((TARGET + work - 1) // work, 1), SPLIT_MAX)
-        steps = (nk_all + want - 1) // want
-        split = (nk_all + steps - 1) // steps
-    else:
-        steps = (nk_all + SPLIT_MAX - 1) // SPLIT_MAX
-        split = (nk_all + steps - 1) // steps
-    total = n_blocks * n_tiles * split
-    n_my = gl.maximum((total - pid + nprog - 1) // nprog, 0)  # this program's items: pid, pid + nprog, ...
-    n_flat = n_my * steps  # and its k-steps
-
-    offs_e = gl.arange(0, BKP, layout=gl.SliceLayout(0, ld_l))
-    offs_xr = gl.arange(0, P * BR, layout=gl.SliceLayout(1, ld_l))
-    x_cols = ((offs_xr // BR) * BKP)[:, None] + offs_e[None, :]
-    offs_rc = gl.arange(0, BR, layout=col_c)
-    offs_gg = gl.arange(0, GC, layout=gl.SliceLayout(1, g_l))
-    offs_nq = gl.arange(0, BN, layout=gl.SliceLayout(1, ld_l))
-
-    # ---------------------------------------------------------------- the issuing side's item
-    # what the copies of the item the next issue belongs to need; i_item: that item's index in this program
-    i_item = pid * 0 - 1
-    i_bstart = pid * 0
-    i_u = pid * 0
-    i_cnt = pid * 0
-    i_kb = pid * 0
-    i_nk = pid * 0
-    i_qoff = (offs_nq * 0).to(gl.int64)[:, None]
-    i_xrows = (offs_xr * 0).to(gl.int64)[:, None]
-    i_xok = offs_xr < 0
-    for f in range(0, STAGES - 1):  # prologue: the stream's first STAGES - 1 k-steps
-        if f < n_flat:
-            ji = f // steps
-            ks = f - ji * steps
-            if ks == 0:
-                w = pid + ji * nprog
-                i_pid_s = w % split
-                t = w // split
-                i_pid_n = t % n_tiles
-                b = t // n_tiles
-                i_bstart = gl.min(gl.where(start_v & (rank_v == b), offs_v, MP), axis=0)
-                at = offs_v == i_bstart
-                i_u = gl.sum(gl.where(at, d_v, 0), axis=0)
-                sgb = gl.sum(gl.where(at, sg_v, 0), axis=0)
-                i_cnt = gl.sum(((sg_v == sgb) & (offs_v >= i_bstart) & (offs_v < i_bstart + BR) & ok_v).to(gl.int32),
-                               axis=0)
-                i_kb = i_pid_s * steps * LB
-                i_nk = (gl.minimum(i_kb + steps * LB, K) - i_kb + LB - 1) // LB
-                on = i_pid_n * BN + offs_nq
-                i_qoff = ((i_u.to(gl.int64) * N + gl.minimum(on, N - 1).to(gl.int64)) * QROW_E)[:, None]
-                i_xok = (offs_xr % BR) < i_cnt
-                xr = gl.load(seg_ptr + i_bstart + offs_xr % BR, mask=i_xok, other=0)
-                i_xrows = (xr.to(gl.int64) * stride_xm)[:, None]
-                i_item = ji
-            if ks < i_nk:
-                xm, _unused = gl.broadcast(i_xok[:, None], x_cols)
-                _issue(x_ptr, q_ptr, xs, qs, f % STAGES, i_xrows, x_cols, xm, i_qoff, offs_e, i_kb + ks * LB, P, BKP)
-            else:
-                async_copy.commit_group()
-        else:
-            async_copy.commit_group()
-
-    for j in range(0, n_my):
-        w = pid + j * nprog
-        pid_s = w % split
-        t = w // split
-        pid_n = t % n_tiles
-        b = t // n_tiles
-        if i_item == j:  # the issuing side looked this item up already (it is at most one item ahead)
-            bstart = i_bstart
-            u = i_u
-            cnt = i_cnt
-        else:
-            bstart = gl.min(gl.where(start_v & (rank_v == b), offs_v, MP), axis=0)
-            at = offs_v == bstart
-            u = gl.sum(gl.where(at, d_v, 0), axis=0)
-            sgb = gl.sum(gl.where(at, sg_v, 0), axis=0)
-            cnt = gl.sum(((sg_v == sgb) & (offs_v >= bstart) & (offs_v < bstart + BR) & ok_v).to(gl.int32), axis=0)
-        k_begin = pid_s * steps * LB
-        nk = (gl.minimum(k_begin + steps * LB, K) - k_begin + LB - 1) // LB
-        u64 = u.to(gl.int64) * N
-        offs_n_c = pid_n * BN + gl.arange(0, BN, layout=row_c)
-        nmask_c = offs_n_c < N
-        r_ok = offs_rc < cnt
-        rows_c = gl.load(seg_ptr + bstart + offs_rc, mask=r_ok, other=0)
-        o_off = rows_c.to(gl.int64)[None, :] * stride_om + offs_n_c.to(gl.int64)[:, None]
-        o_mask = nmask_c[:, None] & r_ok[None, :]
-        prev = gl.load(out_ptr + o_off, mask=o_mask & (split == 1), other=0.0).to(gl.float32)
-        offs_gn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, g_l))
-        gch0 = k_begin // (PPG * BKP)
-        g_ok = (offs_gg < steps * NG) & ((gch0 + offs_gg) < G)
-        g_off = (u64 + gl.minimum(offs_gn, N - 1).to(gl.int64))[None, :] * G + (gch0 + offs_gg)[:, None]
-        zv = gl.load(z_ptr + g_off, mask=g_ok[:, None], other=0)
-        sv = gl.load(s_ptr + g_off, mask=g_ok[:, None], other=0.0)
-        gl.thread_barrier()  # the last item's reads of the zero points and scales are done
-        zs.store(zv)
-        ss.store(sv)
-
-        acc = gl.zeros([BN, BR], gl.float32, mma)
-        pa = gl.zeros([BN, BR], gl.float32, mma)
-        pb = gl.zeros([BN, BR], gl.float32, mma)
-        for kk in range(0, steps):
-            fc = j * steps + kk
-            async_copy.wait_group(STAGES - 2)
-            gl.thread_barrier()  # every thread's copies landed; every MMA of the last k-step is done
-            fence_async_shared()
-            f = fc + STAGES - 1  # refill the stage the last k-step used, maybe with the next item's codes
-            if f < n_flat:
-                ji = f // steps
-                ks = f - ji * steps
-                if ks == 0:
-                    w2 = pid + ji * nprog
-                    i_pid_s = w2 % split
-                    t2 = w2 // split
-                    i_pid_n = t2 % n_tiles
-                    b2 = t2 // n_tiles
-                    i_bstart = gl.min(gl.where(start_v & (rank_v == b2), offs_v, MP), axis=0)
-                    at2 = offs_v == i_bstart
-                    i_u = gl.sum(gl.where(at2, d_v, 0), axis=0)
-                    sgb2 = gl.sum(gl.where(at2, sg_v, 0), axis=0)
-                    i_cnt = gl.sum(((sg_v == sgb2) & (offs_v >= i_bstart) & (offs_v < i_bstart + BR)
-                                    & ok_v).to(gl.int32), axis=0)
-                    i_kb = i_pid_s * steps * LB
-                    i_nk = (gl.minimum(i_kb + steps * LB, K) - i_kb + LB - 1) // LB
-                    on2 = i_pid_n * BN + offs_nq
-                    i_qoff = ((i_u.to(gl.int64) * N + gl.minimum(on2, N - 1).to(gl.int64)) * QROW_E)[:, None]
-                    i_xok = (offs_xr % BR) < i_cnt
-                    xr2 = gl.load(seg_ptr + i_bstart + offs_xr % BR, mask=i_xok, other=0)
-                    i_xrows = (xr2.to(gl.int64) * stride_xm)[:, None]
-                    i_item = ji
-                if ks < i_nk:
-                    xm2, _unused2 = gl.broadcast(i_xok[:, None], x_cols)
-                    _issue(x_ptr, q_ptr, xs, qs, f % STAGES, i_xrows, x_cols, xm2, i_qoff, offs_e, i_kb + ks * LB,
-                           P, BKP)
-                else:
-                    async_copy.commit_group()
-            else:
-                async_copy.commit_group()
-            if kk < nk:
-                q = qs.index(fc % STAGES).load(a_l)
-                xst = xs.index(fc % STAGES)
-                g0 = kk * NG
-                for S in gl.static_range(P):
-                    if S % PPG == 0:
-                        zf = zsv.index(g0 + S // PPG).load(row_a).to(gl.float32)
-                        sc = ssv.index(g0 + S // PPG).load(row_c).to(gl.float32)
-                    d = _decode_plane(q, zf, S, BITS, PW, MAGICF, CDT, A0, A1, A2, A3, A4, A5, A6, A7, H1, H2, H3)
-                    xb = xst.slice(S * BR, BR).permute((1, 0))
-                    if (S // PPG) % 2 == 0:
-                        pa = warpgroup_mma(d, xb, pa, use_acc=S % PPG > 0, is_async=True)
-                    else:
-                        pb = warpgroup_mma(d, xb, pb, use_acc=S % PPG > 0, is_async=True)
-                    if S % PPG == PPG - 1:
-                        if (S // PPG) % 2 == 0:
-                            pa, pb = warpgroup_mma_wait(num_outstanding=PPG, deps=(pa, pb))
-                            if S >= PPG:
-                                acc += pb * sc_prev[:, None]
-                        else:
-                            pb, pa = warpgroup_mma_wait(num_outstanding=PPG, deps=(pb, pa))
-                            acc += pa * sc_prev[:, None]
-                        sc_prev = sc
-                if (NG - 1) % 2 == 0:
-                    pa, pb = warpgroup_mma_wait(num_outstanding=0, deps=(pa, pb))
-                    acc += pa * sc_prev[:, None]
-                else:
-                    pb, pa = warpgroup_mma_wait(num_outstanding=0, deps=(pb, pa))
-                    acc += pb * sc_prev[:, None]
-
-        # ---------------------------------------------------------- add into the output (copies stay in flight)
-        if split == 1:
-            gl.store(out_ptr + o_off, (prev + acc).to(out_ptr.dtype.element_ty), mask=o_mask)
-        else:
-            w_off = rows_c.to(gl.int64)[None, :] * N + offs_n_c.to(gl.int64)[:, None]
-            split_stride = M.to(gl.int64) * N
-            gl.store(ws_ptr + pid_s * split_stride + w_off, acc, mask=o_mask)
-            gl.thread_barrier()
-            tile = b * n_tiles + pid_n
-            arrived = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == split - 1:
-                res = gl.load(out_ptr + o_off, mask=o_mask, other=0.0).to(gl.float32)
-                for sp in range(0, split):
-                    res += gl.load(ws_ptr + sp * split_stride + w_off, mask=o_mask, other=0.0, cache_modifier=".cg")
-                gl.store(out_ptr + o_off, res.to(out_ptr.dtype.element_ty), mask=o_mask)
-                gl.atomic_xchg(cnt_ptr + tile, 0)
-    async_copy.wait_group(0)
-
-    if not HAS_LUT:
-        if pid == 0:
-            bad = ok_s & ((d_s < -1) | (d_s >= U))
-            n_bad = gl.sum(bad.to(gl.int32), axis=0)
-            if n_bad > 0:
-                rows_all = gl.load(seg_ptr + offs_s, mask=ok_s, other=0)
-                for n0 in range(0, N, MP):
-                    nn = n0 + offs_t
-                    bp = out_ptr + rows_all.to(gl.int64)[:, None] * stride_om + nn[None, :]
-                    gl.store(bp, gl.full([MP, MP], float("nan"), gl.float32, sq_l).to(out_ptr.dtype.element_ty),
-                             mask=bad[:, None] & (nn < N)[None, :])
-
-
 # ------------------------------------------------------------------------------------------------ host side
 _SPLIT_RULES = ("rounds", "target", "fixed")
-_PIPELINES = ("item", "flat")
 
 
 def gluon_delta_accumulate(x, stack, segments, out, *, lut=None, split_max=None, target=None, num_warps=4,
-                           block_rows=8, stages=None, block_n=64, max_registers=None, split_rule="rounds",
-                           pipeline="item"):
+                           block_rows=8, stages=None, block_n=64, max_registers=None, split_rule="rounds"):
     """``out[m] += x[m] @ dequant(stack[delta of m])^T`` for a planar stack (bf16/fp16 ``x``, sm_90 GPU).
 
     ``segments``: :func:`kernels.layout.build_row_segments` of the rows' deltas (``lut``: of their slot
@@ -630,9 +342,7 @@ def gluon_delta_accumulate(x, stack, segments, out, *, lut=None, split_max=None,
     other arguments are launch parameters; the defaults are what was measured (BENCHMARKS.md section 3):
     for 2-bit codes three stages and at most 168 registers per thread (``max_registers=0``: no cap), so
     that an SM holds three programs instead of two; for 4-bit codes four stages, no cap. Rows whose delta
-    id is out of range (without ``lut``) come out NaN. ``pipeline="item"``: each work item fills and drains its
-    own copy pipeline; ``"flat"``: one pipeline over all of a program's items, the next item's first loads in
-    flight while the current one finishes (at most 168 registers per thread by default for both formats).
+    id is out of range (without ``lut``) come out NaN.
     """
     import torch
 
@@ -644,14 +354,12 @@ def gluon_delta_accumulate(x, stack, segments, out, *, lut=None, split_max=None,
     bits, bkp = stack.bits, stack.layout_block
     if split_rule not in _SPLIT_RULES:
         raise ValueError(f'split_rule must be "rounds", "target" or "fixed", got {split_rule!r}')
-    if pipeline not in _PIPELINES:
-        raise ValueError(f'pipeline must be "item" or "flat", got {pipeline!r}')
     if bkp != 64 or bits not in (2, 4):
         raise ValueError("the Gluon decode kernel needs a planar stack (blocks of 64) of 2- or 4-bit codes")
     if stages is None:
         stages = 3 if bits == 2 else 4
     if max_registers is None:
-        max_registers = 168 if bits == 2 or pipeline == "flat" else 0
+        max_registers = 168 if bits == 2 else 0
     gs = k if stack.group_size == -1 else stack.group_size
     magic = 1 if x.dtype == torch.float16 else 2
     asm = planar_asm_args(bits, magic, False)
@@ -674,20 +382,19 @@ def gluon_delta_accumulate(x, stack, segments, out, *, lut=None, split_max=None,
               A0=asm["A00"], A1=asm["A01"], A2=asm["A02"], A3=asm["A03"], A4=asm["A04"], A5=asm["A05"],
               A6=asm["A06"], A7=asm["A07"], H1=asm["H1"], H2=asm["H2"], H3=asm["H3"], num_warps=num_warps,
               **({"maxnreg": max_registers} if max_registers else {}))
-    kernel = gluon_delta_decode_flat_kernel if pipeline == "flat" else gluon_delta_decode_kernel
     if target is None:  # persistent programs: as many as the SMs hold at once (the first rule: three per SM)
-        per_sm = 3 if split_rule == "target" else _resident_programs(kernel, args, kw, x, out, lut)
+        per_sm = 3 if split_rule == "target" else _resident_programs(args, kw, x, out, lut)
         target = per_sm * sm_count(x.device)
     args = args[:-1] + (target,)
     # never more programs than the largest step can use
-    kernel[(max(1, min(target, n_tiles * m * split_max)),)](*args, **kw)
+    gluon_delta_decode_kernel[(max(1, min(target, n_tiles * m * split_max)),)](*args, **kw)
     return out
 
 
 _RESIDENT: dict = {}
 
 
-def _resident_programs(kernel, args, kw, x, out, lut) -> int:
+def _resident_programs(args, kw, x, out, lut) -> int:
     """Programs of this launch's compiled kernel that one SM holds at once (cached per device, dtypes and
     constexpr arguments; compiling it if need be, without a launch)."""
     import torch
@@ -695,11 +402,10 @@ def _resident_programs(kernel, args, kw, x, out, lut) -> int:
     from .launch import blocks_per_sm
 
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    key = (dev, kernel.fn.__name__, x.dtype, args[2].dtype, args[3].dtype, out.dtype, lut is None,
-           tuple(sorted(kw.items())))
+    key = (dev, x.dtype, args[2].dtype, args[3].dtype, out.dtype, lut is None, tuple(sorted(kw.items())))
     n = _RESIDENT.get(key)
     if n is None:
-        ck = kernel.warmup(*args, grid=(1,), **kw)
+        ck = gluon_delta_decode_kernel.warmup(*args, grid=(1,), **kw)
         try:
             ck.run  # noqa: B018 - loading the launcher fills in the registers the kernel compiled to
             props = torch.cuda.get_device_properties(dev)

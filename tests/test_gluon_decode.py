@@ -144,51 +144,6 @@ def test_gpu_gluon_split_k_and_lookup(compiled, bits, rule):
 
 
 @needs_hopper
-@pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("m,k,programs,split_max,rule", [
-    (45, 1024, 3, None, "rounds"),    # many items per program: the stream crosses items every few k-steps
-    (7, 4096, 5, None, "rounds"),     # a few long items
-    (32, 1024, 4, 2, "fixed"),        # 2-bit: one k-step per item (fewer than the pipeline's depth)
-    (13, 1536, 7, 4, "fixed"),        # K chunks of unequal length: a short last chunk's steps stay empty
-    (32, 4096, 0, None, "rounds"),    # the launcher's own grid
-])
-def test_gpu_gluon_flat_pipeline_equals_the_per_item_one(compiled, bits, m, k, programs, split_max, rule):
-    """One copy pipeline over a program's items (``pipeline="flat"``) gives the per-item pipeline's result bit
-    for bit, in grids that make each program walk several items, items shorter than the pipeline is deep,
-    and K chunks of unequal length; and both match the reference."""
-    from hf_deltazip.kernels._gluon_decode import gluon_delta_accumulate
-
-    x, w, b, st, rd = _case(200, k, bits, 128, m, torch.bfloat16, seed=m + k + bits)
-    seg = L.build_row_segments(rd)
-    base = (x.float() @ w.float().t() + b.float()).to(x.dtype)
-    kw = dict(target=programs or None, split_rule=rule, **({"split_max": split_max} if split_max else {}))
-    outs = {}
-    for pipeline in ("item", "flat", "flat"):  # the second flat launch: its split-K counters were reset
-        out = base.clone()
-        gluon_delta_accumulate(x, st, seg, out, pipeline=pipeline, **kw)
-        if pipeline in outs:
-            assert torch.equal(out, outs[pipeline])
-        outs[pipeline] = out
-    assert torch.equal(outs["flat"], outs["item"])
-    ref = K.multi_delta_linear_reference(x, w, b, st, rd, out_dtype=torch.float32)
-    d = rd >= 0
-    assert torch.equal(outs["flat"][~d], base[~d])
-    if bool(d.any()):
-        err = float((outs["flat"][d].float() - ref[d]).norm() / (ref[d] - base[d].float()).norm())
-        assert err < 3e-2, err
-
-
-def test_gluon_launcher_refuses_an_unknown_pipeline():
-    from hf_deltazip.kernels._gluon_decode import gluon_delta_accumulate
-
-    st = L.prepare_stack(K.random_delta_stack(1, 64, 1024, bits=2, group_size=128))
-    x = torch.randn(2, 1024, dtype=torch.bfloat16)
-    seg = L.build_row_segments(torch.zeros(2, dtype=torch.int32))
-    with pytest.raises(ValueError, match='pipeline must be "item" or "flat"'):
-        gluon_delta_accumulate(x, st, seg, torch.zeros(2, 64, dtype=torch.bfloat16), pipeline="ring")
-
-
-@needs_hopper
 def test_gpu_gluon_bad_delta_ids_give_nan_rows(compiled):
     x, w, b, st, _ = _case(128, 1024, 2, 128, 4, torch.bfloat16, seed=3)
     rd = torch.tensor([0, 9, -1, -3], dtype=torch.int32, device="cuda")
@@ -258,10 +213,6 @@ def test_the_per_layer_bench_parses_variants_and_refuses_without_hopper():
                                                     max_registers=0)  # the default stages, no register cap
     assert bench._variant("4:8:4:64:3:0:2:2") == dict(num_warps=4, block_rows=8, stages=4, block_n=64, split_max=3,
                                                        split_rule="fixed", per_sm=2)
-    assert bench._variant("4:8:0:64:0:0:0:0:1")["pipeline"] == "flat"
-    assert "pipeline" not in bench._variant("4:8:0:64:0:0:0:0")
-    with pytest.raises(Exception, match="pipeline"):
-        bench._variant("4:8:0:64:0:0:0:0:2")
     with pytest.raises(Exception, match="split rule"):
         bench._variant("4:8:4:64:0:0:3")
     with pytest.raises(Exception, match="warps:rows:stages:outputs"):

@@ -9,14 +9,12 @@ of the weights, so that L2 does not hold them):
 * ``triton split``: cuBLAS for the base, then the planar Triton kernel adding the deltas alone (its
   default launch parameters, :func:`kernels.default_config`, with ``backend="triton"``);
 * ``mm``: cuBLAS alone;
-* per ``--variants`` entry ``warps:rows:stages:outputs[:split_max[:registers[:rule[:per_sm[:pipeline]]]]]`` (stages 0: the
-  launcher's default): cuBLAS
+* per ``--variants`` entry ``warps:rows:stages:outputs[:split_max[:registers[:rule[:per_sm]]]]`` (stages 0: the launcher's default): cuBLAS
   plus the Gluon kernel (``split``) and the Gluon kernel alone, its error against the fused kernel's float32
   output (relative to the deltas' part), and the GB/s of the delta bytes it reads. ``rule``: how K is
   split, 0 (default) ``split_rule="rounds"``, 1 ``"target"`` (the first rule, for comparison), 2
   ``"fixed"`` (``split_max`` chunks); ``per_sm``: programs per SM (0 or absent: as many as fit);
-  ``registers``: a cap per thread (0 or absent: the launcher's default for the format, -1: none); ``pipeline``:
-  0 (default) ``pipeline="item"``, 1 ``"flat"`` (one copy pipeline over a program's items).
+  ``registers``: a cap per thread (0 or absent: the launcher's default for the format, -1: none).
 
 Output: one line per cell and a JSON file (``--json``).
 """
@@ -35,7 +33,7 @@ def _variant(text: str) -> dict:
     parts = [int(v) for v in text.split(":")]
     if len(parts) < 4:
         raise argparse.ArgumentTypeError(
-            f"a variant is warps:rows:stages:outputs[:split_max[:registers[:rule[:per_sm[:pipeline]]]]], got {text!r}")
+            f"a variant is warps:rows:stages:outputs[:split_max[:registers[:rule[:per_sm]]]], got {text!r}")
     kw = dict(num_warps=parts[0], block_rows=parts[1], stages=parts[2] or None, block_n=parts[3])
     if len(parts) > 4 and parts[4]:
         kw["split_max"] = parts[4]
@@ -48,11 +46,6 @@ def _variant(text: str) -> dict:
         kw["split_rule"] = ("rounds", "target", "fixed")[parts[6]]
     if len(parts) > 7 and parts[7]:
         kw["per_sm"] = parts[7]
-    if len(parts) > 8:
-        if parts[8] not in (0, 1):
-            raise argparse.ArgumentTypeError(f"a variant's pipeline is 0 (item) or 1 (flat), got {parts[8]}")
-        if parts[8]:
-            kw["pipeline"] = "flat"
     return kw
 
 
@@ -71,7 +64,7 @@ def _tag(kw: dict) -> str:
     return (f"{kw['num_warps']}w/{kw['block_rows']}r/{kw['stages'] or 'default '}st/{kw['block_n']}n/"
             f"split<={kw.get('split_max', 'auto')}/regs {kw.get('max_registers', 'default') or 'any'}/"
             f"{kw.get('split_rule', 'rounds')}"
-            f"/{kw.get('per_sm', 'fit')} per SM/{kw.get('pipeline', 'item')}")
+            f"/{kw.get('per_sm', 'fit')} per SM")
 
 
 def run(shapes, bits_list, deltas, rows: int, variants: list[dict], log=print) -> list[dict]:
@@ -153,9 +146,8 @@ def run(shapes, bits_list, deltas, rows: int, variants: list[dict], log=print) -
                 from hf_deltazip.kernels._gluon_decode import _RESIDENT
 
                 row["programs_per_sm"] = {
-                    f"{'flat' if 'flat' in name else 'item'} {c['num_warps']}w/{c['BN']}n/{c['BITS']}b/{c['STAGES']}st/"
-                    f"regs {c.get('maxnreg', 'any')}": v
-                    for name, c, v in ((key[1], dict(key[-1]), v) for key, v in _RESIDENT.items())}
+                    f"{c['num_warps']}w/{c['BN']}n/{c['BITS']}b/{c['STAGES']}st/regs {c.get('maxnreg', 'any')}": v
+                    for c, v in ((dict(key[-1]), v) for key, v in _RESIDENT.items())}
                 out_rows.append(row)
             del sts, bases
             torch.cuda.empty_cache()
@@ -170,7 +162,7 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--variants", default="4:8:0:64", type=lambda s: [_variant(v) for v in s.split(",")],
                    help="Gluon launch parameters, comma-separated: "
-                        "warps:rows:stages:outputs[:split_max[:registers[:rule[:per_sm[:pipeline]]]]]")
+                        "warps:rows:stages:outputs[:split_max[:registers[:rule[:per_sm]]]]")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):

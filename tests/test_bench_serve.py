@@ -410,6 +410,7 @@ def test_admission_variants_parse_and_refuse_bad_fields():
     assert serve.parse_admission_variant("max_bypass=512, cost_aware=on") == {"max_bypass": 512, "cost_aware": True}
     assert serve.parse_admission_variant("max_prefill_tokens=none,prefer_running=0") == {
         "max_prefill_tokens": None, "prefer_running": False}
+    assert serve.parse_admission_variant("stage_ahead=off") == {"stage_ahead": False}
     for bad in ("", "max_bypass", "max_bypass=-3", "cost_aware=maybe", "speed=9"):
         with pytest.raises(ValueError):
             serve.parse_admission_variant(bad)

@@ -165,6 +165,49 @@ def test_prefetch_uploads_into_free_room_ahead_of_use(folders, reference, device
     assert full.resident_deltas == ["d1"], "a prefetch must not evict"
 
 
+def _hosted(folders, monkeypatch):
+    """d1 and d2 on the device, d3 in host memory (read ahead, not uploaded); room for two, and a host tier
+    that keeps an evicted delta's copy."""
+    model = _kernel_model(folders, "cpu", torch.float32, monkeypatch)
+    model.configure_cache(max_resident=3, max_host_bytes=10**9)
+    model.load_delta(folders["d3"], delta_name="d3", resident=False)
+    model.prefetch(["d2", "d3"], to_device=False).result(timeout=120)
+    model.cache.ensure_resident(["d2"])
+    model.configure_cache(max_resident=2, max_host_bytes=10**9)
+    assert sorted(model.resident_deltas) == ["d1", "d2"] and model.cache.state("d3") == "host"
+    return model
+
+
+def test_stage_evicts_an_idle_delta_to_copy_a_waiting_one_in_ahead(folders, reference, monkeypatch):
+    model = _hosted(folders, monkeypatch)
+    cache = model.cache
+    version = model.layout_version.value
+    cache.acquire(["d1"])  # a running request holds d1
+    assert cache.stage(["d3"], keep=["d1"]) == ["d3"]
+    assert sorted(model.resident_deltas) == ["d1", "d3"] and cache.is_ready("d3")  # d2, idle, made room
+    with torch.no_grad():
+        got = model(input_ids=IDS, delta_names=["d3", "d1"]).logits.float()
+    want = logits(reference, ["d3", "d1"])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    assert model.layout_version.value == version  # in place: a captured decode step stays valid
+    # nothing to evict: d1 is held, d3 is kept for a running request; d2 stays in host memory
+    assert cache.state("d2") == "host"
+    assert cache.stage(["d2"], keep=["d1", "d3"]) == []
+    assert sorted(model.resident_deltas) == ["d1", "d3"] and cache.state("d2") == "host"
+    # a delta a later waiting request needs is no victim either
+    assert cache.stage(["d2", "d3"], keep=["d1"]) == []
+    assert not cache.is_ready("d2")
+    cache.release(["d1"])
+
+
+def test_stage_leaves_deltas_only_on_disk_and_unknown_names_alone(folders, monkeypatch):
+    model = _kernel_model(folders, "cpu", torch.float32, monkeypatch)  # d1 on the device, d2 only on disk
+    assert model.cache.stage(["d2", "nope", None]) == []
+    assert model.cache.state("d2") == "disk" and model.resident_deltas == ["d1"]
+    with pytest.raises(DeltaZipError, match="no delta named 'nope'"):
+        model.cache.is_ready("nope")
+
+
 @pytest.mark.parametrize("piece_bytes", [1, 1 << 30])  # one module per piece; the whole delta in one piece
 @pytest.mark.parametrize("direct_io", [False, True])  # through the page cache; past it (O_DIRECT)
 def test_pipelined_cold_load_equals_a_whole_file_load_and_a_warm_delta(folders, reference, piece_bytes, direct_io,

@@ -219,3 +219,44 @@ def test_default_bypass_bound_is_sixteen_per_row(lm):
     waiting = [stuck, Pending(3, None)]
     assert eng.pick(waiting) == [waiting[1]] and stuck.bypassed == 32
     assert eng.pick([stuck, Pending(3, None)]) == []
+
+
+# ---------------------------------------------------------------------------------------------- staging ahead
+def test_pick_stages_waiting_deltas_ahead_and_passes_over_copies_in_flight(monkeypatch):
+    """Room for two deltas, one held by a running row: a round copies a waiting request's delta in ahead
+    of its admission, evicting the idle one; a request whose delta is still being copied is passed over
+    (and counted as bypassed) while rows run, and admitted once none do; ``stage_ahead=False`` copies
+    nothing ahead."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from hf_deltazip.bench import serve
+    from hf_deltazip.modeling import DeltaModel
+
+    base = serve.build_base("tiny", "cpu")
+    dm = DeltaModel(base, use_kernels="always")
+    dm.configure_cache(max_resident=2)
+    for i, n in enumerate(["d0", "d1", "d2"]):
+        dm.add_delta(serve.random_delta(base, 4, 64, seed=i), n, resident=i < 2)
+    eng = DecodeEngine(dm, max_batch_size=4, max_length=32)
+    eng.add([[1, 2, 3]], ["d0"], max_new_tokens=20, eos_token_id=None)
+    waiting = [Pending(3, "d2"), Pending(3, "d0")]
+    assert eng.pick(waiting) == waiting  # the copy is done at once on the CPU
+    assert eng.stats.staged == 1 and sorted(dm.resident_deltas) == ["d0", "d2"]  # d1 was idle: evicted
+    assert dm.cache.state("d1") == "host"  # an in-memory delta keeps its host copy
+
+    cache = dm.cache
+    real_ready = cache.is_ready
+    monkeypatch.setattr(cache, "is_ready", lambda n: n != "d1" and real_ready(n))  # d1's copy "in flight"
+    waiting = [Pending(3, "d1"), Pending(3, "d0")]
+    assert eng.pick(waiting) == [waiting[1]]
+    assert eng.stats.staged == 2 and "d1" in dm.resident_deltas and waiting[0].bypassed == 1
+    eng.reset()  # no row runs: a prefill may wait for the copy on the device
+    assert eng.pick(waiting[:1]) == waiting[:1]
+
+    eng.admission = AdmissionPolicy(stage_ahead=False)
+    eng.add([[1, 2, 3]], ["d0"], max_new_tokens=20, eos_token_id=None)
+    before = sorted(dm.resident_deltas)
+    waiting = [Pending(3, "d2" if "d2" not in before else "d1")]
+    assert dm.cache.state(waiting[0].delta) == "host"
+    assert eng.pick(waiting) == waiting  # admitted: its delta goes on the device with its prefill
+    assert eng.stats.staged == 2 and sorted(dm.resident_deltas) == before

@@ -280,7 +280,7 @@ def time_split(engine_stats, run: Replay) -> dict:
         return split
     st = engine_stats.as_dict()
     load = st["load_s"] + run.switch_s
-    split.update({k: st[k] for k in ("prefill_s", "decode_s", "idle_row_s", "prefills", "decode_steps", "loads",
+    split.update({k: st[k] for k in ("prefill_s", "decode_s", "idle_row_s", "prefills", "decode_steps", "loads", "staged",
                                       "mean_distinct_deltas", "bytes_per_step", "floor_bytes_per_step", "step_ms",
                                       "floor_GBps", "captures", "split_steps", "max_deltas_auto")})
     split["load_s"] = load
@@ -633,14 +633,15 @@ def _make_engine(model, args):
                         admission=_admission(args))
 
 
-_VARIANT_FIELDS = {"max_bypass": "count", "cost_aware": "bool", "prefer_running": "bool", "max_prefill_tokens": "count"}
+_VARIANT_FIELDS = {"max_bypass": "count", "cost_aware": "bool", "prefer_running": "bool", "max_prefill_tokens": "count",
+                   "stage_ahead": "bool"}
 
 
 def parse_admission_variant(text: str) -> dict:
     """``"max_bypass=512,cost_aware=on"`` -> ``{"max_bypass": 512, "cost_aware": True}`` (``--admission-variant``).
 
-    Fields: ``max_bypass`` and ``max_prefill_tokens`` (a whole number >= 0, or ``none``), ``cost_aware`` and
-    ``prefer_running`` (``on``/``off``, ``true``/``false``, ``1``/``0``).
+    Fields: ``max_bypass`` and ``max_prefill_tokens`` (a whole number >= 0, or ``none``), ``cost_aware``,
+    ``prefer_running`` and ``stage_ahead`` (``on``/``off``, ``true``/``false``, ``1``/``0``).
     """
     out = {}
     for part in [p.strip() for p in text.split(",") if p.strip()]:
@@ -728,7 +729,9 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
         args.max_deltas, f"at most {args.max_deltas} distinct deltas decoding at once; ")
     tier = cap + ("all deltas resident" if resident == args.deltas else
             f"{resident} of {args.deltas} deltas resident on the GPU (LRU), the others in pinned host memory, "
-            "uploaded when a request needs them")
+            "uploaded when a request needs them" + (
+                " (every delta has a host copy: evicting one copies nothing back)"
+                if avail is not None and args.deltas * one < 0.6 * avail else ""))
     tier += f"; prefill route {args.prefill!r}"
     if getattr(args, "decode", "auto") != "auto":
         tier += f"; decode route {args.decode!r}"
@@ -749,8 +752,14 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
                 dm.load_delta(path, delta_name=n, resident=i < resident)
         else:
             names = [f"d{i}" for i in range(args.deltas)]
-            for i, n in enumerate(names):  # the most popular ones start resident
-                dm.add_delta(random_delta(base, args.bits, args.group_size, seed=i), n, resident=i < resident)
+            # as deltas read from files would be: every one with a copy in host memory to evict to, so an
+            # eviction copies nothing back (where host memory allows), the most popular ones resident
+            hosted = resident < args.deltas and avail is not None and args.deltas * one < 0.6 * avail
+            for i, n in enumerate(names):
+                dm.add_delta(random_delta(base, args.bits, args.group_size, seed=i), n,
+                             resident=i < resident and not hosted)
+            if hosted:
+                dm.cache.ensure_resident(names[:resident])
         engine = _make_engine(dm, args)
         runs = [(system, system, None) for system in wanted]
         if "deltazip" in wanted:  # the same model and engine (measured step costs kept), admission changed
@@ -1086,14 +1095,15 @@ def markdown_table(results: dict) -> str:
 
 def split_table(results: dict) -> str:
     """Markdown: where each system's wall time went (see :func:`time_split`)."""
-    rows = ["| system | wall s | prefill s | loads s | decode s | of which idle rows s | other s | decode steps "
-            "| step ms | distinct deltas / step | MB read / step | MB floor / step | floor GB/s | graph captures |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| system | wall s | prefill s | loads s (admissions) | staged ahead | decode s | of which idle rows s | other s "
+            "| decode steps | step ms | distinct deltas / step | MB read / step | MB floor / step | floor GB/s | graph captures |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     mb = (lambda x: None if x is None else x / 1e6)
     for name, r in results.items():
         t = r.get("time_split", {})
         rows.append(f"| {name} | {_fmt(t.get('wall_s'), '.2f')} | {_fmt(t.get('prefill_s'), '.2f')} "
-                    f"| {_fmt(t.get('load_s'), '.2f')} | {_fmt(t.get('decode_s'), '.2f')} | {_fmt(t.get('idle_row_s'), '.2f')} "
+                    f"| {_fmt(t.get('load_s'), '.2f')} ({_fmt(t.get('loads'), 'd')}) | {_fmt(t.get('staged'), 'd')} "
+                    f"| {_fmt(t.get('decode_s'), '.2f')} | {_fmt(t.get('idle_row_s'), '.2f')} "
                     f"| {_fmt(t.get('other_s'), '.2f')} | {_fmt(t.get('decode_steps'), 'd')} | {_fmt(t.get('step_ms'), '.2f')} "
                     f"| {_fmt(t.get('mean_distinct_deltas'), '.2f')} | {_fmt(mb(t.get('bytes_per_step')), '.1f')} "
                     f"| {_fmt(mb(t.get('floor_bytes_per_step')), '.1f')} | {_fmt(t.get('floor_GBps'), '.0f')} "

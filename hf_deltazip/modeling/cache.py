@@ -571,24 +571,62 @@ class DeltaCache:
 
         return self._prefetcher.submit(work)
 
-    def _upload_ahead(self, e: CacheEntry) -> None:
-        """Put a host-tier delta on the device ahead of use, into free room only (caller holds the lock).
+    def stage(self, names: Sequence, *, keep: Sequence = ()) -> list:
+        """Start putting the host-tier deltas of ``names`` (most urgent first) on the device ahead of use,
+        evicting least recently used deltas to make room: never a held one, one of ``keep`` or one of
+        ``names``. On CUDA the copies run on a side stream while the main stream keeps working;
+        :meth:`is_ready` tells when a staged delta's copies are done (a batch that uses it earlier waits
+        for them on the device). Deltas only on disk, or already on the device, are left as they are
+        (:meth:`prefetch` reads the former); staging stops at the first delta that cannot be made room
+        for. Returns the names whose copies began now.
+        """
+        started = []
+        with self.lock:
+            if not self.placer.uses_kernels():
+                return started
+            protect = {n for n in (*keep, *names) if n is not None}
+            for n in dict.fromkeys(x for x in names if x is not None):
+                e = self._entries.get(n)
+                if e is None or e.slot is not None or e.host is None or n in self._inflight:
+                    continue
+                modules, params = e.host
+                try:
+                    self._make_room(needed=protect,
+                                    incoming=delta_nbytes(modules, params) + self.placer.sparse_copy_estimate(modules))
+                except CacheFullError:
+                    break
+                if not self._upload_ahead(e):
+                    break
+                e.last_used = next(self._clock)
+                started.append(n)
+        return started
+
+    def is_ready(self, name: str) -> bool:
+        """Whether delta ``name`` is on the device with its copies done (a staged or prefetched delta whose
+        side-stream copies are still running is not yet)."""
+        with self.lock:
+            e = self.entry(name)
+            return e.slot is not None and (e.ready is None or e.ready.query())
+
+    def _upload_ahead(self, e: CacheEntry) -> bool:
+        """Put a host-tier delta on the device ahead of use, into free room only (caller holds the lock);
+        returns whether it did.
 
         On CUDA the copies run on a side stream (device memory is taken on the main stream, so the
         caching allocator never hands a block in use by a running step to the side stream).
         """
         if e.slot is not None or e.host is None or not self.placer.uses_kernels():
-            return
+            return False
         modules, params = e.host
         slot = self._free_slot()
         nbytes = delta_nbytes(modules, params)
         if self.max_resident is not None and len(self.resident) + 1 > self.max_resident:
-            return
+            return False
         if self.max_resident_bytes is not None and \
                 self.resident_bytes() + nbytes + self.placer.sparse_copy_estimate(modules) > self.max_resident_bytes:
-            return
+            return False
         if not self.placer.can_attach_in_room(slot, modules, params, e.header):
-            return
+            return False
         device = self.placer.device
         side = None
         if device.type == "cuda":
@@ -601,10 +639,12 @@ class DeltaCache:
             e.ready = torch.cuda.Event()
             e.ready.record(side)
         e.slot, e.nbytes, e.prefetched = slot, nbytes, False
-        e.host_is_only_copy = False
-        if not self.max_host_bytes or e.path is None:
+        if e.host_is_only_copy:
+            pass  # an in-memory delta keeps its host copy: evicting it again copies nothing back
+        elif not self.max_host_bytes or e.path is None:
             e.host = None  # pinned blocks stay alive until the copy is done (caching host allocator)
         self._trim_host(keep=())
+        return True
 
     def shutdown(self) -> None:
         """Stop the prefetch thread (after the work queued so far)."""
@@ -792,7 +832,11 @@ def to_host(modules: dict, params: dict):
     pin = torch.cuda.is_available()
 
     def host(t):
-        t = t.detach().to("cpu")
-        return t.pin_memory() if pin else t
+        t = t.detach()
+        if t.device.type == "cpu":
+            return t.pin_memory() if pin else t
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)  # one copy, straight into page-locked memory
+        out.copy_(t)
+        return out
 
     return ({n: map_packed(p, host) for n, p in modules.items()}, {n: host(t) for n, t in params.items()})

@@ -99,6 +99,8 @@ class EngineStats:
         decode_s: seconds in decode steps.
         prefills, prefill_rows, prefill_tokens: prefill passes, requests admitted, padded prompt tokens.
         loads: admissions that had to bring at least one delta onto the device.
+        staged: deltas :meth:`DecodeEngine.pick` started copying onto the device ahead of their requests'
+            admission (``AdmissionPolicy.stage_ahead``), beside the decode steps instead of before a prefill.
         decode_steps: decode steps run.
         row_steps: rows computed by decode steps (``max_batch_size`` per step).
         idle_row_steps: of those, rows with no request (computed and thrown away).
@@ -122,6 +124,7 @@ class EngineStats:
     prefill_rows: int = 0
     prefill_tokens: int = 0
     loads: int = 0
+    staged: int = 0
     decode_steps: int = 0
     row_steps: int = 0
     idle_row_steps: int = 0
@@ -223,6 +226,14 @@ class AdmissionPolicy:
     fairness rule still holds: nothing later passes a request at the bound, so it is admitted once the
     step has drained enough (an empty step admits anything).
 
+    **Staging ahead** (``stage_ahead=True``, the default): each round first starts copying the deltas that
+    waiting requests need and that wait in host memory onto the device, on a side stream beside the decode
+    steps, making room by evicting least recently used deltas no running or waiting request uses (a
+    delta only on disk is left to :meth:`~hf_deltazip.DeltaModel.prefetch`). A request whose delta is
+    still being copied is passed over until the copy is done (unless no row is running), so the step
+    does not wait for it; it counts as bypassed like any other, and the fairness bound still holds.
+    Where every delta is resident this does nothing.
+
     Attributes:
         max_bypass: the bound K above (``None``: ``16 * max_batch_size`` of the engine; on a saturating
             8B trace of 32 deltas, 512 instead of 128 served 1.18x the tokens per second at a lower mean and
@@ -232,6 +243,8 @@ class AdmissionPolicy:
         cost_aware: the rule above (``False``: any request that fits is admitted).
         step_cost_line: ``(a, b)`` in seconds for the rule instead of the engine's measurement (``None``:
             measured; until two different ``U`` have been seen, the rule admits as if it were off).
+        stage_ahead: the staging above (``False``: a delta is put on the device when its request is admitted,
+            before that request's prefill, while every row waits).
     """
 
     max_bypass: Optional[int] = None
@@ -239,6 +252,7 @@ class AdmissionPolicy:
     max_prefill_tokens: Optional[int] = 4096
     cost_aware: bool = False
     step_cost_line: Optional[tuple] = None
+    stage_ahead: bool = True
 
 
 def fit_step_costs(step_costs: dict, *, min_steps: int = 8) -> Optional[tuple]:
@@ -541,11 +555,12 @@ class DecodeEngine:
         budget = policy.max_prefill_tokens
         with self._lock:
             running = {r.delta for r in self._rows if r is not None}
+            copying = self._stage(waiting, running) if policy.stage_ahead else set()
             chosen: list = []  # indices into waiting
             taken = set()
             free = self.free
             while len(chosen) < free:
-                pick = self._next_pick(waiting, chosen, taken, running, bound, budget)
+                pick = self._next_pick(waiting, chosen, taken, running, bound, budget, copying)
                 if pick is None:
                     break
                 chosen.append(pick)
@@ -556,7 +571,22 @@ class DecodeEngine:
                     w.bypassed += sum(1 for i in chosen if i > j)
             return [waiting[i] for i in sorted(chosen)]
 
-    def _next_pick(self, waiting, chosen, taken, running, bound, budget) -> Optional[int]:
+    def _stage(self, waiting, running) -> set:
+        """Start copying the host-tier deltas of the oldest ``max_batch_size`` waiting requests onto the device
+        (``AdmissionPolicy.stage_ahead``); returns the deltas whose copies are still running, to pass over."""
+        if self.delta_model is None:
+            return set()
+        cache = self.delta_model.cache
+        wanted = [w.delta for w in waiting[: self.max_batch_size] if w.delta is not None]
+        if not wanted:
+            return set()
+        started = cache.stage(wanted, keep=[d for d in running if d is not None])
+        self.stats.staged += len(started)
+        if not any(r is not None for r in self._rows):  # nothing runs: a prefill may as well wait for its copies
+            return set()
+        return {d for d in set(wanted) if d in cache and cache.state(d) is Residency.DEVICE and not cache.is_ready(d)}
+
+    def _next_pick(self, waiting, chosen, taken, running, bound, budget, copying=frozenset()) -> Optional[int]:
         """The next request to admit this round, or ``None`` (one pass over ``waiting``)."""
         width = max((waiting[i].prompt_len for i in chosen), default=0)
         names = [waiting[i].delta for i in chosen]
@@ -572,6 +602,9 @@ class DecodeEngine:
             # admitting j passes over every earlier unchosen request: none may go over the bound
             if worst + 1 > bound:
                 break
+            if w.delta in copying:  # its delta is still being copied in: the step need not wait for it
+                worst = max(worst, w.bypassed + later_chosen)
+                continue
             if first_other is None or (prefer and w.delta in running):
                 wide = max(width, w.prompt_len)
                 fits = not (chosen and budget is not None and wide * (len(chosen) + 1) > budget)

@@ -205,11 +205,13 @@ def test_decode_bench_times_both_decode_routes_and_every_prefill_route(tmp_path,
     monkeypatch.setattr(DeltaModel, "configure_kernels", spy)
     out = tmp_path / "split.json"
     assert decode.main(["--shape", "tiny", "--device", "cpu", "--deltas", "1", "2", "--rows", "4", "--prompt-len", "8",
-                        "--new-tokens", "2", "--engine-steps", "2", "--prefill-len", "4", "--decode-split",
+                        "--new-tokens", "2", "--engine-steps", "4", "--prefill-len", "4", "--decode-split",
                         "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     rows = [r for r in result["decode"] if r["model"].startswith("DeltaModel")]
     assert [r["U"] for r in rows] == [1, 2] and all("engine_tokens_per_s_split" in r for r in rows)
+    assert all(r[k] > 0 for r in rows for k in ("engine_tokens_per_s", "engine_tokens_per_s_fused",
+                                                 "engine_tokens_per_s_split", "engine_tokens_per_s_split_triton"))
     assert all("engine_tokens_per_s_split_triton" in r for r in rows)  # the deltas by the Triton kernel too
     assert all("engine_tokens_per_s_fused" in r and r["auto_decode_route"] == "fused" for r in rows)  # no Gluon here
     # each route timed, then the model left on the default
@@ -547,3 +549,14 @@ def test_quality_cli_refuses_bad_lowrank_levels(bad, capsys):
     with pytest.raises(SystemExit):
         quality.main(["--ours", "budget", *bad])
     assert "--lowrank" in capsys.readouterr().err
+
+
+def test_decode_bench_refuses_fewer_engine_steps_than_it_warms_up():
+    """Three engine steps warm up (graph capture) and are not timed: fewer than four would time none (the
+    tokens per second came out negative)."""
+    from hf_deltazip.bench import decode
+
+    with pytest.raises(SystemExit):
+        decode.main(["--shape", "tiny", "--device", "cpu", "--engine-steps", "3"])
+    with pytest.raises(ValueError, match="at least 4 steps"):
+        decode.engine_tokens_per_s(None, [None], 1, 4, 3)

@@ -114,8 +114,22 @@ def _timed_steps(engine, steps: int) -> float:
     return time.perf_counter() - t
 
 
+MIN_ENGINE_STEPS = 4  # three warm-up steps and at least one timed
+
+
+def _engine_steps(text: str) -> int:
+    n = int(text)
+    if n < MIN_ENGINE_STEPS:
+        raise argparse.ArgumentTypeError(f"at least {MIN_ENGINE_STEPS} (three warm-up steps and one timed), got {n}")
+    return n
+
+
 def engine_tokens_per_s(model, names, rows: int, prompt_len: int, steps: int) -> float:
-    """Decode tokens/s of ``rows`` rows through a DecodeEngine (CUDA graphs on a GPU), prefill excluded."""
+    """Decode tokens/s of ``rows`` rows through a DecodeEngine (CUDA graphs on a GPU), prefill excluded: ``steps``
+    steps, of which the first three warm up (graph capture) and the rest are timed."""
+    if steps < MIN_ENGINE_STEPS:
+        raise ValueError(f"engine timing needs at least {MIN_ENGINE_STEPS} steps (three warm-up steps and one timed), "
+                         f"got {steps}")
     engine = _warm_engine(model, names, rows, prompt_len, steps)
     return rows * (steps - 3) / _timed_steps(engine, steps - 3)
 
@@ -527,7 +541,8 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=128)
-    p.add_argument("--engine-steps", type=int, default=64, help="decode steps timed through the engine")
+    p.add_argument("--engine-steps", type=_engine_steps, default=64,
+                   help=f"decode steps run through the engine, the first three untimed (at least {MIN_ENGINE_STEPS})")
     p.add_argument("--prefill-len", type=int, default=128,
                    help="prompt tokens of the prefill timings (1, 4 and 16 requests, one delta each; 0: skip them)")
     p.add_argument("--cold-start", action="store_true")

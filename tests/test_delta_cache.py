@@ -206,6 +206,18 @@ def test_stage_evicts_an_idle_delta_to_copy_a_waiting_one_in_ahead(folders, refe
     cache.release(["d1"])
 
 
+def test_stage_makes_room_once_for_a_delta_the_stacks_cannot_take_ahead(folders, monkeypatch):
+    """A delta that cannot go into the kernel stacks' room (tied embeddings, say) is placed at its admission
+    instead. Staging it frees the room that admission would free (one idle delta, least recently used) and
+    evicts nothing more in later rounds while that room stays free."""
+    model = _hosted(folders, monkeypatch)
+    monkeypatch.setattr(model.cache.placer, "can_attach_in_room", lambda slot, modules, params, header: False)
+    for _ in range(3):
+        assert model.cache.stage(["d3"]) == []
+    assert model.resident_deltas == ["d2"] and model.cache.state("d3") == "host"  # d1, the oldest, made room
+    assert model.cache.fits(["d2", "d3"])
+
+
 def test_stage_leaves_deltas_only_on_disk_and_unknown_names_alone(folders, monkeypatch):
     model = _kernel_model(folders, "cpu", torch.float32, monkeypatch)  # d1 on the device, d2 only on disk
     assert model.cache.stage(["d2", "nope", None]) == []

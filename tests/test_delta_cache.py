@@ -218,6 +218,70 @@ def test_stage_makes_room_once_for_a_delta_the_stacks_cannot_take_ahead(folders,
     assert model.cache.fits(["d2", "d3"])
 
 
+def test_engine_reads_a_waiting_disk_only_delta_ahead_while_rows_run(folders, reference, monkeypatch):
+    """While rows decode, a request whose delta is only on disk is passed over and its delta read on the
+    prefetch thread (no row waits for the read); once in, the request is admitted and decodes as with the
+    delta loaded up front. With no row running, such a request is admitted at once (read beside its prefill)."""
+    import time
+
+    from hf_deltazip.serving import DecodeEngine, Pending
+
+    model = _kernel_model(folders, "cpu", torch.float32, monkeypatch)  # d1 on the device, d2 only on disk
+    model.load_delta(folders["d3"], delta_name="d3", resident=False)
+    eng = DecodeEngine(model, max_batch_size=4, max_length=32)
+    eng.add([[1, 2, 3]], ["d1"], max_new_tokens=20, eos_token_id=None)
+    waiting = [Pending(3, "d2"), Pending(3, "d1")]
+    assert eng.pick(waiting) == [waiting[1]] and waiting[0].bypassed == 1
+    for _ in range(600):
+        if model.cache.state("d2") != "disk":
+            break
+        time.sleep(0.05)
+    for _ in range(600):  # read, then uploaded into free room (or staged by the next round)
+        if eng.pick(waiting[:1]) == waiting[:1]:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the request for d2 was never admitted")
+    assert model.cache.state("d2") == "device"
+    prompt = IDS[0, :6].tolist()
+    h = eng.add([prompt], ["d2"], max_new_tokens=3, eos_token_id=None)[0]
+    while eng.active > 1:
+        done = dict(eng.step())
+        if h in done:
+            break
+    ref = reference.generate(IDS[:1, :6], delta_names=["d2"], max_new_tokens=3, do_sample=False)[0, 6:].tolist()
+    assert done[h] == ref
+    eng.reset()
+    idle = [Pending(3, "d3")]
+    assert eng.pick(idle) == idle and model.cache.state("d3") == "disk"  # nothing runs: admitted at once
+
+
+def test_a_delta_whose_read_ahead_fails_is_left_to_its_admission_which_reports_it(folders, monkeypatch, tmp_path):
+    import time
+
+    from hf_deltazip.format import DZ_FILENAME
+    from hf_deltazip.serving import DecodeEngine, Pending
+
+    bad = tmp_path / "bad"
+    shutil.copytree(folders["d3"], bad)
+    model = _kernel_model(folders, "cpu", torch.float32, monkeypatch)
+    model.load_delta(bad, delta_name="bad", resident=False)
+    dz = bad / DZ_FILENAME
+    dz.write_bytes(dz.read_bytes()[: dz.stat().st_size // 2])  # truncated after it was registered
+    eng = DecodeEngine(model, max_batch_size=4, max_length=64)
+    eng.add([[1, 2, 3]], ["d1"], max_new_tokens=50, eos_token_id=None)
+    waiting = [Pending(3, "bad")]
+    for _ in range(600):  # read ahead, which fails: then the request is no longer passed over
+        if eng.pick(waiting) == waiting:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("a request whose delta cannot be read was passed over for good")
+    with pytest.raises(DeltaZipError):
+        eng.add([[1, 2, 3]], ["bad"], max_new_tokens=2, eos_token_id=None)
+    assert eng.active == 1  # the running row is untouched
+
+
 def test_stage_leaves_deltas_only_on_disk_and_unknown_names_alone(folders, monkeypatch):
     model = _kernel_model(folders, "cpu", torch.float32, monkeypatch)  # d1 on the device, d2 only on disk
     assert model.cache.stage(["d2", "nope", None]) == []

@@ -228,11 +228,12 @@ class AdmissionPolicy:
 
     **Staging ahead** (``stage_ahead=True``, the default): each round first starts copying the deltas that
     waiting requests need and that wait in host memory onto the device, on a side stream beside the decode
-    steps, making room by evicting least recently used deltas no running or waiting request uses (a
-    delta only on disk is left to :meth:`~hf_deltazip.DeltaModel.prefetch`). A request whose delta is
-    still being copied is passed over until the copy is done (unless no row is running), so the step
-    does not wait for it; it counts as bypassed like any other, and the fairness bound still holds.
-    Where every delta is resident this does nothing.
+    steps, making room by evicting least recently used deltas no running or waiting request uses; while
+    rows run, a delta only on disk is read into host memory on the cache's prefetch thread
+    (:meth:`~hf_deltazip.DeltaModel.prefetch`) and staged in a later round. A request whose delta is still
+    being read or copied is passed over until it is in (unless no row is running: then it is admitted at
+    once, its delta read beside its prefill), so the running rows do not wait for it; it counts as bypassed
+    like any other, and the fairness bound still holds. Where every delta is resident this does nothing.
 
     Attributes:
         max_bypass: the bound K above (``None``: ``16 * max_batch_size`` of the engine; on a saturating
@@ -436,6 +437,8 @@ class DecodeEngine:
         self._cache_kw = "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
         self._keep_kw = "logits_to_keep" in params
         self._lock = threading.RLock()
+        self._reading: set = set()  # deltas a staging round asked the cache to read from disk, not in yet
+        self._unreadable: set = set()  # ... whose read failed: left to their admission, which reports why
         self._next_handle = 0
         self._rows: list[Optional[_Row]] = [None] * max_batch_size
         self._finished: list[Finished] = []
@@ -573,18 +576,30 @@ class DecodeEngine:
 
     def _stage(self, waiting, running) -> set:
         """Start copying the host-tier deltas of the oldest ``max_batch_size`` waiting requests onto the device
-        (``AdmissionPolicy.stage_ahead``); returns the deltas whose copies are still running, to pass over."""
+        and, while rows run, reading their disk-only ones into host memory (``AdmissionPolicy.stage_ahead``);
+        returns the deltas still being read or copied, to pass over."""
         if self.delta_model is None:
             return set()
         cache = self.delta_model.cache
-        wanted = [w.delta for w in waiting[: self.max_batch_size] if w.delta is not None]
-        if not wanted:
+        wanted = list(dict.fromkeys(w.delta for w in waiting[: self.max_batch_size] if w.delta is not None))
+        if not wanted or not cache.placer.uses_kernels():
             return set()
         started = cache.stage(wanted, keep=[d for d in running if d is not None])
         self.stats.staged += len(started)
-        if not any(r is not None for r in self._rows):  # nothing runs: a prefill may as well wait for its copies
-            return set()
-        return {d for d in set(wanted) if d in cache and cache.state(d) is Residency.DEVICE and not cache.is_ready(d)}
+        if not any(r is not None for r in self._rows):  # nothing runs: a prefill may as well wait for its copies,
+            return set()  # and a delta only on disk is read beside its prefill (DeltaCache.overlap_loads)
+        cold = [d for d in wanted if d in cache and cache.state(d) is Residency.DISK
+                and d not in self._reading and d not in self._unreadable]
+        if cold:  # read them on the cache's prefetch thread instead of at admission, where every row would wait
+            self._reading.update(cold)
+            cache.prefetch(cold).add_done_callback(lambda f, names=tuple(cold): self._read_done(f, names))
+        return {d for d in wanted if d in self._reading
+                or (d in cache and cache.state(d) is Residency.DEVICE and not cache.is_ready(d))}
+
+    def _read_done(self, future, names) -> None:
+        if future.exception() is not None:
+            self._unreadable.update(names)
+        self._reading.difference_update(names)
 
     def _next_pick(self, waiting, chosen, taken, running, bound, budget, copying=frozenset()) -> Optional[int]:
         """The next request to admit this round, or ``None`` (one pass over ``waiting``)."""

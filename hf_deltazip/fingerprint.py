@@ -66,6 +66,14 @@ def base_fingerprint(model_or_state_dict) -> dict:
     return {"version": FINGERPRINT_VERSION, "params": params}
 
 
+def load_onto_hint(base_model: Optional[str], model_type: Optional[str] = None) -> str:
+    """The fix a base-mismatch error names: the delta's own base, by name where the delta records one."""
+    if base_model:
+        return f"load the delta onto its own base: {base_model!r}"
+    kind = f"{model_type!r} " if model_type else ""
+    return f"load the delta onto the {kind}base it was compressed from (the delta does not record its name)"
+
+
 def check_fingerprint(fingerprint: dict, model, *, base_name: str = "the base model",
                       expected_base: Optional[str] = None) -> None:
     """Raise :class:`BaseMismatchError` unless ``model`` is the base ``fingerprint`` was taken from
@@ -73,8 +81,7 @@ def check_fingerprint(fingerprint: dict, model, *, base_name: str = "the base mo
     if not fingerprint or not fingerprint.get("params"):
         return
     actual = _named_tensors(model)
-    hint = (f"load the delta onto its own base: {expected_base!r}" if expected_base
-            else "load the delta onto the base it was compressed from (the delta does not record its name)")
+    hint = load_onto_hint(expected_base)
     for name, rec in fingerprint["params"].items():
         t = actual.get(name)
         if t is None:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..errors import BaseMismatchError
-from ..fingerprint import check_fingerprint
+from ..fingerprint import check_fingerprint, load_onto_hint
 from ..format import DeltaHeader
 from ..quantization import logical_weight_shape
 from .activation_sparsity import has_activation_sparsity
@@ -45,13 +45,9 @@ def delta_nbytes(modules: dict, params: dict) -> int:
         sum(t.numel() * t.element_size() for t in params.values())
 
 
-
 def _onto(header: DeltaHeader) -> str:
-    """The fix a base-mismatch error names: the delta's own base, by name when the delta records one."""
-    if header.base_model:
-        return f"load the delta onto {header.base_model!r}"
-    kind = f"{header.model_type!r} " if header.model_type else ""
-    return f"load the delta onto the {kind}base it was compressed from (the delta does not record its name)"
+    return load_onto_hint(header.base_model, header.model_type)
+
 
 class DeltaPlacer:
     """Wraps the modules of ``base_model`` that deltas touch and places deltas into them by slot.
@@ -116,7 +112,7 @@ class DeltaPlacer:
     def check_base(self, header: DeltaHeader, where) -> None:
         """Raise :class:`BaseMismatchError` unless this base is the one the delta was made from."""
         cfg = getattr(self.base_model, "config", None)
-        expected = header.base_model or None
+        expected = header.base_model
         mt = header.model_type
         if mt is not None and getattr(cfg, "model_type", None) != mt:
             raise BaseMismatchError(
@@ -187,13 +183,24 @@ class DeltaPlacer:
         setattr(parent, child, wrapper)
         return wrapper
 
+    @staticmethod
+    def _tied_head(header: DeltaHeader, special: dict, owner: str, attr: Optional[str], modules: dict,
+                   params: dict) -> Optional[str]:
+        """The LM head that shares input embedding ``owner``'s part of the delta (tied embeddings): its packed
+        delta (``attr`` None) or its exactly stored ``attr`` ("weight"); ``None`` where no head shares it."""
+        out = special.get("output")
+        if not (header.tied_embeddings and out and owner == special.get("input") and out not in modules):
+            return None
+        if attr is not None and (attr != "weight" or f"{out}.weight" in params):
+            return None
+        return out
+
     def can_attach_in_room(self, slot: int, modules: dict, params: dict, header: DeltaHeader) -> bool:
         """Whether :meth:`attach` would only write into room kept for ``slot`` (no new wrapper, no kernel-stack
         or per-slot-table rebuild, so a captured decode step stays valid): what an upload ahead of use (while a
         decode step may run) is allowed to do. It asks every module that would take a part of the delta, the
         LM head of tied embeddings among them, as :meth:`attach` would hand it that part."""
         special = self.special_names()
-        out_name = special.get("output")
         for mname, p in modules.items():
             mod = self.find(mname)
             if not isinstance(mod, DeltaModule):
@@ -205,19 +212,16 @@ class DeltaPlacer:
                     return False
             if not mod.can_write_in_place(slot, p):
                 return False
-            # tied embeddings: the LM head takes the input embedding's delta into its own stack
-            if (p.kind == "embedding" and header.tied_embeddings and mname == special.get("input") and out_name
-                    and out_name not in modules):
-                head = self.find(out_name)
+            head_name = self._tied_head(header, special, mname, None, modules, params) if p.kind == "embedding" else None
+            if head_name is not None:  # the LM head takes the input embedding's delta into its own stack
+                head = self.find(head_name)
                 if not isinstance(head, DeltaLinear) or not head.can_write_in_place(
                         slot, p if head.tp is None else head.tp.take(p)):
                     return False
         for pname, t in params.items():
             owner, _, attr = pname.rpartition(".")
-            targets = [self.find(owner)]
-            if (header.tied_embeddings and attr == "weight" and owner == special.get("input") and out_name
-                    and f"{out_name}.weight" not in params and out_name not in modules):
-                targets.append(self.find(out_name))
+            head_name = self._tied_head(header, special, owner, attr, modules, params)
+            targets = [self.find(owner)] + ([self.find(head_name)] if head_name is not None else [])
             for mod in targets:
                 if not isinstance(mod, DeltaModule) or mod.tp is not None or not mod.can_override_in_place(slot, attr, t):
                     return False
@@ -257,23 +261,20 @@ class DeltaPlacer:
                 with on_side:
                     wrapper.add_packed(slot, p)  # in place: one copy from (pinned) host memory into the stack
             # tied embeddings: the LM head shares the input embedding's delta
-            if p.kind == "embedding" and header.tied_embeddings and mname == special.get("input"):
-                out_name = special.get("output")
-                if out_name and out_name not in modules:
-                    head = self.wrap(out_name, "linear")
-                    hp = p if head.tp is None else head.tp.take(p)
-                    with (on_side if head.can_write_in_place(slot, hp) else nullcontext()):
-                        head.add_packed(slot, hp)  # in place: one copy into the head's stack
-                    touched.append(head)
-        tied = header.tied_embeddings
+            head_name = self._tied_head(header, special, mname, None, modules, params) if p.kind == "embedding" else None
+            if head_name is not None:
+                head = self.wrap(head_name, "linear")
+                hp = p if head.tp is None else head.tp.take(p)
+                with (on_side if head.can_write_in_place(slot, hp) else nullcontext()):
+                    head.add_packed(slot, hp)  # in place: one copy into the head's stack
+                touched.append(head)
         for pname, t in params.items():
             owner, _, attr = pname.rpartition(".")
             targets = [self.wrap(owner, "override" if owner not in modules else modules[owner].kind)]
             # tied embeddings stored exactly: the LM head shares the input embedding's new weight too
-            out_name = special.get("output")
-            if (tied and attr == "weight" and owner == special.get("input") and out_name
-                    and f"{out_name}.weight" not in params and out_name not in modules):
-                targets.append(self.wrap(out_name, "linear"))
+            head_name = self._tied_head(header, special, owner, attr, modules, params)
+            if head_name is not None:
+                targets.append(self.wrap(head_name, "linear"))
             copies = {}  # one device copy per stream, shared by the embedding and a tied head
             if any(w.tp is not None for w in targets):
                 t = self._shard_param(pname, targets[0], attr, t)

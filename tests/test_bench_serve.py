@@ -411,7 +411,9 @@ def test_admission_variants_parse_and_refuse_bad_fields():
     assert serve.parse_admission_variant("max_prefill_tokens=none,prefer_running=0") == {
         "max_prefill_tokens": None, "prefer_running": False}
     assert serve.parse_admission_variant("stage_ahead=off") == {"stage_ahead": False}
-    for bad in ("", "max_bypass", "max_bypass=-3", "cost_aware=maybe", "speed=9"):
+    assert serve.parse_admission_variant("min_free_rows=16") == {"min_free_rows": 16}
+    assert serve.parse_admission_variant("min_free_rows=none") == {"min_free_rows": None}
+    for bad in ("", "max_bypass", "max_bypass=-3", "cost_aware=maybe", "speed=9", "min_free_rows=0"):
         with pytest.raises(ValueError):
             serve.parse_admission_variant(bad)
     parse = serve.build_parser().parse_args
@@ -419,22 +421,30 @@ def test_admission_variants_parse_and_refuse_bad_fields():
         parse(SMOKE + ["--admission-variant", "max_bypass=lots"])
     args = parse(SMOKE + ["--cost-aware", "--max-bypass", "7"])
     eng = serve._make_engine(_tiny_model(), args)
-    assert eng.admission.cost_aware and eng.admission.max_bypass == 7
+    assert eng.admission.cost_aware and eng.admission.max_bypass == 7 and eng.admission.min_free_rows is None
+    eng = serve._make_engine(_tiny_model(), parse(SMOKE + ["--min-free-rows", "3"]))
+    assert eng.admission.min_free_rows == 3
+    for bad in ("0", "few"):
+        with pytest.raises(SystemExit):
+            parse(SMOKE + ["--min-free-rows", bad])
 
 
 def test_admission_variants_replay_the_trace_on_the_same_engine(tmp_path, capsys):
     out = tmp_path / "v.json"
     rc = serve.main(SMOKE + ["--systems", "deltazip,swap-cpu", "--admission-variant", "max_bypass=0",
-                             "--admission-variant", "cost_aware=on,max_bypass=512", "--json", str(out)])
+                             "--admission-variant", "cost_aware=on,max_bypass=512",
+                             "--admission-variant", "min_free_rows=2", "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
-    names = ["deltazip", "deltazip[max_bypass=0]", "deltazip[cost_aware=on,max_bypass=512]", "swap-cpu"]
+    names = ["deltazip", "deltazip[max_bypass=0]", "deltazip[cost_aware=on,max_bypass=512]", "deltazip[min_free_rows=2]",
+             "swap-cpu"]
     assert list(report["systems"]) == names
     for name in names:
         assert report["systems"][name]["completed"] == 6, name
     assert "cost_aware=True" in report["systems"][names[2]]["how"]
+    assert "min_free_rows=2" in report["systems"][names[3]]["how"]
     swap = report["systems"]["swap-cpu"]
-    for v in names[1:3]:
+    for v in names[1:4]:
         assert swap["variant_speedups"][v] == pytest.approx(report["systems"][v]["tokens_per_s"] / swap["tokens_per_s"])
     assert f"- {names[1]} / swap-cpu:" in capsys.readouterr().out
 

@@ -260,3 +260,48 @@ def test_pick_stages_waiting_deltas_ahead_and_passes_over_copies_in_flight(monke
     assert dm.cache.state(waiting[0].delta) == "host"
     assert eng.pick(waiting) == waiting  # admitted: its delta goes on the device with its prefill
     assert eng.stats.staged == 2 and sorted(dm.resident_deltas) == before
+
+
+def test_coalesced_admission_waits_for_enough_free_rows(lm):
+    eng = engine(lm, rows=8, admission=AdmissionPolicy(min_free_rows=4))
+    occupy(eng, 6)  # two rows free
+    three = [Pending(3, None), Pending(3, "b"), Pending(3, None)]
+    assert eng.pick(three) == []  # 2 free < min(4, 3 waiting): held, nobody passed over
+    assert [w.bypassed for w in three] == [0, 0, 0]
+    two = [Pending(3, "b"), Pending(3, None)]
+    assert [two.index(p) for p in eng.pick(two)] == [0, 1]  # every waiting request fits the free rows: admitted
+    # an empty step admits at once, whatever the floor
+    assert len(engine(lm, rows=8, admission=AdmissionPolicy(min_free_rows=8)).pick([Pending(3, "b")])) == 1
+
+
+def test_coalesced_admission_serves_every_request_in_fewer_prefill_rounds(lm):
+    """Requests of unequal lengths free their rows one by one: with the floor the same requests are all
+    served, in fewer prefill rounds, and each round fills at least the floor's rows or takes every waiting one."""
+    rng = random.Random(0)
+    lengths = [rng.randint(2, 12) for _ in range(24)]
+
+    def serve(policy):
+        eng = engine(lm, rows=6, admission=policy)
+        waiting = [Pending(3, None, item=i) for i in range(len(lengths))]
+        done, sizes = [], []
+        while waiting or eng.active:
+            picked = eng.pick(waiting)
+            if picked:
+                sizes.append((len(picked), len(waiting)))
+                eng.add([[1, 2, 3]] * len(picked), None, max_new_tokens=[lengths[p.item] for p in picked],
+                        eos_token_id=None)  # one prefill round
+                waiting = [w for w in waiting if w not in picked]
+            done += [h for h, _ in eng.step()] if eng.active else []
+        return eng.stats.prefills, sizes, len(done)
+
+    plain_rounds, _, plain_done = serve(AdmissionPolicy())
+    rounds, sizes, done = serve(AdmissionPolicy(min_free_rows=4))
+    assert plain_done == done == len(lengths)
+    assert all(n >= min(4, waiting) for n, waiting in sizes[1:])
+    assert rounds < plain_rounds
+
+
+def test_min_free_rows_must_be_a_positive_number(lm):
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(DeltaZipError, match="min_free_rows"):
+            DecodeEngine(lm, max_batch_size=2, max_length=16, admission=AdmissionPolicy(min_free_rows=bad))

@@ -621,7 +621,8 @@ def _admission(args, **changes):
     with ``changes`` (an ``--admission-variant``'s fields) on top."""
     from ..serving import AdmissionPolicy
 
-    fields = {"max_bypass": getattr(args, "max_bypass", None), "cost_aware": getattr(args, "cost_aware", False)}
+    fields = {"max_bypass": getattr(args, "max_bypass", None), "cost_aware": getattr(args, "cost_aware", False),
+              "min_free_rows": getattr(args, "min_free_rows", None)}
     return AdmissionPolicy(**{**fields, **changes})
 
 
@@ -634,14 +635,15 @@ def _make_engine(model, args):
 
 
 _VARIANT_FIELDS = {"max_bypass": "count", "cost_aware": "bool", "prefer_running": "bool", "max_prefill_tokens": "count",
-                   "stage_ahead": "bool"}
+                   "stage_ahead": "bool", "min_free_rows": "rows"}
 
 
 def parse_admission_variant(text: str) -> dict:
     """``"max_bypass=512,cost_aware=on"`` -> ``{"max_bypass": 512, "cost_aware": True}`` (``--admission-variant``).
 
-    Fields: ``max_bypass`` and ``max_prefill_tokens`` (a whole number >= 0, or ``none``), ``cost_aware``,
-    ``prefer_running`` and ``stage_ahead`` (``on``/``off``, ``true``/``false``, ``1``/``0``).
+    Fields: ``max_bypass`` and ``max_prefill_tokens`` (a whole number >= 0, or ``none``), ``min_free_rows`` (a
+    whole number >= 1, or ``none``), ``cost_aware``, ``prefer_running`` and ``stage_ahead`` (``on``/``off``,
+    ``true``/``false``, ``1``/``0``).
     """
     out = {}
     for part in [p.strip() for p in text.split(",") if p.strip()]:
@@ -655,10 +657,11 @@ def parse_admission_variant(text: str) -> dict:
             out[key] = value in ("on", "true", "1")
         elif value == "none":
             out[key] = None
-        elif value.isdigit():
+        elif value.isdigit() and (_VARIANT_FIELDS[key] == "count" or int(value) >= 1):
             out[key] = int(value)
         else:
-            raise ValueError(f"{part!r}: {key} takes a whole number >= 0 or none")
+            least = 0 if _VARIANT_FIELDS[key] == "count" else 1
+            raise ValueError(f"{part!r}: {key} takes a whole number >= {least} or none")
     if not out:
         raise ValueError(f"{text!r}: give at least one FIELD=VALUE")
     return out
@@ -739,6 +742,8 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
         tier += f"; decode route {args.decode!r}"
     if getattr(args, "max_bypass", None) is not None:
         tier += f"; fairness bound {args.max_bypass} (a request is passed over by at most that many later ones)"
+    if getattr(args, "min_free_rows", None) is not None:
+        tier += f"; prefills coalesced (while rows run, admission waits for {args.min_free_rows} free rows)"
     if getattr(args, "cost_aware", False):
         tier += "; cost-aware admission (a new delta joins the step only when its rows raise tokens per second)"
     how = {"deltazip": f"{tier}; continuous batching, every row its own delta",
@@ -1130,6 +1135,16 @@ def _environment(args, argv) -> dict:
             "command": "deltazip bench serve " + " ".join(argv)}
 
 
+def _min_free_rows_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--min-free-rows takes a number of rows >= 1, got {text!r}")
+    return value
+
+
 def _max_bypass_arg(text: str) -> int:
     try:
         value = int(text)
@@ -1182,9 +1197,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cost-aware", action="store_true",
                    help="deltazip: admit a request for a delta not in the step only when its rows raise the step's tokens/s "
                         "(AdmissionPolicy.cost_aware)")
+    p.add_argument("--min-free-rows", type=_min_free_rows_arg,
+                   help="deltazip: while rows run, admit only once this many rows are free (or every waiting request "
+                        "fits), so prefills come in fewer, larger rounds (AdmissionPolicy.min_free_rows; default: off)")
     p.add_argument("--admission-variant", action="append", default=[], type=_variant_arg, metavar="FIELD=VALUE,...",
                    help="deltazip: one more replay on the same model and engine with these AdmissionPolicy fields changed "
-                        "(max_bypass, max_prefill_tokens: a number or none; cost_aware, prefer_running: on/off), reported "
+                        "(max_bypass, max_prefill_tokens, min_free_rows: a number or none; cost_aware, prefer_running, "
+                        "stage_ahead: on/off), reported "
                         "as deltazip[FIELD=VALUE,...]; repeatable")
     p.add_argument("--max-resident", type=int, help="deltas kept on the GPU (default: as many as fit; the others wait in pinned host memory)")
     p.add_argument("--lora-rank", type=int, default=16, help="peft: LoRA rank of each fine-tune's adapter (default 16)")

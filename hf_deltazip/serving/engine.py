@@ -226,6 +226,13 @@ class AdmissionPolicy:
     fairness rule still holds: nothing later passes a request at the bound, so it is admitted once the
     step has drained enough (an empty step admits anything).
 
+    **Coalesced prefills** (``min_free_rows=F``): while rows run, a round admits nothing until at least ``F``
+    rows are free, or as many as there are waiting requests if fewer wait; so the rows that free up one by
+    one are filled in fewer, larger prefills. Each prefill round costs a fixed part beside its prompts (the
+    host's work and a pass over every layer), so fewer rounds leave more of the wall time to decoding; the
+    rows that wait cost idle rows instead. A round held this way admits nobody, so no request is bypassed
+    by it; an empty step admits at once.
+
     **Staging ahead** (``stage_ahead=True``, the default): each round first starts copying the deltas that
     waiting requests need and that wait in host memory onto the device, on a side stream beside the decode
     steps, making room by evicting least recently used deltas no running or waiting request uses; while
@@ -246,6 +253,7 @@ class AdmissionPolicy:
             measured; until two different ``U`` have been seen, the rule admits as if it were off).
         stage_ahead: the staging above (``False``: a delta is put on the device when its request is admitted,
             before that request's prefill, while every row waits).
+        min_free_rows: the coalescing above (``None``: a round admits into any free row).
     """
 
     max_bypass: Optional[int] = None
@@ -254,6 +262,7 @@ class AdmissionPolicy:
     cost_aware: bool = False
     step_cost_line: Optional[tuple] = None
     stage_ahead: bool = True
+    min_free_rows: Optional[int] = None
 
 
 def fit_step_costs(step_costs: dict, *, min_steps: int = 8) -> Optional[tuple]:
@@ -421,6 +430,9 @@ class DecodeEngine:
         self.admission = admission if admission is not None else AdmissionPolicy()
         if self.admission.max_bypass is not None and self.admission.max_bypass < 0:
             raise DeltaZipError(f"AdmissionPolicy.max_bypass must be >= 0 or None, got {self.admission.max_bypass}")
+        floor = self.admission.min_free_rows
+        if floor is not None and (isinstance(floor, bool) or not isinstance(floor, int) or floor < 1):
+            raise DeltaZipError(f"AdmissionPolicy.min_free_rows must be a positive number of rows or None, got {floor!r}")
         given = self.admission.step_cost_line
         if given is not None and not (len(given) == 2 and all(isinstance(v, (int, float)) for v in given)
                                       and given[0] >= 0 and given[1] > 0):
@@ -559,9 +571,12 @@ class DecodeEngine:
         with self._lock:
             running = {r.delta for r in self._rows if r is not None}
             copying = self._stage(waiting, running) if policy.stage_ahead else set()
+            free = self.free
+            floor = policy.min_free_rows
+            if floor is not None and running and free < min(floor, len(waiting)):
+                return []  # coalescing: rows free up until a larger prefill round is worth it
             chosen: list = []  # indices into waiting
             taken = set()
-            free = self.free
             while len(chosen) < free:
                 pick = self._next_pick(waiting, chosen, taken, running, bound, budget, copying)
                 if pick is None:

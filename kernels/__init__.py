@@ -45,6 +45,7 @@ from .multi_delta import (
     multi_delta_linear,
     multi_delta_linear_reference,
     set_default_backend,
+    set_gluon_block_rows,
 )
 
 
@@ -81,4 +82,5 @@ __all__ = [
     "multi_delta_linear",
     "multi_delta_linear_reference",
     "set_default_backend",
+    "set_gluon_block_rows",
 ]

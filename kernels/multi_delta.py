@@ -57,6 +57,7 @@ __all__ = [
     "auto_split_k",
     "layer_bytes",
     "set_default_backend",
+    "set_gluon_block_rows",
     "gluon_decode_supported",
     "gluon_decode_available",
 ]
@@ -71,7 +72,10 @@ GLUON_MAX_ROWS = 64
 #: 8B shapes: 32 rows on one delta ran 0.88x the fused route with it against 0.97x with the Triton kernel;
 #: BENCHMARKS.md section 3, "The Gluon decode kernel")
 GLUON_MAX_ROWS_PER_DELTA = 8
+#: rows per block the Gluon decode kernel may take (:attr:`MultiDeltaConfig.gluon_block_rows`)
+GLUON_BLOCK_ROWS = (8, 16, 32)
 _DEFAULT_BACKEND = ["auto"]
+_DEFAULT_GLUON_ROWS = [8]
 
 
 def set_default_backend(backend: str) -> None:
@@ -80,6 +84,15 @@ def set_default_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     _DEFAULT_BACKEND[0] = backend
+
+
+def set_gluon_block_rows(rows: int) -> None:
+    """The :attr:`MultiDeltaConfig.gluon_block_rows` that :func:`default_config` gives (8, 16 or 32; default 8):
+    the Gluon decode kernel decodes a delta's codes once per block of that many of its rows. For comparing
+    row blocks end to end (``deltazip bench serve --gluon-block-rows``)."""
+    if rows not in GLUON_BLOCK_ROWS:
+        raise ValueError(f"gluon_block_rows must be one of {GLUON_BLOCK_ROWS}, got {rows!r}")
+    _DEFAULT_GLUON_ROWS[0] = rows
 
 
 _GLUON = {}
@@ -131,7 +144,7 @@ def _launch_gluon_or_planar(x, stack, segments, out, cfg, lut):
     from ._gluon_decode import gluon_delta_accumulate
 
     try:
-        gluon_delta_accumulate(x, stack, segments, out, lut=lut)
+        gluon_delta_accumulate(x, stack, segments, out, lut=lut, block_rows=cfg.gluon_block_rows)
         return
     except Exception as exc:  # noqa: BLE001 - only build failures are handled, the rest re-raised
         if not _gluon_failed(exc):
@@ -147,8 +160,8 @@ def uses_gluon(x: torch.Tensor, stack: DeltaStack, out: torch.Tensor, config: "M
     """Whether an ``accumulate=True`` launch adds its deltas with the Gluon decode kernel (see
     :attr:`MultiDeltaConfig.backend`)."""
     return (config.backend == "auto" and out.dtype == x.dtype and out.stride(1) == 1
-            and (rows_per_delta is None or rows_per_delta <= GLUON_MAX_ROWS_PER_DELTA)
-            and gluon_decode_supported(x, stack))
+            and (rows_per_delta is None or rows_per_delta <= max(GLUON_MAX_ROWS_PER_DELTA, config.gluon_block_rows))
+            and config.gluon_block_rows in GLUON_BLOCK_ROWS and gluon_decode_supported(x, stack))
 
 
 def gluon_decode_supported(x: torch.Tensor, stack: DeltaStack) -> bool:
@@ -196,6 +209,9 @@ class MultiDeltaConfig:
             planar 2- or 4-bit stack with blocks of 64 and fp16 / bf16 activations, the Gluon decode
             kernel (``kernels/_gluon_decode.py``: each plane's decode overlaps the MMAs in flight); the
             planar Triton kernel otherwise. ``"triton"``: always the Triton kernel.
+        gluon_block_rows: rows of one delta the Gluon decode kernel multiplies by each decoded weight tile
+            (8, 16 or 32): a delta with more rows has its codes decoded once per block, a larger block holds
+            more accumulators and shared memory per program (:func:`set_gluon_block_rows` sets the default).
     """
 
     block_m: int = 16
@@ -211,6 +227,7 @@ class MultiDeltaConfig:
     scale_in_weights: bool = False
     max_registers: int = 0
     backend: str = "auto"
+    gluon_block_rows: int = 8
 
 
 # --------------------------------------------------------------------------- reference
@@ -341,11 +358,11 @@ def default_config(m: int, n: int, k: int, stack: DeltaStack, device: torch.devi
     """Launch parameters for an ``[m, k] x [n, k]`` layer with ``stack``'s format on ``device`` (see
     :func:`_default_config`; memoized: a decode step asks for the same few shapes every token)."""
     key = (m, n, k, stack.layout_block, stack.bits, stack.num_deltas, rows_per_delta, device.type, device.index,
-           _DEFAULT_BACKEND[0])
+           _DEFAULT_BACKEND[0], _DEFAULT_GLUON_ROWS[0])
     cfg = _DEFAULT_CONFIGS.get(key)
     if cfg is None:
         cfg = _DEFAULT_CONFIGS[key] = replace(_default_config(m, n, k, stack, device, rows_per_delta),
-                                              backend=_DEFAULT_BACKEND[0])
+                                              backend=_DEFAULT_BACKEND[0], gluon_block_rows=_DEFAULT_GLUON_ROWS[0])
     return cfg
 
 
@@ -491,6 +508,8 @@ def multi_delta_linear(
     _check_inputs(x, base_weight, bias, stack, row_delta, out_dtype, out, need_same_device=True)
     if config is not None and config.backend not in BACKENDS:
         raise ValueError(f"config.backend must be one of {BACKENDS}, got {config.backend!r}")
+    if config is not None and config.gluon_block_rows not in GLUON_BLOCK_ROWS:
+        raise ValueError(f"config.gluon_block_rows must be one of {GLUON_BLOCK_ROWS}, got {config.gluon_block_rows!r}")
     device = x.device
     if segment_lookup is not None and (not stack.layout_block or segments is None):
         row_delta, segment_lookup = segment_lookup[row_delta.long() + 1], None  # slot ids -> stack indices

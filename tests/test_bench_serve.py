@@ -460,3 +460,19 @@ def test_max_bypass_flag_sets_the_engines_fairness_bound():
     for bad in ("-1", "many"):
         with pytest.raises(SystemExit):
             parse(["--max-bypass", bad])
+
+
+def test_gluon_block_rows_flag_is_set_for_the_run_and_restored(tmp_path, monkeypatch):
+    from hf_deltazip import kernels as K
+
+    parse = serve.build_parser().parse_args
+    assert parse(SMOKE).gluon_block_rows is None
+    with pytest.raises(SystemExit):
+        parse(SMOKE + ["--gluon-block-rows", "12"])
+    seen = []
+    real = K.set_gluon_block_rows
+    monkeypatch.setattr(K, "set_gluon_block_rows", lambda rows: (seen.append(rows), real(rows)))
+    out = tmp_path / "g.json"
+    assert serve.main(SMOKE + ["--gluon-block-rows", "16", "--json", str(out)]) == 0
+    assert seen == [16, 8]  # set for the deltazip run, the library's default again after it
+    assert "row blocks of 16" in json.loads(out.read_text())["systems"]["deltazip"]["how"]

@@ -261,3 +261,47 @@ def test_a_gluon_kernel_that_does_not_build_falls_back_to_triton(interpret, monk
     monkeypatch.setattr(MD, "_GLUON", {})
     with pytest.raises(ValueError, match="a launch error"):
         K.multi_delta_linear(x, None, None, st, rd, out=start.clone(), accumulate=True, config=cfg)
+
+
+def test_gluon_row_blocks_are_chosen_and_validated(monkeypatch):
+    """The default row block reaches default_config; a larger block lets a delta of that many rows take the
+    Gluon kernel (each block decodes the codes once); blocks the kernel is not built for are refused."""
+    st = L.prepare_stack(K.random_delta_stack(2, 64, 512, bits=2, group_size=128))
+    assert K.default_config(8, 64, 512, st, torch.device("cpu")).gluon_block_rows == 8
+    try:
+        K.set_gluon_block_rows(16)
+        assert K.default_config(8, 64, 512, st, torch.device("cpu")).gluon_block_rows == 16
+    finally:
+        K.set_gluon_block_rows(8)
+    assert K.default_config(8, 64, 512, st, torch.device("cpu")).gluon_block_rows == 8
+    with pytest.raises(ValueError, match="gluon_block_rows must be one of"):
+        K.set_gluon_block_rows(12)
+    x = torch.randn(2, 512)
+    with pytest.raises(ValueError, match="config.gluon_block_rows must be one of"):
+        K.multi_delta_linear(x, None, None, st, torch.zeros(2, dtype=torch.int32), out=torch.zeros(2, 64),
+                             accumulate=True, config=K.MultiDeltaConfig(gluon_block_rows=64))
+    monkeypatch.setattr(MD, "_gluon_available", lambda device: True)
+    xb = torch.randn(32, 512, dtype=torch.bfloat16)
+    out = torch.zeros(32, 64, dtype=torch.bfloat16)
+    assert not MD.uses_gluon(xb, st, out, K.MultiDeltaConfig(), 16)
+    assert MD.uses_gluon(xb, st, out, K.MultiDeltaConfig(gluon_block_rows=16), 16)
+    assert not MD.uses_gluon(xb, st, out, K.MultiDeltaConfig(gluon_block_rows=16), 17)
+
+
+@needs_hopper
+@pytest.mark.parametrize("block_rows", [16, 32])
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("m", [7, 45, 64])
+def test_gpu_gluon_larger_row_blocks_match_reference(compiled, block_rows, bits, m):
+    """Row blocks of 16 and 32: segments shorter and longer than a block, rows of the plain base, against the
+    reference and the Triton kernel."""
+    x, w, b, st, rd = _case(200, 1536 if bits == 4 else 1024, bits, 128, m, torch.bfloat16, seed=m + block_rows + bits,
+                            u=3)
+    cfg = K.MultiDeltaConfig(gluon_block_rows=block_rows)
+    assert MD.uses_gluon(x, st, torch.empty(m, 200, device="cuda", dtype=torch.bfloat16), cfg, None)
+    got = check_accumulate(x, w, b, st, rd, cfg, tol=3e-2)
+    tri = check_accumulate(x, w, b, st, rd, K.MultiDeltaConfig(backend="triton"), tol=3e-2)
+    base = (x.float() @ w.float().t() + b.float())
+    d = rd >= 0
+    gap = float((got[d].float() - tri[d].float()).norm() / (tri[d].float() - base[d]).norm())
+    assert gap < 3e-2, gap

@@ -740,6 +740,8 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
     tier += f"; prefill route {args.prefill!r}"
     if getattr(args, "decode", "auto") != "auto":
         tier += f"; decode route {args.decode!r}"
+    if getattr(args, "gluon_block_rows", None) is not None:
+        tier += f"; Gluon decode kernel row blocks of {args.gluon_block_rows}"
     if getattr(args, "max_bypass", None) is not None:
         tier += f"; fairness bound {args.max_bypass} (a request is passed over by at most that many later ones)"
     if getattr(args, "min_free_rows", None) is not None:
@@ -753,6 +755,10 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
         dm = DeltaModel(base)
         dm.configure_cache(max_resident=resident)  # before adding: the kernel stacks are sized once
         dm.configure_kernels(prefill=args.prefill, decode=getattr(args, "decode", "auto"))
+        if getattr(args, "gluon_block_rows", None) is not None:
+            from .. import kernels as K
+
+            K.set_gluon_block_rows(args.gluon_block_rows)  # before the first step builds its launch configs
         if real:
             names = list(real)
             for i, (n, path) in enumerate(real.items()):  # popularity follows the order given
@@ -781,6 +787,10 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
                 skipped[system] = f"out of GPU memory ({str(e).splitlines()[0]}): use --bits 2, fewer --deltas, --batch or --layers"
                 print(f"[{system}] skipped: {skipped[system]}", flush=True)
     finally:
+        if getattr(args, "gluon_block_rows", None) is not None:
+            from .. import kernels as K
+
+            K.set_gluon_block_rows(8)  # the library's default again for whatever runs next in this process
         del engine, dm
         _free_memory(args.device)
 
@@ -1218,6 +1228,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", choices=["auto", "fused", "split"], default="auto",
                    help="deltazip systems: how decode steps run (DeltaModel.configure_kernels; default auto: the "
                         "split route for steps of many distinct deltas where the Gluon kernel adds them)")
+    p.add_argument("--gluon-block-rows", type=int, choices=[8, 16, 32],
+                   help="deltazip systems: rows of one delta per block of the Gluon decode kernel, whose codes it decodes "
+                        "once per block (kernels.set_gluon_block_rows; default: the library's, 8)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--per-request", action="store_true", help="add every request's timings to the JSON")
     return p

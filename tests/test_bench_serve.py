@@ -476,3 +476,14 @@ def test_gluon_block_rows_flag_is_set_for_the_run_and_restored(tmp_path, monkeyp
     assert serve.main(SMOKE + ["--gluon-block-rows", "16", "--json", str(out)]) == 0
     assert seen == [16, 8]  # set for the deltazip run, the library's default again after it
     assert "row blocks of 16" in json.loads(out.read_text())["systems"]["deltazip"]["how"]
+
+
+def test_a_variant_is_described_by_its_own_policy_not_the_flags(tmp_path):
+    out = tmp_path / "m.json"
+    assert serve.main(SMOKE + ["--min-free-rows", "2", "--admission-variant", "min_free_rows=none",
+                               "--json", str(out)]) == 0
+    systems = json.loads(out.read_text())["systems"]
+    assert systems["deltazip"]["completed"] == systems["deltazip[min_free_rows=none]"]["completed"] == 6
+    assert "prefills coalesced (while rows run, admission waits for 2 free rows)" in systems["deltazip"]["how"]
+    variant = systems["deltazip[min_free_rows=none]"]["how"]
+    assert "prefills coalesced" not in variant and "min_free_rows=None" in variant

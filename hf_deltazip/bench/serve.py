@@ -742,12 +742,13 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
         tier += f"; decode route {args.decode!r}"
     if getattr(args, "gluon_block_rows", None) is not None:
         tier += f"; Gluon decode kernel row blocks of {args.gluon_block_rows}"
+    policy = ""  # the flags' admission policy, said of the runs that use it (a variant prints its own)
     if getattr(args, "max_bypass", None) is not None:
-        tier += f"; fairness bound {args.max_bypass} (a request is passed over by at most that many later ones)"
+        policy += f"; fairness bound {args.max_bypass} (a request is passed over by at most that many later ones)"
     if getattr(args, "min_free_rows", None) is not None:
-        tier += f"; prefills coalesced (while rows run, admission waits for {args.min_free_rows} free rows)"
+        policy += f"; prefills coalesced (while rows run, admission waits for {args.min_free_rows} free rows)"
     if getattr(args, "cost_aware", False):
-        tier += "; cost-aware admission (a new delta joins the step only when its rows raise tokens per second)"
+        policy += "; cost-aware admission (a new delta joins the step only when its rows raise tokens per second)"
     how = {"deltazip": f"{tier}; continuous batching, every row its own delta",
            "one-delta-loop": f"{tier}; same engine, rows of one delta at a time"}
     dm = engine = None
@@ -778,7 +779,7 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
             engine.admission = _admission(args, **(fields or {}))
             results[name], run = _run(name, engine, trace, names, args, one_at_a_time=system == "one-delta-loop",
                                       warm_names=names[:resident])
-            results[name]["how"] = how[system] + (f"; admission {engine.admission}" if fields else "")
+            results[name]["how"] = how[system] + (f"; admission {engine.admission}" if fields else policy)
             results[name]["resident_deltas"] = resident
             outcomes[name] = run.outcomes
     except torch.cuda.OutOfMemoryError as e:

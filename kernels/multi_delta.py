@@ -212,6 +212,9 @@ class MultiDeltaConfig:
         gluon_block_rows: rows of one delta the Gluon decode kernel multiplies by each decoded weight tile
             (8, 16 or 32): a delta with more rows has its codes decoded once per block, a larger block holds
             more accumulators and shared memory per program (:func:`set_gluon_block_rows` sets the default).
+            On an H100 (BENCHMARKS.md section 3) 16-row blocks were 1.26-1.85x faster on 8B layers where every
+            delta had 16 rows or more and 0.78-0.89x where deltas had fewer than 8; 32-row blocks were never the
+            fastest. Default 8: the many-delta steps that take this kernel carry few rows per delta.
     """
 
     block_m: int = 16

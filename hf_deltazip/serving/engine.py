@@ -231,7 +231,10 @@ class AdmissionPolicy:
     one are filled in fewer, larger prefills. Each prefill round costs a fixed part beside its prompts (the
     host's work and a pass over every layer), so fewer rounds leave more of the wall time to decoding; the
     rows that wait cost idle rows instead. A round held this way admits nobody, so no request is bypassed
-    by it; an empty step admits at once.
+    by it; an empty step admits at once. Measured on the saturating 8B trace at 64 rows (BENCHMARKS.md
+    section 5): ``F=16`` made a third as many rounds and lowered the mean latency a little, but its
+    throughput stayed within the replays' order effect (the idle rows took back the prefill time saved); off
+    by default.
 
     **Staging ahead** (``stage_ahead=True``, the default): each round first starts copying the deltas that
     waiting requests need and that wait in host memory onto the device, on a side stream beside the decode

@@ -347,6 +347,8 @@ def test_time_split_adds_up_to_the_wall_time():
     assert parts == pytest.approx(split["wall_s"])
     assert split["decode_steps"] > 0 and 0 < split["mean_distinct_deltas"] <= 2
     assert split["floor_bytes_per_step"] <= split["bytes_per_step"]
+    # the engine's admission rounds are part of the rest, staging ahead part of them
+    assert 0 < split["admission_s"] <= split["other_s"] and 0 <= split["stage_s"] <= split["admission_s"]
     assert "| deltazip |" in serve.split_table({"deltazip": {"time_split": split}})
 
 

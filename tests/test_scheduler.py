@@ -305,3 +305,15 @@ def test_min_free_rows_must_be_a_positive_number(lm):
     for bad in (0, -1, 2.5, True):
         with pytest.raises(DeltaZipError, match="min_free_rows"):
             DecodeEngine(lm, max_batch_size=2, max_length=16, admission=AdmissionPolicy(min_free_rows=bad))
+
+
+def test_pick_counts_its_time_and_the_staging_part_of_it(lm):
+    eng = engine(lm, rows=4)
+    occupy(eng, 2)
+    assert eng.stats.admission_s == 0.0
+    eng.pick([Pending(3, None)])
+    assert eng.stats.admission_s > 0 and 0 <= eng.stats.stage_s <= eng.stats.admission_s
+    quiet = engine(lm, rows=4, admission=AdmissionPolicy(stage_ahead=False))
+    quiet.pick([Pending(3, None)])
+    assert quiet.stats.admission_s > 0 and quiet.stats.stage_s == 0.0
+    assert eng.reset_stats().admission_s > 0 and eng.stats.admission_s == 0.0

@@ -101,6 +101,8 @@ class EngineStats:
         loads: admissions that had to bring at least one delta onto the device.
         staged: deltas :meth:`DecodeEngine.pick` started copying onto the device ahead of their requests'
             admission (``AdmissionPolicy.stage_ahead``), beside the decode steps instead of before a prefill.
+        admission_s: seconds inside :meth:`DecodeEngine.pick` (choosing requests and staging deltas ahead: host
+            work between decode steps, not in ``prefill_s`` or ``decode_s``); ``stage_s``: of those, staging.
         decode_steps: decode steps run.
         row_steps: rows computed by decode steps (``max_batch_size`` per step).
         idle_row_steps: of those, rows with no request (computed and thrown away).
@@ -125,6 +127,8 @@ class EngineStats:
     prefill_tokens: int = 0
     loads: int = 0
     staged: int = 0
+    admission_s: float = 0.0
+    stage_s: float = 0.0
     decode_steps: int = 0
     row_steps: int = 0
     idle_row_steps: int = 0
@@ -572,25 +576,38 @@ class DecodeEngine:
         bound = DEFAULT_BYPASS_PER_ROW * self.max_batch_size if policy.max_bypass is None else policy.max_bypass
         budget = policy.max_prefill_tokens
         with self._lock:
-            running = {r.delta for r in self._rows if r is not None}
-            copying = self._stage(waiting, running) if policy.stage_ahead else set()
-            free = self.free
-            floor = policy.min_free_rows
-            if floor is not None and running and free < min(floor, len(waiting)):
-                return []  # coalescing: rows free up until a larger prefill round is worth it
-            chosen: list = []  # indices into waiting
-            taken = set()
-            while len(chosen) < free:
-                pick = self._next_pick(waiting, chosen, taken, running, bound, budget, copying)
-                if pick is None:
-                    break
-                chosen.append(pick)
-                taken.add(pick)
-                running.add(waiting[pick].delta)
-            for j, w in enumerate(waiting):
-                if j not in taken:
-                    w.bypassed += sum(1 for i in chosen if i > j)
-            return [waiting[i] for i in sorted(chosen)]
+            t0 = time.perf_counter()
+            try:
+                return self._pick(waiting, policy, bound, budget)
+            finally:
+                self.stats.admission_s += time.perf_counter() - t0
+
+    def _pick(self, waiting, policy, bound, budget) -> list:
+        """:meth:`pick`'s work (caller holds the lock and times it)."""
+        running = {r.delta for r in self._rows if r is not None}
+        if policy.stage_ahead:
+            t0 = time.perf_counter()
+            copying = self._stage(waiting, running)
+            self.stats.stage_s += time.perf_counter() - t0
+        else:
+            copying = set()
+        free = self.free
+        floor = policy.min_free_rows
+        if floor is not None and running and free < min(floor, len(waiting)):
+            return []  # coalescing: rows free up until a larger prefill round is worth it
+        chosen: list = []  # indices into waiting
+        taken = set()
+        while len(chosen) < free:
+            pick = self._next_pick(waiting, chosen, taken, running, bound, budget, copying)
+            if pick is None:
+                break
+            chosen.append(pick)
+            taken.add(pick)
+            running.add(waiting[pick].delta)
+        for j, w in enumerate(waiting):
+            if j not in taken:
+                w.bypassed += sum(1 for i in chosen if i > j)
+        return [waiting[i] for i in sorted(chosen)]
 
     def _stage(self, waiting, running) -> set:
         """Start copying the host-tier deltas of the oldest ``max_batch_size`` waiting requests onto the device

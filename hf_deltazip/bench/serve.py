@@ -1150,22 +1150,25 @@ def _environment(args, argv) -> dict:
             "command": "deltazip bench serve " + " ".join(argv)}
 
 
-def _min_free_rows_arg(text: str) -> int:
+def _at_least(text: str, least: int) -> Optional[int]:
+    """``text`` as a whole number if it is one and at least ``least``, else ``None``."""
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
+        return None
+    return value if value >= least else None
+
+
+def _min_free_rows_arg(text: str) -> int:
+    value = _at_least(text, 1)
+    if value is None:
         raise argparse.ArgumentTypeError(f"--min-free-rows takes a number of rows >= 1, got {text!r}")
     return value
 
 
 def _max_bypass_arg(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
+    value = _at_least(text, 0)
+    if value is None:
         raise argparse.ArgumentTypeError(f"--max-bypass takes a whole number >= 0 (0: first come, first served), got {text!r}")
     return value
 
@@ -1173,11 +1176,8 @@ def _max_bypass_arg(text: str) -> int:
 def _max_deltas_arg(text: str):
     if text in ("auto", "none"):
         return None if text == "none" else text
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
+    value = _at_least(text, 1)
+    if value is None:
         raise argparse.ArgumentTypeError(f"{text!r}: give a positive number, 'auto' or 'none'")
     return value
 

@@ -301,10 +301,18 @@ def test_coalesced_admission_serves_every_request_in_fewer_prefill_rounds(lm):
     assert rounds < plain_rounds
 
 
-def test_min_free_rows_must_be_a_positive_number(lm):
+def test_min_free_rows_must_be_a_positive_number_the_engine_has(lm):
     for bad in (0, -1, 2.5, True):
         with pytest.raises(DeltaZipError, match="min_free_rows"):
             DecodeEngine(lm, max_batch_size=2, max_length=16, admission=AdmissionPolicy(min_free_rows=bad))
+    with pytest.raises(DeltaZipError, match=r"min_free_rows=3 is more rows than the engine has \(max_batch_size=2\)"):
+        DecodeEngine(lm, max_batch_size=2, max_length=16, admission=AdmissionPolicy(min_free_rows=3))
+    eng = DecodeEngine(lm, max_batch_size=2, max_length=16, admission=AdmissionPolicy(min_free_rows=2))
+    # a policy set later (as the serve bench's variants do) is checked too, and a refused one changes nothing
+    for bad in (AdmissionPolicy(min_free_rows=0), AdmissionPolicy(max_bypass=-1), AdmissionPolicy(step_cost_line=(1.0,))):
+        with pytest.raises(DeltaZipError, match="AdmissionPolicy"):
+            eng.admission = bad
+    assert eng.admission.min_free_rows == 2
 
 
 def test_pick_counts_its_time_and_the_staging_part_of_it(lm):

@@ -435,16 +435,6 @@ class DecodeEngine:
             raise DeltaZipError(f"max_deltas must be a positive integer, 'auto' or None (no limit), got {max_deltas!r}")
         self.max_deltas = max_deltas
         self.admission = admission if admission is not None else AdmissionPolicy()
-        if self.admission.max_bypass is not None and self.admission.max_bypass < 0:
-            raise DeltaZipError(f"AdmissionPolicy.max_bypass must be >= 0 or None, got {self.admission.max_bypass}")
-        floor = self.admission.min_free_rows
-        if floor is not None and (isinstance(floor, bool) or not isinstance(floor, int) or floor < 1):
-            raise DeltaZipError(f"AdmissionPolicy.min_free_rows must be a positive number of rows or None, got {floor!r}")
-        given = self.admission.step_cost_line
-        if given is not None and not (len(given) == 2 and all(isinstance(v, (int, float)) for v in given)
-                                      and given[0] >= 0 and given[1] > 0):
-            raise DeltaZipError(f"AdmissionPolicy.step_cost_line must be (a, b) seconds with a >= 0 and b > 0 "
-                                f"(a step of U distinct deltas takes a + b * U), got {given!r}")
         self.stats = EngineStats()
         self._step_costs: dict = {}  # distinct deltas -> (steps, seconds): max_deltas="auto", cost-aware admission
         self._step_fit: Optional[tuple] = None  # (a, b) of t(U) = a + b U fitted to _step_costs
@@ -527,6 +517,28 @@ class DecodeEngine:
                 return False
             self._release(row, "cancelled")
             return True
+
+    @property
+    def admission(self) -> AdmissionPolicy:
+        """How :meth:`pick` fills free rows (:class:`AdmissionPolicy`); a new policy is checked when set."""
+        return self._admission
+
+    @admission.setter
+    def admission(self, policy: AdmissionPolicy) -> None:
+        if policy.max_bypass is not None and policy.max_bypass < 0:
+            raise DeltaZipError(f"AdmissionPolicy.max_bypass must be >= 0 or None, got {policy.max_bypass}")
+        floor = policy.min_free_rows
+        if floor is not None and (isinstance(floor, bool) or not isinstance(floor, int) or floor < 1):
+            raise DeltaZipError(f"AdmissionPolicy.min_free_rows must be a positive number of rows or None, got {floor!r}")
+        if floor is not None and floor > self.max_batch_size:
+            raise DeltaZipError(f"AdmissionPolicy.min_free_rows={floor} is more rows than the engine has "
+                                f"(max_batch_size={self.max_batch_size}): give at most {self.max_batch_size}")
+        given = policy.step_cost_line
+        if given is not None and not (len(given) == 2 and all(isinstance(v, (int, float)) for v in given)
+                                      and given[0] >= 0 and given[1] > 0):
+            raise DeltaZipError(f"AdmissionPolicy.step_cost_line must be (a, b) seconds with a >= 0 and b > 0 "
+                                f"(a step of U distinct deltas takes a + b * U), got {given!r}")
+        self._admission = policy
 
     def can_add(self, prompt_len: int, delta_names: Sequence = ()) -> bool:
         """Whether prompts of up to ``prompt_len`` tokens naming ``delta_names`` can be admitted now: a

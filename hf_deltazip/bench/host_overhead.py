@@ -11,6 +11,12 @@ argument checks, the launch plan lookup). ``nn.Linear`` of the same size is time
 ``kernels/launch.py``) is *not* included: measure that on a GPU with ``bench.decode``.
 
 Prints one line per layer kind and, with ``--json``, writes them.
+
+``--staging``: instead, the host time of staging one delta ahead of use (``DeltaCache.stage``: making room by
+evicting the least recently used delta, then writing the new one into the kernel stacks' free room), on a model
+of ``--layers`` decoder layers (32: an 8B model's 224 linear layers) at width ``--hidden``, every delta held in
+host memory. On a GPU this work runs between decode steps while the GPU waits; here the copies are CPU copies of
+small tensors, so what is timed is mostly Python.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["measure", "main"]
+__all__ = ["measure", "measure_staging", "main"]
 
 
 class _NoLaunch:
@@ -115,12 +121,73 @@ def measure(hidden: int = 256, calls: int = 2000) -> list:
     return rows
 
 
+def measure_staging(hidden: int = 256, layers: int = 32, deltas: int = 8) -> dict:
+    """Host milliseconds to stage each of ``deltas`` host-tier deltas into a model of ``layers`` decoder layers with
+    room for two resident (each staging evicts one): ``{"stage_ms": [...], "evict_ms": [...], "modules": n}``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ..modeling import DeltaModel
+    from .decode import random_delta
+
+    if hidden % 256:
+        raise ValueError(f"hidden must be a multiple of 256, got {hidden}")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=1, head_dim=hidden // 4, vocab_size=128)
+    with _kernels_launch_nothing(), torch.no_grad():
+        base = LlamaForCausalLM(cfg).eval()
+        model = DeltaModel(base, use_kernels="always")
+        model.configure_cache(max_resident=2)
+        names = [f"d{i}" for i in range(deltas + 2)]
+        for i, n in enumerate(names):
+            model.add_delta(random_delta(base, 2, 128, seed=i), n, resident=i < 2)
+        cache = model.cache
+        modules = len(cache.entry(names[2]).host[0])
+        evict = cache._evict
+        spent = []
+
+        def timed_evict(*a, **k):
+            t = time.perf_counter()
+            try:
+                return evict(*a, **k)
+            finally:
+                spent.append(time.perf_counter() - t)
+
+        cache._evict = timed_evict
+        stage_ms, evict_ms = [], []
+        try:
+            for n in names[2:]:
+                spent.clear()
+                t = time.perf_counter()
+                started = cache.stage([n])
+                stage_ms.append((time.perf_counter() - t) * 1e3)
+                evict_ms.append(sum(spent) * 1e3)
+                if started != [n]:
+                    raise RuntimeError(f"staging {n} did not start ({started}): the bench's model has no room kept for it")
+        finally:
+            del cache._evict  # the class's own method again
+    return {"stage_ms": stage_ms, "evict_ms": evict_ms, "modules": modules}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m hf_deltazip.bench.host_overhead", description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=256, help="model width (a multiple of 256)")
     p.add_argument("--calls", type=int, default=2000, help="timed calls per round (best of 3 rounds)")
+    p.add_argument("--staging", action="store_true", help="time staging a delta ahead of use instead (see above)")
+    p.add_argument("--layers", type=int, default=32, help="--staging: decoder layers (default 32)")
+    p.add_argument("--deltas", type=int, default=8, help="--staging: deltas staged one after another (default 8)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
+    if args.staging:
+        res = measure_staging(args.hidden, args.layers, args.deltas)
+        med = sorted(res["stage_ms"])[len(res["stage_ms"]) // 2]
+        med_ev = sorted(res["evict_ms"])[len(res["evict_ms"]) // 2]
+        print(f"host time to stage one delta of {res['modules']} modules ({args.layers} layers, width {args.hidden}; "
+              f"torch {torch.__version__}, {os.cpu_count()} CPUs): median {med:.1f} ms, of which evicting "
+              f"{med_ev:.1f} ms; each: " + ", ".join(f"{v:.1f}" for v in res["stage_ms"]))
+        if args.json:
+            Path(args.json).write_text(json.dumps({**res, "median_stage_ms": med, "median_evict_ms": med_ev}, indent=2))
+        return 0
     rows = measure(args.hidden, args.calls)
     print(f"host time per call, one token, kernel launch excluded (torch {torch.__version__}, {os.cpu_count()} CPUs)")
     print(f"{'layer':<10} {'shape':>12} {'nn.Linear us':>13} {'DeltaLinear us':>15}")

@@ -233,7 +233,10 @@ class DeltaLinear(DeltaModule):
 
     def add_packed(self, slot: int, packed: PackedModule) -> None:
         if self.stacks is not None and slot not in self.packed and self._write_in_place(slot, packed):
-            self._refresh()
+            # written into room the stacks kept, with this layer's output rows: the route, width and kernel
+            # check _refresh derives stay as they were; only the set of slots grows (staging a delta ahead
+            # calls this for every layer between decode steps, so it is kept to what changes)
+            self._slot_set = self._slot_set | {slot}
             self._centre_row(slot)
             return
         self.packed[slot] = packed

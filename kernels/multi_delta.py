@@ -86,13 +86,14 @@ def set_default_backend(backend: str) -> None:
     _DEFAULT_BACKEND[0] = backend
 
 
-def set_gluon_block_rows(rows: int) -> None:
+def set_gluon_block_rows(rows: int) -> int:
     """The :attr:`MultiDeltaConfig.gluon_block_rows` that :func:`default_config` gives (8, 16 or 32; default 8):
     the Gluon decode kernel decodes a delta's codes once per block of that many of its rows. For comparing
-    row blocks end to end (``deltazip bench serve --gluon-block-rows``)."""
+    row blocks end to end (``deltazip bench serve --gluon-block-rows``). Returns the setting it replaces."""
     if rows not in GLUON_BLOCK_ROWS:
         raise ValueError(f"gluon_block_rows must be one of {GLUON_BLOCK_ROWS}, got {rows!r}")
-    _DEFAULT_GLUON_ROWS[0] = rows
+    previous, _DEFAULT_GLUON_ROWS[0] = _DEFAULT_GLUON_ROWS[0], rows
+    return previous
 
 
 _GLUON = {}
@@ -161,7 +162,7 @@ def uses_gluon(x: torch.Tensor, stack: DeltaStack, out: torch.Tensor, config: "M
     :attr:`MultiDeltaConfig.backend`)."""
     return (config.backend == "auto" and out.dtype == x.dtype and out.stride(1) == 1
             and (rows_per_delta is None or rows_per_delta <= max(GLUON_MAX_ROWS_PER_DELTA, config.gluon_block_rows))
-            and config.gluon_block_rows in GLUON_BLOCK_ROWS and gluon_decode_supported(x, stack))
+            and gluon_decode_supported(x, stack))
 
 
 def gluon_decode_supported(x: torch.Tensor, stack: DeltaStack) -> bool:

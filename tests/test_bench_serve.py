@@ -473,7 +473,7 @@ def test_gluon_block_rows_flag_is_set_for_the_run_and_restored(tmp_path, monkeyp
         parse(SMOKE + ["--gluon-block-rows", "12"])
     seen = []
     real = K.set_gluon_block_rows
-    monkeypatch.setattr(K, "set_gluon_block_rows", lambda rows: (seen.append(rows), real(rows)))
+    monkeypatch.setattr(K, "set_gluon_block_rows", lambda rows: (seen.append(rows), real(rows))[1])
     out = tmp_path / "g.json"
     assert serve.main(SMOKE + ["--gluon-block-rows", "16", "--json", str(out)]) == 0
     assert seen == [16, 8]  # set for the deltazip run, the library's default again after it

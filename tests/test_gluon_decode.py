@@ -269,7 +269,7 @@ def test_gluon_row_blocks_are_chosen_and_validated(monkeypatch):
     st = L.prepare_stack(K.random_delta_stack(2, 64, 512, bits=2, group_size=128))
     assert K.default_config(8, 64, 512, st, torch.device("cpu")).gluon_block_rows == 8
     try:
-        K.set_gluon_block_rows(16)
+        assert K.set_gluon_block_rows(16) == 8  # the setting it replaced
         assert K.default_config(8, 64, 512, st, torch.device("cpu")).gluon_block_rows == 16
     finally:
         K.set_gluon_block_rows(8)

@@ -704,6 +704,7 @@ def _run(name: str, engine, trace, names, args, *, one_at_a_time: bool, switch=N
 
 def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, skipped: dict, outcomes: dict) -> None:
     """``deltazip`` and ``one-delta-loop``: one DeltaModel with all N deltas, one engine."""
+    from .. import kernels as K
     from ..modeling import DeltaModel
 
     real = getattr(args, "real_deltas", None)
@@ -753,15 +754,13 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
         policy += "; cost-aware admission (a new delta joins the step only when its rows raise tokens per second)"
     how = {"deltazip": f"{tier}; continuous batching, every row its own delta",
            "one-delta-loop": f"{tier}; same engine, rows of one delta at a time"}
-    dm = engine = None
+    dm = engine = block_rows_before = None
     try:
         dm = DeltaModel(base)
         dm.configure_cache(max_resident=resident)  # before adding: the kernel stacks are sized once
         dm.configure_kernels(prefill=args.prefill, decode=getattr(args, "decode", "auto"))
-        if getattr(args, "gluon_block_rows", None) is not None:
-            from .. import kernels as K
-
-            K.set_gluon_block_rows(args.gluon_block_rows)  # before the first step builds its launch configs
+        if getattr(args, "gluon_block_rows", None) is not None:  # before the first step builds its launch configs
+            block_rows_before = K.set_gluon_block_rows(args.gluon_block_rows)
         if real:
             names = list(real)
             for i, (n, path) in enumerate(real.items()):  # popularity follows the order given
@@ -790,10 +789,8 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
                 skipped[system] = f"out of GPU memory ({str(e).splitlines()[0]}): use --bits 2, fewer --deltas, --batch or --layers"
                 print(f"[{system}] skipped: {skipped[system]}", flush=True)
     finally:
-        if getattr(args, "gluon_block_rows", None) is not None:
-            from .. import kernels as K
-
-            K.set_gluon_block_rows(8)  # the library's default again for whatever runs next in this process
+        if block_rows_before is not None:  # the setting before this run, for whatever runs next in this process
+            K.set_gluon_block_rows(block_rows_before)
         del engine, dm
         _free_memory(args.device)
 

@@ -146,7 +146,8 @@ def run(shapes, bits_list, deltas, rows: int, variants: list[dict], log=print) -
                 from hf_deltazip.kernels._gluon_decode import _RESIDENT
 
                 row["programs_per_sm"] = {
-                    f"{c['num_warps']}w/{c['BR']}r/{c['BN']}n/{c['BITS']}b/{c['STAGES']}st/regs {c.get('maxnreg', 'any')}": v
+                    f"{c['num_warps']}w/{c['BR']}r/{c['BN']}n/{c['BITS']}b/{c['STAGES']}st/"
+                    f"regs {c.get('maxnreg', 'any')}": v
                     for c, v in ((dict(key[-1]), v) for key, v in _RESIDENT.items())}
                 out_rows.append(row)
             log(f"    programs per SM so far (by launch): {row.get('programs_per_sm', {})}")

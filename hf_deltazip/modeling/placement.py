@@ -110,10 +110,11 @@ class DeltaPlacer:
         cfg = getattr(self.base_model, "config", None)
         expected = header.base_model
         mt = header.model_type
+        fix = load_onto_hint(expected, mt)  # what every mismatch below tells the user to do
         if mt is not None and getattr(cfg, "model_type", None) != mt:
             raise BaseMismatchError(
                 f"{where}: the delta is for a {mt!r} model{f' ({expected})' if expected else ''} but the base is "
-                f"{getattr(cfg, 'model_type', None)!r}; {load_onto_hint(header.base_model, header.model_type)}"
+                f"{getattr(cfg, 'model_type', None)!r}; {fix}"
             )
         params = self.plain_params()
         if tp_size(self.base_model) > 1:  # sharded weights: their whole shape (and the replicated ones' values)
@@ -127,7 +128,7 @@ class DeltaPlacer:
         for name, p in modules.items():
             mod = self.find(name)
             if mod is None:
-                raise BaseMismatchError(f"{where}: the base has no module {name!r}; {load_onto_hint(header.base_model, header.model_type)}")
+                raise BaseMismatchError(f"{where}: the base has no module {name!r}; {fix}")
             base_mod = mod.base_layer if isinstance(mod, DeltaModule) else mod
             w = base_mod.weight
             n, k = (w.shape[1], w.shape[0]) if p.transposed else (logical_weight_shape(base_mod) or tuple(w.shape))
@@ -144,7 +145,7 @@ class DeltaPlacer:
         for pname, t in params.items():
             b = base_params.get(pname)
             if b is None:
-                raise BaseMismatchError(f"{where}: the base has no parameter {pname!r}; {load_onto_hint(header.base_model, header.model_type)}")
+                raise BaseMismatchError(f"{where}: the base has no parameter {pname!r}; {fix}")
             owner = pname.rsplit(".", 1)[0]
             if tuple(b.shape) != tuple(t.shape) and owner not in vocab_rows and owner not in vocab_modules:
                 raise BaseMismatchError(f"{where}: {pname} is {list(t.shape)} in the delta but {list(b.shape)} in the base")

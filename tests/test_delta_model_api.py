@@ -142,6 +142,38 @@ def test_cache_states_holds_and_budget(deltas):
         cache.acquire(["nope"])
 
 
+def test_a_delta_that_cannot_fit_the_byte_budget_evicts_nothing(deltas, tmp_path):
+    # an 8-bit delta larger than the whole budget, with a 4-bit delta resident and idle: refused, and the
+    # 4-bit delta stays on the device (evicting it would free room that cannot be enough)
+    cfg = DeltaZipConfig(bits=8, group_size=32, n_samples=4, seq_len=16)
+    big = compress(base_model("llama"), finetune("llama", 3), cfg, calibration=calibration_ids(n=4, length=16),
+                   progress=False)
+    model = DeltaModel(fresh_base())
+    model.load_delta(deltas["a"][0], delta_name="a")
+    model.add_delta(big, "big", resident=False)
+    cache = model.cache
+    small = cache.resident_bytes()
+    model.configure_cache(max_resident_bytes=small + small // 2)
+    assert cache.resident == ["a"]
+    with pytest.raises(CacheFullError, match="more than the whole resident budget"):
+        cache.acquire(["big"])
+    assert cache.resident == ["a"] and cache.state("a") is Residency.DEVICE
+    assert cache.stage(["big"]) == [] and cache.resident == ["a"]
+    # two 4-bit deltas where the budget holds one, the first held: the second is refused, the first kept
+    model.load_delta(deltas["b"][0], delta_name="b", resident=False)
+    cache.acquire(["a"])
+    with pytest.raises(CacheFullError, match="next to the deltas in use"):
+        cache.acquire(["b"])
+    assert cache.resident == ["a"] and cache.held == {"a": 1}
+    cache.release(["a"])
+    assert cache.acquire(["b"]) == [cache.slot_of("b")] and cache.resident == ["b"]  # idle, "a" makes room
+    cache.release(["b"])
+    with torch.no_grad():
+        out = model(input_ids=IDS, delta_names=["b", "b"]).logits
+    ref = model.merge_and_unload("b")
+    torch.testing.assert_close(out, ref(input_ids=IDS).logits, atol=1e-4, rtol=1e-4)
+
+
 def test_objects_show_themselves(deltas):
     model = DeltaModel.from_pretrained(deltas["a"][0], base=fresh_base(), delta_name="a")
     model.add_delta(deltas["b"][1], "b", resident=False)

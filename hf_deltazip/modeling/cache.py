@@ -780,21 +780,42 @@ class DeltaCache:
         return slot
 
     def _make_room(self, needed, incoming: int) -> None:
-        def over():
-            count = len(self.resident) + (1 if incoming else 0)
+        """Evict least recently used deltas (never a held one or one of ``needed``) until ``incoming`` more
+        device bytes (and one more delta when ``incoming``) fit the budgets. The victims are chosen first and
+        evicted only if they make enough room: a request that cannot fit raises with every delta left where it
+        was."""
+        count = len(self.resident) + (1 if incoming else 0)
+        total = self.resident_bytes() + incoming if self.max_resident_bytes is not None else 0
+
+        def over(count, total):
             if self.max_resident is not None and count > self.max_resident:
                 return True
-            return self.max_resident_bytes is not None and self.resident_bytes() + incoming > self.max_resident_bytes
+            return self.max_resident_bytes is not None and total > self.max_resident_bytes
 
-        while over():
-            victims = sorted((e.last_used, n) for n, e in self._entries.items()
-                             if e.slot is not None and n not in needed and not e.holds)
-            if not victims:
+        if not over(count, total):
+            return
+        copies = self.placer.sparse_copy_nbytes() if self.max_resident_bytes is not None else {}
+        victims = sorted((e.last_used, n) for n, e in self._entries.items()
+                         if e.slot is not None and n not in needed and not e.holds)
+        plan = []
+        for _, n in victims:
+            if not over(count, total):
+                break
+            e = self._entries[n]
+            plan.append(e)
+            count -= 1
+            total -= (e.nbytes or 0) + copies.get(e.slot, 0)
+        if over(count, total):
+            if self.max_resident_bytes is not None and incoming > self.max_resident_bytes:
                 raise CacheFullError(
-                    "the deltas this batch needs do not fit the resident budget next to the deltas in use: "
-                    "raise max_resident / max_resident_bytes with configure_cache() or split the batch"
-                )
-            self._evict(self._entries[victims[0][1]])
+                    f"this delta takes {incoming} bytes on the device, more than the whole resident budget "
+                    f"(max_resident_bytes={self.max_resident_bytes}): raise it with configure_cache()")
+            raise CacheFullError(
+                "the deltas this batch needs do not fit the resident budget next to the deltas in use: "
+                "raise max_resident / max_resident_bytes with configure_cache() or split the batch"
+            )
+        for e in plan:
+            self._evict(e)
 
     def _evict(self, e: CacheEntry) -> None:
         if e.path is None and e.host is None:  # nothing to read it back from: keep it in host memory

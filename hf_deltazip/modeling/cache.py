@@ -578,10 +578,10 @@ class DeltaCache:
         :meth:`is_ready` tells when a staged delta's copies are done (a batch that uses it earlier waits
         for them on the device). Deltas only on disk, or already on the device, are left as they are
         (:meth:`prefetch` reads the former); staging stops at the first delta that cannot be made room
-        for. A delta the kernel stacks or per-slot tables cannot take ahead of use (a layout they keep no
-        room for, added tokens) is placed at its admission instead; staging it has then freed the room that
-        admission needs (an idle delta evicted a little earlier than it would have been), and later rounds
-        evict nothing more for it while that room stays free. Returns the names whose copies began now.
+        for (nothing is evicted for it). A delta the kernel stacks or per-slot tables cannot take ahead of use
+        (a layout they keep no room for, added tokens) is placed at its admission instead; staging it has then
+        freed the room that admission needs (an idle delta evicted a little earlier than it would have been),
+        and later rounds evict nothing more for it while that room stays free. Returns the names whose copies began now.
         """
         started = []
         with self.lock:

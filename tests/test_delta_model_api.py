@@ -142,7 +142,7 @@ def test_cache_states_holds_and_budget(deltas):
         cache.acquire(["nope"])
 
 
-def test_a_delta_that_cannot_fit_the_byte_budget_evicts_nothing(deltas, tmp_path):
+def test_a_delta_that_cannot_fit_the_byte_budget_evicts_nothing(deltas):
     # an 8-bit delta larger than the whole budget, with a 4-bit delta resident and idle: refused, and the
     # 4-bit delta stays on the device (evicting it would free room that cannot be enough)
     cfg = DeltaZipConfig(bits=8, group_size=32, n_samples=4, seq_len=16)

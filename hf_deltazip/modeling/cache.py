@@ -581,7 +581,8 @@ class DeltaCache:
         for (nothing is evicted for it). A delta the kernel stacks or per-slot tables cannot take ahead of use
         (a layout they keep no room for, added tokens) is placed at its admission instead; staging it has then
         freed the room that admission needs (an idle delta evicted a little earlier than it would have been),
-        and later rounds evict nothing more for it while that room stays free. Returns the names whose copies began now.
+        and later rounds evict nothing more for it while that room stays free. Returns the names whose copies
+        began now.
         """
         started = []
         with self.lock:

@@ -56,12 +56,14 @@ def _check_packable(bits: int) -> None:
         raise ValueError(f"bits must be one of {PACKABLE_BITS} for bit packing, got {bits}")
 
 
-def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def pack_bits(codes: torch.Tensor, bits: int, *, check: bool = True) -> torch.Tensor:
     """Pack integer codes in ``[0, 2**bits)`` along the last dimension into uint8.
 
     Args:
         codes: integer tensor ``[..., n]`` with values in ``[0, 2**bits)``.
         bits: 1, 2, 4 or 8.
+        check: refuse codes out of range (reads them back: a device synchronisation on a GPU). ``False``
+            for codes in range by construction (from :func:`unpack_bits`); others would be corrupted.
 
     Returns:
         uint8 tensor ``[..., ceil(n * bits / 8)]``.
@@ -69,7 +71,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     _check_packable(bits)
     n = codes.shape[-1]
     per_byte = 8 // bits
-    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= (1 << bits)):
+    if check and codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= (1 << bits)):
         raise ValueError(f"codes out of range for {bits}-bit packing")
     c = codes.to(torch.uint8)  # in range, checked above: every shifted code below fits its byte
     pad = (-n) % per_byte

@@ -178,8 +178,10 @@ def input_major_deltas(stack: DeltaStack) -> InputMajorDeltas:
 
 def input_major_fields(stack: DeltaStack, i: int) -> tuple:
     """Delta ``i`` of ``stack`` (2-, 4- or 8-bit) in the input-major layout: ``(qweight [K, ceil(N*bits/8)],
-    scales [G, N], zeros [G, N])``, the rows of :class:`InputMajorDeltas` (contiguous copies)."""
-    return (pack_bits(stack.codes(i).t().contiguous(), stack.bits), stack.scales[i].t().contiguous(),
+    scales [G, N], zeros [G, N])``, the rows of :class:`InputMajorDeltas` (contiguous copies). Reads no value
+    back (the stack's codes are in range): on a GPU it queues behind a running step instead of waiting for it."""
+    codes = stack.codes(i).t().contiguous()
+    return (pack_bits(codes, stack.bits, check=False), stack.scales[i].t().contiguous(),
             stack.zeros[i].t().contiguous())
 
 

@@ -111,7 +111,7 @@ def repack_for_kernel(qweight: torch.Tensor, bits: int, in_features: int, block:
     lead = codes.shape[:-1]
     # input j*L + S*B + i  ->  position (j, i, S) of the packed order
     planar = codes.reshape(*lead, nblk, p, block).transpose(-1, -2).reshape(*lead, in_features)
-    return pack_bits(planar, bits)
+    return pack_bits(planar, bits, check=False)  # unpacked codes: in range, and no device sync
 
 
 def unpack_planar_codes(qweight: torch.Tensor, bits: int, in_features: int, block: int) -> torch.Tensor:

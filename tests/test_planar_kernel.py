@@ -52,6 +52,21 @@ def test_repack_puts_plane_s_at_contiguous_inputs(bits, block):
     assert torch.equal(L.unpack_planar_codes(planar, bits, k, block), codes)
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_repack_reads_no_value_back(bits):
+    # staging and loading repack every layer on the device between decode steps: a value read back (a range
+    # check) would wait for the running step there. Meta tensors hold no values: anything that reads one fails
+    k = 16 // bits * 32 * 4
+    q = torch.empty((3, 7, packing.packed_nbytes(k, bits)), dtype=torch.uint8, device="meta")
+    assert L.repack_for_kernel(q, bits, k, 32).shape == q.shape
+    with pytest.raises(RuntimeError, match="meta"):  # what the check on packing's own input would do
+        packing.pack_bits(torch.empty((3, k), dtype=torch.uint8, device="meta"), bits)
+    codes = torch.randint(0, 1 << bits, (3, k), generator=torch.Generator().manual_seed(bits)).to(torch.uint8)
+    assert torch.equal(packing.pack_bits(codes, bits, check=False), packing.pack_bits(codes, bits))
+    with pytest.raises(ValueError, match="out of range"):
+        packing.pack_bits(codes.to(torch.int32) + (1 << bits), bits)
+
+
 def test_planar_block_for_rules():
     assert L.planar_block_for(4, 4096, 128) == L.default_planar_block(4) == 64
     assert L.planar_block_for(2, 4096, -1) == L.default_planar_block(2) == 64

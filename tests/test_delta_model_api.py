@@ -158,7 +158,6 @@ def test_a_delta_that_cannot_fit_the_byte_budget_evicts_nothing(deltas):
     with pytest.raises(CacheFullError, match="more than the whole resident budget"):
         cache.acquire(["big"])
     assert cache.resident == ["a"] and cache.state("a") is Residency.DEVICE
-    assert cache.stage(["big"]) == [] and cache.resident == ["a"]
     # two 4-bit deltas where the budget holds one, the first held: the second is refused, the first kept
     model.load_delta(deltas["b"][0], delta_name="b", resident=False)
     cache.acquire(["a"])

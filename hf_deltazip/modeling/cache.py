@@ -246,7 +246,7 @@ class DeltaCache:
         """Device bytes of the resident deltas as the byte budget counts them: each delta's packed tensors, and
         the input-major copies the activation-sparse kernels keep of its linear deltas."""
         copies = self.placer.sparse_copy_nbytes()
-        return sum((e.nbytes or 0) + copies.get(e.slot, 0) for e in self._entries.values() if e.slot is not None)
+        return sum(_budget_nbytes(e, copies) for e in self._entries.values() if e.slot is not None)
 
     def host_bytes(self) -> dict:
         return {n: delta_nbytes(*e.host) for n, e in self._entries.items() if e.host is not None}
@@ -288,7 +288,7 @@ class DeltaCache:
                     if e is None:
                         return 0
                     if e.nbytes is not None and e.slot is not None:
-                        return e.nbytes + copies.get(e.slot, 0)
+                        return _budget_nbytes(e, copies)
                     if e.host is not None:
                         return delta_nbytes(*e.host) + self.placer.sparse_copy_estimate(e.host[0])
                     return e.nbytes or 0
@@ -805,7 +805,7 @@ class DeltaCache:
             e = self._entries[n]
             plan.append(e)
             count -= 1
-            total -= (e.nbytes or 0) + copies.get(e.slot, 0)
+            total -= _budget_nbytes(e, copies)
         if over(count, total):
             if self.max_resident_bytes is not None and incoming > self.max_resident_bytes:
                 raise CacheFullError(
@@ -835,6 +835,12 @@ class DeltaCache:
                 break
             total -= delta_nbytes(*self._entries[n].host)
             self._entries[n].host = None
+
+
+def _budget_nbytes(e: CacheEntry, copies: dict) -> int:
+    """Device bytes of resident delta ``e`` as the byte budget counts them: its packed tensors and the input-major
+    copies (``copies``: :meth:`DeltaPlacer.sparse_copy_nbytes`) the activation-sparse kernels keep of it."""
+    return (e.nbytes or 0) + copies.get(e.slot, 0)
 
 
 def _check_same_delta(e: CacheEntry, dz: DeltaZipFile) -> None:

@@ -46,6 +46,7 @@ from .multi_delta import (
     multi_delta_linear_reference,
     set_default_backend,
     set_gluon_block_rows,
+    set_gluon_stages,
 )
 
 
@@ -83,4 +84,5 @@ __all__ = [
     "multi_delta_linear_reference",
     "set_default_backend",
     "set_gluon_block_rows",
+    "set_gluon_stages",
 ]

@@ -58,6 +58,7 @@ __all__ = [
     "layer_bytes",
     "set_default_backend",
     "set_gluon_block_rows",
+    "set_gluon_stages",
     "gluon_decode_supported",
     "gluon_decode_available",
 ]
@@ -74,8 +75,11 @@ GLUON_MAX_ROWS = 64
 GLUON_MAX_ROWS_PER_DELTA = 8
 #: rows per block the Gluon decode kernel may take (:attr:`MultiDeltaConfig.gluon_block_rows`)
 GLUON_BLOCK_ROWS = (8, 16, 32)
+#: copy-pipeline stages the Gluon decode kernel may take (:attr:`MultiDeltaConfig.gluon_stages`; 0: the launcher's)
+GLUON_STAGES = (0, 2, 3, 4)
 _DEFAULT_BACKEND = ["auto"]
 _DEFAULT_GLUON_ROWS = [8]
+_DEFAULT_GLUON_STAGES = [0]
 
 
 def set_default_backend(backend: str) -> None:
@@ -93,6 +97,17 @@ def set_gluon_block_rows(rows: int) -> int:
     if rows not in GLUON_BLOCK_ROWS:
         raise ValueError(f"gluon_block_rows must be one of {GLUON_BLOCK_ROWS}, got {rows!r}")
     previous, _DEFAULT_GLUON_ROWS[0] = _DEFAULT_GLUON_ROWS[0], rows
+    return previous
+
+
+def set_gluon_stages(stages: int) -> int:
+    """The :attr:`MultiDeltaConfig.gluon_stages` that :func:`default_config` gives (2, 3 or 4; 0, the default:
+    the launcher's, three for 2-bit codes and four for 4-bit). For comparing launches end to end (``deltazip
+    bench serve --gluon-stages``): with 16-row blocks two stages take the shared memory that three take with
+    8-row blocks. Returns the setting it replaces."""
+    if stages not in GLUON_STAGES:
+        raise ValueError(f"gluon_stages must be one of {GLUON_STAGES}, got {stages!r}")
+    previous, _DEFAULT_GLUON_STAGES[0] = _DEFAULT_GLUON_STAGES[0], stages
     return previous
 
 
@@ -145,7 +160,8 @@ def _launch_gluon_or_planar(x, stack, segments, out, cfg, lut):
     from ._gluon_decode import gluon_delta_accumulate
 
     try:
-        gluon_delta_accumulate(x, stack, segments, out, lut=lut, block_rows=cfg.gluon_block_rows)
+        gluon_delta_accumulate(x, stack, segments, out, lut=lut, block_rows=cfg.gluon_block_rows,
+                               stages=cfg.gluon_stages or None)
         return
     except Exception as exc:  # noqa: BLE001 - only build failures are handled, the rest re-raised
         if not _gluon_failed(exc):
@@ -216,6 +232,8 @@ class MultiDeltaConfig:
             On an H100 (BENCHMARKS.md section 3) 16-row blocks were 1.26-1.85x faster on 8B layers where every
             delta had 16 rows or more and 0.78-0.89x where deltas had fewer than 8; 32-row blocks were never the
             fastest. Default 8: the many-delta steps that take this kernel carry few rows per delta.
+        gluon_stages: the Gluon decode kernel's ring of shared-memory buffers (copies in flight): 2, 3 or 4;
+            0 (default): the launcher's, three for 2-bit codes and four for 4-bit (:func:`set_gluon_stages`).
     """
 
     block_m: int = 16
@@ -232,6 +250,7 @@ class MultiDeltaConfig:
     max_registers: int = 0
     backend: str = "auto"
     gluon_block_rows: int = 8
+    gluon_stages: int = 0
 
 
 # --------------------------------------------------------------------------- reference
@@ -362,11 +381,12 @@ def default_config(m: int, n: int, k: int, stack: DeltaStack, device: torch.devi
     """Launch parameters for an ``[m, k] x [n, k]`` layer with ``stack``'s format on ``device`` (see
     :func:`_default_config`; memoized: a decode step asks for the same few shapes every token)."""
     key = (m, n, k, stack.layout_block, stack.bits, stack.num_deltas, rows_per_delta, device.type, device.index,
-           _DEFAULT_BACKEND[0], _DEFAULT_GLUON_ROWS[0])
+           _DEFAULT_BACKEND[0], _DEFAULT_GLUON_ROWS[0], _DEFAULT_GLUON_STAGES[0])
     cfg = _DEFAULT_CONFIGS.get(key)
     if cfg is None:
         cfg = _DEFAULT_CONFIGS[key] = replace(_default_config(m, n, k, stack, device, rows_per_delta),
-                                              backend=_DEFAULT_BACKEND[0], gluon_block_rows=_DEFAULT_GLUON_ROWS[0])
+                                              backend=_DEFAULT_BACKEND[0], gluon_block_rows=_DEFAULT_GLUON_ROWS[0],
+                                              gluon_stages=_DEFAULT_GLUON_STAGES[0])
     return cfg
 
 
@@ -514,6 +534,8 @@ def multi_delta_linear(
         raise ValueError(f"config.backend must be one of {BACKENDS}, got {config.backend!r}")
     if config is not None and config.gluon_block_rows not in GLUON_BLOCK_ROWS:
         raise ValueError(f"config.gluon_block_rows must be one of {GLUON_BLOCK_ROWS}, got {config.gluon_block_rows!r}")
+    if config is not None and config.gluon_stages not in GLUON_STAGES:
+        raise ValueError(f"config.gluon_stages must be one of {GLUON_STAGES}, got {config.gluon_stages!r}")
     device = x.device
     if segment_lookup is not None and (not stack.layout_block or segments is None):
         row_delta, segment_lookup = segment_lookup[row_delta.long() + 1], None  # slot ids -> stack indices

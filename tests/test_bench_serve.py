@@ -480,6 +480,22 @@ def test_gluon_block_rows_flag_is_set_for_the_run_and_restored(tmp_path, monkeyp
     assert "row blocks of 16" in json.loads(out.read_text())["systems"]["deltazip"]["how"]
 
 
+def test_gluon_stages_flag_is_set_for_the_run_and_restored(tmp_path, monkeypatch):
+    from hf_deltazip import kernels as K
+
+    parse = serve.build_parser().parse_args
+    assert parse(SMOKE).gluon_stages is None
+    with pytest.raises(SystemExit):
+        parse(SMOKE + ["--gluon-stages", "1"])
+    seen = []
+    real = K.set_gluon_stages
+    monkeypatch.setattr(K, "set_gluon_stages", lambda stages: (seen.append(stages), real(stages))[1])
+    out = tmp_path / "g.json"
+    assert serve.main(SMOKE + ["--gluon-stages", "2", "--json", str(out)]) == 0
+    assert seen == [2, 0]  # set for the deltazip run, the library's default again after it
+    assert "with 2 copy stages" in json.loads(out.read_text())["systems"]["deltazip"]["how"]
+
+
 def test_a_variant_is_described_by_its_own_policy_not_the_flags(tmp_path):
     out = tmp_path / "m.json"
     assert serve.main(SMOKE + ["--min-free-rows", "2", "--admission-variant", "min_free_rows=none",

@@ -288,16 +288,35 @@ def test_gluon_row_blocks_are_chosen_and_validated(monkeypatch):
     assert not MD.uses_gluon(xb, st, out, K.MultiDeltaConfig(gluon_block_rows=16), 17)
 
 
+def test_gluon_stages_are_chosen_and_validated():
+    """The default stage count (0: the launcher's) reaches default_config, a set one replaces it until reset, and
+    counts the kernel is not built for are refused, by the setter and in a config."""
+    st = L.prepare_stack(K.random_delta_stack(2, 64, 512, bits=2, group_size=128))
+    assert K.default_config(8, 64, 512, st, torch.device("cpu")).gluon_stages == 0
+    try:
+        assert K.set_gluon_stages(2) == 0
+        assert K.default_config(8, 64, 512, st, torch.device("cpu")).gluon_stages == 2
+    finally:
+        K.set_gluon_stages(0)
+    assert K.default_config(8, 64, 512, st, torch.device("cpu")).gluon_stages == 0
+    with pytest.raises(ValueError, match="gluon_stages must be one of"):
+        K.set_gluon_stages(1)
+    with pytest.raises(ValueError, match="config.gluon_stages must be one of"):
+        K.multi_delta_linear(torch.randn(2, 512), None, None, st, torch.zeros(2, dtype=torch.int32),
+                             out=torch.zeros(2, 64), accumulate=True, config=K.MultiDeltaConfig(gluon_stages=5))
+
+
 @needs_hopper
 @pytest.mark.parametrize("block_rows", [16, 32])
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("m", [7, 45, 64])
-def test_gpu_gluon_larger_row_blocks_match_reference(compiled, block_rows, bits, m):
-    """Row blocks of 16 and 32: segments shorter and longer than a block, rows of the plain base, against the
-    reference and the Triton kernel."""
+@pytest.mark.parametrize("stages", [0, 2])
+def test_gpu_gluon_larger_row_blocks_match_reference(compiled, block_rows, bits, m, stages):
+    """Row blocks of 16 and 32, with the launcher's stages and with two: segments shorter and longer than a
+    block, rows of the plain base, against the reference and the Triton kernel."""
     x, w, b, st, rd = _case(200, 1536 if bits == 4 else 1024, bits, 128, m, torch.bfloat16, seed=m + block_rows + bits,
                             u=3)
-    cfg = K.MultiDeltaConfig(gluon_block_rows=block_rows)
+    cfg = K.MultiDeltaConfig(gluon_block_rows=block_rows, gluon_stages=stages)
     assert MD.uses_gluon(x, st, torch.empty(m, 200, device="cuda", dtype=torch.bfloat16), cfg, None)
     got = check_accumulate(x, w, b, st, rd, cfg, tol=3e-2)
     tri = check_accumulate(x, w, b, st, rd, K.MultiDeltaConfig(backend="triton"), tol=3e-2)

@@ -745,6 +745,8 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
         tier += f"; decode route {args.decode!r}"
     if getattr(args, "gluon_block_rows", None) is not None:
         tier += f"; Gluon decode kernel row blocks of {args.gluon_block_rows}"
+    if getattr(args, "gluon_stages", None) is not None:
+        tier += f"; Gluon decode kernel with {args.gluon_stages} copy stages"
     policy = ""  # the flags' admission policy, said of the runs that use it (a variant prints its own)
     if getattr(args, "max_bypass", None) is not None:
         policy += f"; fairness bound {args.max_bypass} (a request is passed over by at most that many later ones)"
@@ -754,13 +756,15 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
         policy += "; cost-aware admission (a new delta joins the step only when its rows raise tokens per second)"
     how = {"deltazip": f"{tier}; continuous batching, every row its own delta",
            "one-delta-loop": f"{tier}; same engine, rows of one delta at a time"}
-    dm = engine = block_rows_before = None
+    dm = engine = block_rows_before = stages_before = None
     try:
         dm = DeltaModel(base)
         dm.configure_cache(max_resident=resident)  # before adding: the kernel stacks are sized once
         dm.configure_kernels(prefill=args.prefill, decode=getattr(args, "decode", "auto"))
         if getattr(args, "gluon_block_rows", None) is not None:  # before the first step builds its launch configs
             block_rows_before = K.set_gluon_block_rows(args.gluon_block_rows)
+        if getattr(args, "gluon_stages", None) is not None:
+            stages_before = K.set_gluon_stages(args.gluon_stages)
         if real:
             names = list(real)
             for i, (n, path) in enumerate(real.items()):  # popularity follows the order given
@@ -791,6 +795,8 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
     finally:
         if block_rows_before is not None:  # the setting before this run, for whatever runs next in this process
             K.set_gluon_block_rows(block_rows_before)
+        if stages_before is not None:
+            K.set_gluon_stages(stages_before)
         del engine, dm
         _free_memory(args.device)
 
@@ -1233,6 +1239,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gluon-block-rows", type=int, choices=[8, 16, 32],
                    help="deltazip systems: rows of one delta per block of the Gluon decode kernel, whose codes it decodes "
                         "once per block (kernels.set_gluon_block_rows; default: the library's, 8)")
+    p.add_argument("--gluon-stages", type=int, choices=[2, 3, 4],
+                   help="deltazip systems: copy-pipeline stages of the Gluon decode kernel (kernels.set_gluon_stages; "
+                        "default: the library's, 3 for 2-bit codes, 4 for 4-bit)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--per-request", action="store_true", help="add every request's timings to the JSON")
     return p

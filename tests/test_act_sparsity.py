@@ -1138,3 +1138,70 @@ def test_speed_table_gives_the_per_block_and_the_tokens_per_second_ratio():
     last = table.splitlines()[-2].split()
     assert last[-4:] == ["108.0", "1.37x", "270.0", "1.35x"]  # per block, then tokens/s with the LM head
     assert "64x256 (n x k), 2 warps" in table and "delta, 8 rows defaults" in table
+
+
+# ------------------------------------------------------------------ bench rotation mode (an experiment)
+def _tiny_moments():
+    from hf_deltazip.bench import act_sparsity as B
+    from hf_deltazip.bench.pairs import tiny_model
+
+    model = tiny_model("llama", vocab_size=256, seed=0, hidden_size=64, num_layers=2).float().eval()
+    mods = S.target_modules(model)
+    return model, mods, B.input_moments(model, mods, B._pattern_ids(6, 40, 256, seed=1))
+
+
+def test_rotation_bases_are_orthogonal_and_blocked():
+    from hf_deltazip.bench import act_sparsity as B
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(200, 8, generator=g, dtype=torch.float64) * torch.arange(1, 9, dtype=torch.float64)
+    cov = a.T @ a / 200
+    eye = torch.eye(8)
+    for q in (B.rotation_basis(cov, "pca"), B.rotation_basis(cov, "random"), B.rotation_basis(cov, "pca", block=4)):
+        torch.testing.assert_close(q.T @ q, eye, atol=1e-5, rtol=0)
+    q = B.rotation_basis(cov, "pca")
+    var = torch.diag(q.double().T @ cov @ q.double())
+    assert bool((var[1:] >= var[:-1] - 1e-9).all())  # ascending variance
+    blocked = B.rotation_basis(cov, "pca", block=4)
+    assert float(blocked[:4, 4:].abs().max()) == 0 and float(blocked[4:, :4].abs().max()) == 0
+    with pytest.raises(ValueError, match="blocks of 3"):
+        B.rotation_basis(cov, "pca", block=3)
+
+
+def test_rotated_drop_keeps_everything_below_any_threshold_and_the_target_share():
+    from hf_deltazip.bench import act_sparsity as B
+
+    _model, mods, moments = _tiny_moments()
+    name = next(iter(mods))
+    x = moments[name]["rows"]
+    keep_all = B.RotatedDrop(moments[name]["mean"], B.rotation_basis(moments[name]["cov"], "pca"), -1.0)
+    torch.testing.assert_close(keep_all(x), x, atol=1e-4, rtol=1e-4)  # a rotation and back: the input itself
+    drops = B.rotated_drops(moments, 0.4, "pca", head_dim=16)
+    assert set(drops) == set(mods)
+    for n, d in drops.items():  # 40 % of the rotated calibration entries at or under the threshold
+        kept = float(d.kept(d.rotate(moments[n]["rows"])).float().mean())
+        assert abs(kept - 0.6) < 0.02, (n, kept)
+    assert B.rotated_drops(moments, 0.4, "raw", head_dim=16) == {}
+    fold = B.rotated_drops(moments, 0.4, "pca-foldable", head_dim=16)
+    assert not any(n.endswith("down_proj") for n in fold)
+    o = next(d for n, d in fold.items() if n.endswith("o_proj"))
+    assert float(o.basis[:16, 16:].abs().max()) == 0  # one basis per head
+    static = B.rotated_drops(moments, 0.25, "pca-static", head_dim=16)[name]
+    assert int(static.keep.sum()) == static.basis.shape[0] - round(0.25 * static.basis.shape[0])
+    with pytest.raises(ValueError, match="unknown rotation"):
+        B.rotated_drops(moments, 0.4, "hadamard", head_dim=16)
+
+
+def test_rotation_mode_runs_and_records_every_variant(tmp_path):
+    from hf_deltazip.bench import act_sparsity as B
+
+    with pytest.raises(SystemExit):
+        B.main(["rotation", "--tiny", "--rotations", "pca,hadamard"])
+    out = tmp_path / "rot.json"
+    assert B.main(["rotation", "--tiny", "--sparsity", "0,0.5", "--rotations", "raw,pca", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [(r["sparsity"], r["rotation"]) for r in res["rows"]] == [(0.5, "raw"), (0.5, "pca")]
+    for r in res["rows"]:
+        assert r["relative"] == pytest.approx(r["nll"] / res["dense_nll"] - 1)
+    with pytest.raises(DeltaZipError, match="--base"):
+        B.main(["rotation", "--sparsity", "0.4"])

@@ -38,6 +38,15 @@ token ids at each target sparsity (rank-16 compensation by default), and the dec
 base, batch 1 on one delta and batch 8 on 8 distinct deltas: dense, then
 ``set_activation_sparsity(thresholds)`` with the sparse kernels (``kernels=True``), and thresholding in PyTorch (``kernels=False``) at the highest target. A
 decode-shaped forward checks the kernel route against ``kernels=False``.
+
+**rotation** (CPU, an experiment; the library thresholds the inputs themselves): the real base
+(``--base``, float32) on general text (the Python reference's topics, read with their BOS; first
+half calibrates, second half scores), decode-only (the first half of each scored document dense,
+the NLL over the rest), centred thresholds and the rank-``--rank`` compensation of the library,
+except that the chosen layers threshold their centred input in another orthogonal basis
+(:data:`ROTATIONS`): ``z = Q^T (x - mu)``, the entries of ``z`` at or under the layer's threshold
+(the ``sparsity``-quantile of ``|z|`` over the calibration positions, the BOS left out) set to 0,
+and ``mu + Q z`` passed on. A sparse kernel would then read the kept columns of ``W Q``.
 """
 
 from __future__ import annotations
@@ -802,6 +811,191 @@ def _sparsities(text: str) -> list:
     return vals
 
 
+# =============================================================================================== rotation
+#: rotation experiments (``rotation`` mode): name -> what is thresholded in a rotated basis
+ROTATIONS = {
+    "raw": "the library's centred thresholds on the inputs themselves (no rotation)",
+    "pca": "every layer: its centred input in the principal axes of its calibration inputs",
+    "pca-foldable": "q/k/v and gate/up: the principal axes of the input they share; o: one basis per attention "
+                    "head (foldable into v_proj and o_proj); down: no rotation",
+    "pca-static": "every layer: the principal axes, and each token keeps the same top (1 - sparsity) of them "
+                  "(no threshold)",
+    "random": "every layer: a random orthogonal basis (spreads each input over every axis)",
+}
+
+
+def _parse_rotations(text: str) -> list:
+    names = [v for v in text.split(",") if v]
+    bad = [v for v in names if v not in ROTATIONS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown rotation {', '.join(bad) or text!r}: choose from {', '.join(ROTATIONS)}")
+    return names
+
+
+def input_moments(model, modules: dict, calibration: list, skip: int = 1, keep_rows: int = 48, seed: int = 0) -> dict:
+    """Per module of ``modules``: the mean ``[in]`` and covariance ``[in, in]`` (float64) of its inputs over the
+    ``calibration`` sequences (token-id lists, one pass each) without each sequence's first ``skip`` positions
+    (the BOS: decode-only thresholding never sees it), and ``keep_rows`` random positions per sequence
+    (float32) for quantiles."""
+    gen = torch.Generator().manual_seed(seed)
+    acc = {n: [0, 0, 0, []] for n in modules}
+
+    def hook(name):
+        def record(_module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1])[skip:].double().cpu()
+            a = acc[name]
+            a[0], a[1], a[2] = a[0] + x.sum(0), a[1] + x.T @ x, a[2] + x.shape[0]
+            a[3].append(x[torch.randperm(x.shape[0], generator=gen)[:keep_rows]].float())
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in modules.items()]
+    device = next(model.parameters()).device
+    try:
+        with torch.no_grad():
+            for seq in calibration:
+                model(input_ids=torch.tensor([seq], device=device))
+    finally:
+        for h in handles:
+            h.remove()
+    out = {}
+    for n, (s1, s2, count, rows) in acc.items():
+        if count < 2:
+            raise DeltaZipError(f"{n} saw {count} calibration positions after the first {skip}: pass longer or "
+                                "more calibration sequences")
+        mean = s1 / count
+        out[n] = {"mean": mean, "cov": s2 / count - torch.outer(mean, mean), "rows": torch.cat(rows)}
+    return out
+
+
+def rotation_basis(cov: torch.Tensor, kind: str, block: int = 0, seed: int = 0) -> torch.Tensor:
+    """An orthogonal ``[in, in]`` float32 basis (columns): ``"pca"``, the eigenvectors of ``cov`` in ascending
+    order of variance (``block``: one basis per diagonal block of that size, e.g. per attention head);
+    ``"random"``: a seeded random orthogonal basis."""
+    k = cov.shape[0]
+    if kind == "random":
+        q, _ = torch.linalg.qr(torch.randn(k, k, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
+        return q.float()
+    if kind != "pca":
+        raise ValueError(f"kind must be 'pca' or 'random', got {kind!r}")
+    if not block or block >= k:
+        return torch.linalg.eigh(cov)[1].float()
+    if k % block:
+        raise ValueError(f"{k} inputs do not split into blocks of {block}")
+    q = torch.zeros(k, k, dtype=torch.float64)
+    for b in range(0, k, block):
+        q[b:b + block, b:b + block] = torch.linalg.eigh(cov[b:b + block, b:b + block])[1]
+    return q.float()
+
+
+class RotatedDrop:
+    """A thresholding rule in a rotated basis: ``z = Q^T (x - mu)``, the entries with ``|z| <= threshold``
+    (or, with ``keep``, every entry outside it) set to 0, and ``mu + Q z`` returned."""
+
+    def __init__(self, mean: torch.Tensor, basis: torch.Tensor, threshold: float, keep: Optional[torch.Tensor] = None):
+        self.mean, self.basis, self.threshold, self.keep = mean.float(), basis.float(), float(threshold), keep
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.float() - self.mean.to(x.device)) @ self.basis.to(x.device)
+
+    def kept(self, z: torch.Tensor) -> torch.Tensor:
+        if self.keep is not None:
+            return self.keep.to(z.device).expand_as(z)
+        return z.abs() > self.threshold
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.rotate(x)
+        z = torch.where(self.kept(z), z, torch.zeros((), dtype=z.dtype, device=z.device))
+        return (self.mean.to(x.device) + z @ self.basis.to(x.device).T).to(x.dtype)
+
+
+def _kind(name: str) -> str:
+    return name.rsplit(".", 1)[-1].removesuffix("_proj")
+
+
+def rotated_drops(moments: dict, sparsity: float, variant: str, head_dim: int, seed: int = 0) -> dict:
+    """``{module name: RotatedDrop}`` for a :data:`ROTATIONS` variant (``"raw"``: none), each threshold the
+    ``sparsity``-quantile of ``|z|`` over the calibration rows (one sample of up to 2^20 values)."""
+    if variant not in ROTATIONS:
+        raise ValueError(f"unknown rotation {variant!r}: choose from {', '.join(ROTATIONS)}")
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for i, (name, m) in enumerate(sorted(moments.items())):
+        kind = _kind(name)
+        if variant == "raw" or (variant == "pca-foldable" and kind == "down"):
+            continue
+        block = head_dim if variant == "pca-foldable" and kind == "o" else 0
+        basis = rotation_basis(m["cov"], "random" if variant == "random" else "pca", block=block, seed=seed + i)
+        drop = RotatedDrop(m["mean"], basis, 0.0)
+        k = basis.shape[0]
+        if variant == "pca-static":  # eigh's ascending order: the last (1 - sparsity) axes carry the most variance
+            keep = torch.zeros(k, dtype=torch.bool)
+            keep[int(round(k * sparsity)):] = True
+            drop.keep = keep
+        else:
+            z = drop.rotate(m["rows"]).abs().reshape(-1)
+            z = z[torch.randperm(z.numel(), generator=gen)[:1 << 20]]
+            drop.threshold = float(torch.quantile(z, sparsity)) if sparsity > 0 else -1.0
+        out[name] = drop
+    return out
+
+
+def run_rotation(args) -> dict:
+    """NLL of the real base on general text (decode-only: the first half of each document dense) with its
+    inputs thresholded in each rotated basis of ``args.rotations``, against dense."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    if args.tiny:
+        from .pairs import tiny_model
+
+        model = tiny_model("llama", vocab_size=256, seed=0, hidden_size=64, num_layers=2).float().eval()
+        calib, evals = _pattern_ids(8, 48, 256, seed=1), _pattern_ids(8, 48, 256, seed=2)
+        name = "tiny llama (random weights)"
+    else:
+        if not args.base:
+            raise DeltaZipError("rotation needs --base FOLDER (a converted base, e.g. WORK/base of "
+                                "hf_deltazip.bench.real_pairs) or --tiny")
+        tok = AutoTokenizer.from_pretrained(args.base)
+        model = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.float32).eval()
+        texts = python_reference_documents()
+        half = len(texts) // 2
+        calib, evals = _ids(tok, texts[:half], args.max_length, True), _ids(tok, texts[half:], args.max_length, True)
+        name = f"{args.base} (python-docs: {len(calib)} calibration, {len(evals)} scored documents, BOS included)"
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dense = _prefix_nll(model, evals, 0.5)
+    mods = acts.target_modules(model)
+    moments = input_moments(model, mods, calib)
+    rows = []
+    for sp in [s for s in args.sparsity if s > 0]:
+        th = acts.calibrate_activation_thresholds(model, calib, sp, rank=args.rank, centre=True)
+        for variant in args.rotations:
+            t0 = time.time()
+            drops = rotated_drops(moments, sp, variant, head_dim)
+            acts.install_activation_sparsity(model, th, decode_only=True, rank=args.rank)
+            try:
+                for n, drop in drops.items():
+                    acts._RULES[mods[n]]._drop = drop  # the rule's compensation then sees x - drop(x)
+                nll = _prefix_nll(model, evals, 0.5)
+            finally:
+                acts.install_activation_sparsity(model, None)
+            rows.append({"sparsity": sp, "rotation": variant, "nll": nll, "relative": nll / dense - 1,
+                         "seconds": time.time() - t0})
+            print(f"  {sp:.2f} {variant}: NLL {nll:.4f} ({100 * (nll / dense - 1):+.2f} %)", flush=True)
+    return {"model": name, "dense_nll": dense, "rank": args.rank, "head_dim": head_dim, "rows": rows,
+            "rotations": {v: ROTATIONS[v] for v in args.rotations}}
+
+
+def rotation_table(result: dict) -> str:
+    lines = [f"{result['model']}; decode-only (first half of each document dense), centred thresholds, rank "
+             f"{result['rank']} compensation; dense NLL {result['dense_nll']:.4f}", "",
+             "| sparsity | rotation | NLL | relative |", "|---:|---|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['sparsity']:.2f} | {r['rotation']} | {r['nll']:.4f} | {100 * r['relative']:+.2f} % |")
+    lines += [""] + [f"- {k}: {v}" for k, v in result["rotations"].items()]
+    return "\n".join(lines)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hf_deltazip.bench.act_sparsity", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -860,7 +1054,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="the dense steps' route (DeltaModel.configure_kernels(decode=...); default auto)")
     ms.add_argument("--profile", action="store_true", help="also profile the steps of several deltas (dense and each "
                     "sparsity): GPU time per step by kernel kind")
-    for sp in (q, s, ms):
+    ro = sub.add_parser("rotation", help="decode-only NLL of a base with its inputs thresholded in rotated bases "
+                        "(an experiment: the library thresholds the inputs themselves)")
+    ro.add_argument("--base", help="base model folder (e.g. WORK/base of hf_deltazip.bench.real_pairs)")
+    ro.add_argument("--tiny", action="store_true", help="a tiny random llama (CPU smoke test)")
+    ro.add_argument("--rotations", type=_parse_rotations, default=list(ROTATIONS),
+                    help=f"comma list of {', '.join(ROTATIONS)} (default: all)")
+    ro.add_argument("--max-length", type=int, default=512)
+    for sp in (q, s, ms, ro):
         sp.add_argument("--rank", type=int, default=acts.DEFAULT_RANK,
                         help=f"rank of the low-rank compensation of the dropped inputs (default "
                              f"{acts.DEFAULT_RANK}; 0: none)")
@@ -871,7 +1072,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.mode == "speed":
         args.sparsity = sorted(set([0.0] + args.sparsity))
     run, table = {"quality": (run_quality, quality_table), "speed": (run_speed, speed_table),
-                  "model-speed": (run_model_speed, model_speed_table)}[args.mode]
+                  "model-speed": (run_model_speed, model_speed_table),
+                  "rotation": (run_rotation, rotation_table)}[args.mode]
     result = run(args)
     print(table(result))
     if args.json:

@@ -464,36 +464,25 @@ def test_max_bypass_flag_sets_the_engines_fairness_bound():
             parse(["--max-bypass", bad])
 
 
-def test_gluon_block_rows_flag_is_set_for_the_run_and_restored(tmp_path, monkeypatch):
+@pytest.mark.parametrize("flag, bad, value, setter, default, said", [
+    ("--gluon-block-rows", "12", 16, "set_gluon_block_rows", 8, "row blocks of 16"),
+    ("--gluon-stages", "1", 2, "set_gluon_stages", 0, "with 2 copy stages"),
+])
+def test_gluon_launch_flags_are_set_for_the_run_and_restored(tmp_path, monkeypatch, flag, bad, value, setter, default,
+                                                             said):
     from hf_deltazip import kernels as K
 
     parse = serve.build_parser().parse_args
-    assert parse(SMOKE).gluon_block_rows is None
+    assert getattr(parse(SMOKE), flag[2:].replace("-", "_")) is None
     with pytest.raises(SystemExit):
-        parse(SMOKE + ["--gluon-block-rows", "12"])
+        parse(SMOKE + [flag, bad])
     seen = []
-    real = K.set_gluon_block_rows
-    monkeypatch.setattr(K, "set_gluon_block_rows", lambda rows: (seen.append(rows), real(rows))[1])
+    real = getattr(K, setter)
+    monkeypatch.setattr(K, setter, lambda v: (seen.append(v), real(v))[1])
     out = tmp_path / "g.json"
-    assert serve.main(SMOKE + ["--gluon-block-rows", "16", "--json", str(out)]) == 0
-    assert seen == [16, 8]  # set for the deltazip run, the library's default again after it
-    assert "row blocks of 16" in json.loads(out.read_text())["systems"]["deltazip"]["how"]
-
-
-def test_gluon_stages_flag_is_set_for_the_run_and_restored(tmp_path, monkeypatch):
-    from hf_deltazip import kernels as K
-
-    parse = serve.build_parser().parse_args
-    assert parse(SMOKE).gluon_stages is None
-    with pytest.raises(SystemExit):
-        parse(SMOKE + ["--gluon-stages", "1"])
-    seen = []
-    real = K.set_gluon_stages
-    monkeypatch.setattr(K, "set_gluon_stages", lambda stages: (seen.append(stages), real(stages))[1])
-    out = tmp_path / "g.json"
-    assert serve.main(SMOKE + ["--gluon-stages", "2", "--json", str(out)]) == 0
-    assert seen == [2, 0]  # set for the deltazip run, the library's default again after it
-    assert "with 2 copy stages" in json.loads(out.read_text())["systems"]["deltazip"]["how"]
+    assert serve.main(SMOKE + [flag, str(value), "--json", str(out)]) == 0
+    assert seen == [value, default]  # set for the deltazip run, the library's default again after it
+    assert said in json.loads(out.read_text())["systems"]["deltazip"]["how"]
 
 
 def test_a_variant_is_described_by_its_own_policy_not_the_flags(tmp_path):

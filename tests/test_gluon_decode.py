@@ -263,47 +263,39 @@ def test_a_gluon_kernel_that_does_not_build_falls_back_to_triton(interpret, monk
         K.multi_delta_linear(x, None, None, st, rd, out=start.clone(), accumulate=True, config=cfg)
 
 
-def test_gluon_row_blocks_are_chosen_and_validated(monkeypatch):
-    """The default row block reaches default_config; a larger block lets a delta of that many rows take the
-    Gluon kernel (each block decodes the codes once); blocks the kernel is not built for are refused."""
+@pytest.mark.parametrize("field, setter, default, value, bad, bad_config", [
+    ("gluon_block_rows", "set_gluon_block_rows", 8, 16, 12, 64),
+    ("gluon_stages", "set_gluon_stages", 0, 2, 1, 5),  # 0: the launcher's stages
+])
+def test_gluon_launch_settings_are_chosen_and_validated(field, setter, default, value, bad, bad_config):
+    """The library's default reaches default_config, a set value replaces it until reset (the setter returns the
+    one it replaced), and values the kernel is not built for are refused, by the setter and in a config."""
     st = L.prepare_stack(K.random_delta_stack(2, 64, 512, bits=2, group_size=128))
-    assert K.default_config(8, 64, 512, st, torch.device("cpu")).gluon_block_rows == 8
+    chosen = lambda: getattr(K.default_config(8, 64, 512, st, torch.device("cpu")), field)  # noqa: E731
+    assert chosen() == default
     try:
-        assert K.set_gluon_block_rows(16) == 8  # the setting it replaced
-        assert K.default_config(8, 64, 512, st, torch.device("cpu")).gluon_block_rows == 16
+        assert getattr(K, setter)(value) == default
+        assert chosen() == value
     finally:
-        K.set_gluon_block_rows(8)
-    assert K.default_config(8, 64, 512, st, torch.device("cpu")).gluon_block_rows == 8
-    with pytest.raises(ValueError, match="gluon_block_rows must be one of"):
-        K.set_gluon_block_rows(12)
-    x = torch.randn(2, 512)
-    with pytest.raises(ValueError, match="config.gluon_block_rows must be one of"):
-        K.multi_delta_linear(x, None, None, st, torch.zeros(2, dtype=torch.int32), out=torch.zeros(2, 64),
-                             accumulate=True, config=K.MultiDeltaConfig(gluon_block_rows=64))
+        getattr(K, setter)(default)
+    assert chosen() == default
+    with pytest.raises(ValueError, match=f"{field} must be one of"):
+        getattr(K, setter)(bad)
+    with pytest.raises(ValueError, match=f"config.{field} must be one of"):
+        K.multi_delta_linear(torch.randn(2, 512), None, None, st, torch.zeros(2, dtype=torch.int32),
+                             out=torch.zeros(2, 64), accumulate=True, config=K.MultiDeltaConfig(**{field: bad_config}))
+
+
+def test_larger_row_blocks_let_deltas_of_more_rows_take_the_gluon_kernel(monkeypatch):
+    """A block of 16 rows lets a delta of up to 16 rows take the Gluon kernel (each block decodes the codes
+    once); the default 8-row block does not."""
+    st = L.prepare_stack(K.random_delta_stack(2, 64, 512, bits=2, group_size=128))
     monkeypatch.setattr(MD, "_gluon_available", lambda device: True)
     xb = torch.randn(32, 512, dtype=torch.bfloat16)
     out = torch.zeros(32, 64, dtype=torch.bfloat16)
     assert not MD.uses_gluon(xb, st, out, K.MultiDeltaConfig(), 16)
     assert MD.uses_gluon(xb, st, out, K.MultiDeltaConfig(gluon_block_rows=16), 16)
     assert not MD.uses_gluon(xb, st, out, K.MultiDeltaConfig(gluon_block_rows=16), 17)
-
-
-def test_gluon_stages_are_chosen_and_validated():
-    """The default stage count (0: the launcher's) reaches default_config, a set one replaces it until reset, and
-    counts the kernel is not built for are refused, by the setter and in a config."""
-    st = L.prepare_stack(K.random_delta_stack(2, 64, 512, bits=2, group_size=128))
-    assert K.default_config(8, 64, 512, st, torch.device("cpu")).gluon_stages == 0
-    try:
-        assert K.set_gluon_stages(2) == 0
-        assert K.default_config(8, 64, 512, st, torch.device("cpu")).gluon_stages == 2
-    finally:
-        K.set_gluon_stages(0)
-    assert K.default_config(8, 64, 512, st, torch.device("cpu")).gluon_stages == 0
-    with pytest.raises(ValueError, match="gluon_stages must be one of"):
-        K.set_gluon_stages(1)
-    with pytest.raises(ValueError, match="config.gluon_stages must be one of"):
-        K.multi_delta_linear(torch.randn(2, 512), None, None, st, torch.zeros(2, dtype=torch.int32),
-                             out=torch.zeros(2, 64), accumulate=True, config=K.MultiDeltaConfig(gluon_stages=5))
 
 
 @needs_hopper

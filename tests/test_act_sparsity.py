@@ -1186,6 +1186,8 @@ def test_rotated_drop_keeps_everything_below_any_threshold_and_the_target_share(
     assert not any(n.endswith("down_proj") for n in fold)
     o = next(d for n, d in fold.items() if n.endswith("o_proj"))
     assert float(o.basis[:16, 16:].abs().max()) == 0  # one basis per head
+    mlp = B.rotated_drops(moments, 0.4, "pca-mlp", head_dim=16)
+    assert {n.rsplit(".", 1)[-1] for n in mlp} == {"gate_proj", "up_proj", "o_proj"}
     static = B.rotated_drops(moments, 0.25, "pca-static", head_dim=16)[name]
     assert int(static.keep.sum()) == static.basis.shape[0] - round(0.25 * static.basis.shape[0])
     with pytest.raises(ValueError, match="unknown rotation"):

@@ -818,6 +818,8 @@ ROTATIONS = {
     "pca": "every layer: its centred input in the principal axes of its calibration inputs",
     "pca-foldable": "q/k/v and gate/up: the principal axes of the input they share; o: one basis per attention "
                     "head (foldable into v_proj and o_proj); down: no rotation",
+    "pca-mlp": "gate/up: the principal axes of the input they share; o: one basis per attention head; q/k/v and "
+               "down: no rotation (one online rotation per block, the MLP input's)",
     "pca-static": "every layer: the principal axes, and each token keeps the same top (1 - sparsity) of them "
                   "(no threshold)",
     "random": "every layer: a random orthogonal basis (spreads each input over every axis)",
@@ -921,9 +923,10 @@ def rotated_drops(moments: dict, sparsity: float, variant: str, head_dim: int, s
     out = {}
     for i, (name, m) in enumerate(sorted(moments.items())):
         kind = _kind(name)
-        if variant == "raw" or (variant == "pca-foldable" and kind == "down"):
+        if variant == "raw" or (variant in ("pca-foldable", "pca-mlp") and kind == "down") or \
+                (variant == "pca-mlp" and kind in ("q", "k", "v")):
             continue
-        block = head_dim if variant == "pca-foldable" and kind == "o" else 0
+        block = head_dim if variant in ("pca-foldable", "pca-mlp") and kind == "o" else 0
         basis = rotation_basis(m["cov"], "random" if variant == "random" else "pca", block=block, seed=seed + i)
         drop = RotatedDrop(m["mean"], basis, 0.0)
         k = basis.shape[0]

@@ -1207,3 +1207,25 @@ def test_rotation_mode_runs_and_records_every_variant(tmp_path):
         assert r["relative"] == pytest.approx(r["nll"] / res["dense_nll"] - 1)
     with pytest.raises(DeltaZipError, match="--base"):
         B.main(["rotation", "--sparsity", "0.4"])
+
+
+def test_an_input_rule_replaces_the_thresholds_and_keeps_the_kernels_off():
+    """set_input_rule: the layer sees rule(x), the compensation gets x - rule(x), the kernels (which apply only
+    thresholds) are not offered the layer, None restores the thresholds, and a layer without thresholds is
+    refused."""
+    lin = torch.nn.Linear(8, 4, bias=False)
+    holder = torch.nn.Sequential(lin)
+    x = torch.randn(1, 1, 8, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="install thresholds first"):
+        S.set_input_rule(lin, lambda v: v)
+    th = S.ActivationThresholds(0.5, {"0": 0.5}, 100, rank=0)
+    assert S.install_activation_sparsity(holder, th, strict=False) == 1
+    plain = lambda v: torch.nn.functional.linear(v, lin.weight)  # noqa: E731 - the layer without its hooks
+    thresholded = plain(torch.where(x.abs() > 0.5, x, torch.zeros(())))
+    torch.testing.assert_close(holder(x), thresholded)
+    assert S.kernel_sparsity(lin, x) is not None
+    S.set_input_rule(lin, lambda v: v * 0.5)
+    torch.testing.assert_close(holder(x), plain(x * 0.5))
+    assert S.kernel_sparsity(lin, x) is None
+    S.set_input_rule(lin, None)
+    torch.testing.assert_close(holder(x), thresholded)

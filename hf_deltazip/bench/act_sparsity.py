@@ -978,7 +978,7 @@ def run_rotation(args) -> dict:
             acts.install_activation_sparsity(model, th, decode_only=True, rank=args.rank)
             try:
                 for n, drop in drops.items():
-                    acts._RULES[mods[n]]._drop = drop  # the rule's compensation then sees x - drop(x)
+                    acts.set_input_rule(mods[n], drop)  # the rule's compensation then sees x - drop(x)
                 nll = _prefix_nll(model, evals, 0.5)
             finally:
                 acts.install_activation_sparsity(model, None)

@@ -65,7 +65,7 @@ import os
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional, Sequence, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -86,6 +86,7 @@ __all__ = [
     "sparsify_module_input",
     "add_sparsity_correction",
     "base_sees_whole_input",
+    "set_input_rule",
     "low_rank_factors",
     "sparsify_positions_from",
     "sparsity_targets",
@@ -348,6 +349,7 @@ class _Rule:
         self.factors = factors  # (A [r, in], B [out, r]) or None
         self.base_rows = base_rows  # the base sees its whole input in one-token steps of more rows (None: never)
         self.centre = centre  # float32 [in] (centred thresholds: a dropped input stands at its centre) or None
+        self.input_rule = None  # a callable replacing the thresholding (set_input_rule), or None
         self.handles = []
         self.last_out = None  # weakref to the last tensor produced: not processed twice
         self.pending = None  # (input, thresholded input) of the call in flight through the hooks
@@ -410,6 +412,8 @@ class _Rule:
         return x.numel() // x.shape[-1] > self.base_rows
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_rule is not None:
+            return self.input_rule(x)
         c = self.centre_as(x.dtype, x.device)
         if c is None:
             return torch.where(x.abs() > self.threshold, x, torch.zeros((), dtype=x.dtype, device=x.device))
@@ -468,11 +472,29 @@ def kernel_sparsity(module: nn.Module, x: torch.Tensor) -> Optional[tuple]:
     from ..kernels.act_sparse import LOWRANK_MAX_RANK
 
     rule = _RULES.get(module)
-    if rule is None or rule.recorder is not None or rule.threshold is None or decode_start() is not None:
+    if rule is None or rule.recorder is not None or rule.threshold is None or decode_start() is not None \
+            or rule.input_rule is not None:
         return None
     if rule.factors is not None and rule.factors[0].shape[0] > LOWRANK_MAX_RANK:
         return None
     return rule.threshold, rule.kernel_lowrank(x.dtype, x.device), rule.kernel_centre(module, x.dtype, x.device)
+
+
+def set_input_rule(module: nn.Module, rule: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> None:
+    """Replace how the thresholds installed on ``module`` drop its inputs: ``rule(x)`` gives what the layer sees
+    (``None``: the thresholds again). For trying other rules on the PyTorch route (``python -m
+    hf_deltazip.bench.act_sparsity rotation`` thresholds in a rotated basis): the compensation sees
+    ``x - rule(x)``, prompts stay dense as the thresholds were installed, and the activation-sparse kernels,
+    which apply only thresholds, leave the module alone (:func:`kernel_sparsity` gives ``None``).
+
+    Raises:
+        ValueError: no thresholds are installed on ``module`` (:func:`install_activation_sparsity` first).
+    """
+    installed = _RULES.get(module)
+    if installed is None or installed.recorder is not None:
+        raise ValueError("no activation sparsity is installed on this module: install thresholds first "
+                         "(install_activation_sparsity), then replace their rule")
+    installed.input_rule = rule
 
 
 def base_sees_whole_input(module: nn.Module, x: torch.Tensor) -> bool:

@@ -914,6 +914,11 @@ def _kind(name: str) -> str:
     return name.rsplit(".", 1)[-1].removesuffix("_proj")
 
 
+#: the layer kinds each variant rotates (every kind where it is not named; ``raw``: none); these variants take one
+#: basis per attention head for o_proj
+_ROTATED_KINDS = {"raw": (), "pca-foldable": ("q", "k", "v", "o", "gate", "up"), "pca-mlp": ("o", "gate", "up")}
+
+
 def rotated_drops(moments: dict, sparsity: float, variant: str, head_dim: int, seed: int = 0) -> dict:
     """``{module name: RotatedDrop}`` for a :data:`ROTATIONS` variant (``"raw"``: none), each threshold the
     ``sparsity``-quantile of ``|z|`` over the calibration rows (one sample of up to 2^20 values)."""
@@ -922,11 +927,10 @@ def rotated_drops(moments: dict, sparsity: float, variant: str, head_dim: int, s
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for i, (name, m) in enumerate(sorted(moments.items())):
-        kind = _kind(name)
-        if variant == "raw" or (variant in ("pca-foldable", "pca-mlp") and kind == "down") or \
-                (variant == "pca-mlp" and kind in ("q", "k", "v")):
+        kind, kinds = _kind(name), _ROTATED_KINDS.get(variant)
+        if kinds is not None and kind not in kinds:
             continue
-        block = head_dim if variant in ("pca-foldable", "pca-mlp") and kind == "o" else 0
+        block = head_dim if kinds and kind == "o" else 0
         basis = rotation_basis(m["cov"], "random" if variant == "random" else "pca", block=block, seed=seed + i)
         drop = RotatedDrop(m["mean"], basis, 0.0)
         k = basis.shape[0]

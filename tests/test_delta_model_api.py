@@ -223,6 +223,28 @@ def test_the_recorded_local_base_is_found_or_reported_missing_at_once(tmp_path):
     assert time.perf_counter() - start < 5, "a missing local base must be reported at once, not retried on the Hub"
 
 
+@pytest.mark.parametrize("case", ["missing module", "wrong shape"])
+def test_an_in_memory_delta_that_does_not_fit_the_base_is_refused_with_the_fix(case):
+    """add_delta with packed modules the base lacks, or of another shape: a BaseMismatchError naming the module and
+    what to do, and nothing added."""
+    from hf_deltazip import BaseMismatchError
+    from hf_deltazip.bench.decode import random_delta
+
+    delta = random_delta(base_model("llama"), 4, 32, 0)
+    up, down = "model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj"
+    if case == "missing module":
+        delta["model.layers.99.mlp.up_proj"] = delta.pop(up)
+        match = r"base has no module 'model\.layers\.99\.mlp\.up_proj'; load the delta onto the base"
+    else:
+        delta[up] = delta[down]  # [hidden, intermediate] codes where the base has [intermediate, hidden]
+        match = r"model\.layers\.0\.mlp\.up_proj is \[\d+, \d+\] in the delta but \[\d+, \d+\] in the base; load the delta onto"
+    model = DeltaModel(fresh_base())
+    model.add_delta(random_delta(base_model("llama"), 4, 32, 1), "fine")
+    with pytest.raises(BaseMismatchError, match=match):
+        model.add_delta(delta, "bad")
+    assert model.deltas == ["fine"]
+
+
 def test_from_pretrained_without_a_name_activates_the_delta_under_its_folder_name(deltas):
     folder, _ = deltas["a"]
     model = DeltaModel.from_pretrained(folder, base=fresh_base(), delta_name=None)

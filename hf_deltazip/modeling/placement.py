@@ -124,6 +124,7 @@ class DeltaPlacer:
     def validate(self, modules: dict, params: dict, header: DeltaHeader, where) -> None:
         """Raise :class:`BaseMismatchError` unless every module and parameter of the delta fits the base."""
         base_params = self.plain_params()
+        fix = load_onto_hint(header.base_model, header.model_type)  # what every mismatch below tells the user to do
         vocab_rows = set()
         for name, p in modules.items():
             mod = self.find(name)
@@ -138,9 +139,10 @@ class DeltaPlacer:
             if p.kind == "embedding":
                 vocab_rows.add(name)
                 if k != p.shape[1] or p.shape[0] < n:
-                    raise BaseMismatchError(f"{where}: {name} is {list(p.shape)} in the delta but {[n, k]} in the base")
+                    raise BaseMismatchError(f"{where}: {name} is {list(p.shape)} in the delta but {[n, k]} in the base; "
+                                            f"{fix}")
             elif (n, k) != tuple(p.shape):
-                raise BaseMismatchError(f"{where}: {name} is {list(p.shape)} in the delta but {[n, k]} in the base")
+                raise BaseMismatchError(f"{where}: {name} is {list(p.shape)} in the delta but {[n, k]} in the base; {fix}")
         vocab_modules = set(self.special_names().values())
         for pname, t in params.items():
             b = base_params.get(pname)
@@ -148,7 +150,8 @@ class DeltaPlacer:
                 raise BaseMismatchError(f"{where}: the base has no parameter {pname!r}; {fix}")
             owner = pname.rsplit(".", 1)[0]
             if tuple(b.shape) != tuple(t.shape) and owner not in vocab_rows and owner not in vocab_modules:
-                raise BaseMismatchError(f"{where}: {pname} is {list(t.shape)} in the delta but {list(b.shape)} in the base")
+                raise BaseMismatchError(f"{where}: {pname} is {list(t.shape)} in the delta but {list(b.shape)} in the base; "
+                                        f"{fix}")
 
     # ------------------------------------------------------------------ placing
     def wrap(self, name: str, kind: str) -> DeltaModule:

@@ -223,10 +223,10 @@ def test_the_recorded_local_base_is_found_or_reported_missing_at_once(tmp_path):
     assert time.perf_counter() - start < 5, "a missing local base must be reported at once, not retried on the Hub"
 
 
-@pytest.mark.parametrize("case", ["missing module", "wrong shape"])
+@pytest.mark.parametrize("case", ["missing module", "wrong shape", "missing parameter"])
 def test_an_in_memory_delta_that_does_not_fit_the_base_is_refused_with_the_fix(case):
-    """add_delta with packed modules the base lacks, or of another shape: a BaseMismatchError naming the module and
-    what to do, and nothing added."""
+    """add_delta with packed modules or exact parameters the base lacks, or of another shape: a BaseMismatchError
+    naming them and what to do, and nothing added."""
     from hf_deltazip import BaseMismatchError
     from hf_deltazip.bench.decode import random_delta
 
@@ -235,9 +235,13 @@ def test_an_in_memory_delta_that_does_not_fit_the_base_is_refused_with_the_fix(c
     if case == "missing module":
         delta["model.layers.99.mlp.up_proj"] = delta.pop(up)
         match = r"base has no module 'model\.layers\.99\.mlp\.up_proj'; load the delta onto the base"
-    else:
+    elif case == "wrong shape":
         delta[up] = delta[down]  # [hidden, intermediate] codes where the base has [intermediate, hidden]
         match = r"model\.layers\.0\.mlp\.up_proj is \[\d+, \d+\] in the delta but \[\d+, \d+\] in the base; load the delta onto"
+    else:  # a norm weight under a name the base does not have (no fingerprint recorded, so only this check sees it)
+        delta = CompressedDelta(config=DeltaZipConfig(bits=4), modules=delta,
+                                params={"model.layers.99.input_layernorm.weight": torch.ones(8)})
+        match = r"base has no parameter 'model\.layers\.99\.input_layernorm\.weight'; load the delta onto the base"
     model = DeltaModel(fresh_base())
     model.add_delta(random_delta(base_model("llama"), 4, 32, 1), "fine")
     with pytest.raises(BaseMismatchError, match=match):

@@ -136,12 +136,12 @@ class DeltaPlacer:
             tp = self.tp_shard(name, base_mod)
             if tp is not None:
                 n, k = tp.full
-            if p.kind == "embedding":
+            if p.kind == "embedding":  # may carry rows for tokens the fine-tune added
                 vocab_rows.add(name)
-                if k != p.shape[1] or p.shape[0] < n:
-                    raise BaseMismatchError(f"{where}: {name} is {list(p.shape)} in the delta but {[n, k]} in the base; "
-                                            f"{fix}")
-            elif (n, k) != tuple(p.shape):
+                fits = k == p.shape[1] and p.shape[0] >= n
+            else:
+                fits = (n, k) == tuple(p.shape)
+            if not fits:
                 raise BaseMismatchError(f"{where}: {name} is {list(p.shape)} in the delta but {[n, k]} in the base; {fix}")
         vocab_modules = set(self.special_names().values())
         for pname, t in params.items():

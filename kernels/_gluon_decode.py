@@ -6,14 +6,19 @@ The ``accumulate=True`` launch of :func:`kernels.multi_delta.multi_delta_linear`
 K chunk): a row block is up to ``BR`` rows of one delta, taken from the step's segment table
 (``kernels.layout.build_row_segments``) on the device; a fixed grid of programs loops over the items,
 so a captured CUDA graph serves every mix, and K is split as the step's mix needs (the split whose
-rounds of items the programs finish soonest). Per item:
+rounds of items the programs finish soonest). Every program packs the step's row blocks (first row, rows,
+delta) into one int32 each, held across the lanes of each warp, so an item finds its block with one reduction
+inside a warp. Per item:
 
-* the zero points and scales of the item's K range are read once into shared memory;
+* the zero points and scales of the item's K range are read once into shared memory; unsplit, what the
+  item's output rows hold is copied into shared memory with the first k-step (``cp.async``), so its latency
+  hides behind the k-loop;
 * a ring of ``STAGES`` shared-memory buffers, filled with ``cp.async`` ``STAGES - 1`` k-steps ahead,
   holds each k-step's packed codes ``[BN, BKP]`` (the planar layout, ``kernels/layout.py``) and the
   block's rows of ``x`` cut into planes ``[P * BR, BKP]``;
 * the codes are read into registers in the wgmma A-operand layout, each plane is decoded there
-  (``lop3`` + packed ``fma``: the planar Triton kernel's PTX) and multiplied by its slice of ``x``
+  (``lop3`` + packed ``fma``: the planar Triton kernel's PTX; the ``fma``'s ``-(magic + zero)`` is built from
+  the zero point's bits with one integer multiply-add) and multiplied by its slice of ``x``
   with an asynchronous wgmma; a group's decode overlaps the previous group's MMAs
   (``warpgroup_mma_wait`` keeps one group in flight), which plain Triton does not allow for a
   register A operand; each quantization group's product lands in one of two alternating
@@ -55,12 +60,22 @@ def _issue(x_ptr, q_ptr, xs, qs, stage, x_rows, x_cols, x_mask, q_off, offs_e, k
 
 
 @gluon.jit
-def _decode_plane(q, zf, S: gl.constexpr, BITS: gl.constexpr, PW: gl.constexpr, MAGICF: gl.constexpr,
+def _decode_plane(q, zi, S: gl.constexpr, BITS: gl.constexpr, PW: gl.constexpr, MAGICF: gl.constexpr,
                   CDT: gl.constexpr, A0: gl.constexpr, A1: gl.constexpr, A2: gl.constexpr, A3: gl.constexpr,
                   A4: gl.constexpr, A5: gl.constexpr, A6: gl.constexpr, A7: gl.constexpr,
                   H1: gl.constexpr, H2: gl.constexpr, H3: gl.constexpr):
-    # plane S of the packed elements q: code - zero in the activation dtype (the planar kernel's PTX)
-    czc = ((-(MAGICF / (1 << ((S % PW) * BITS)))) - zf).to(CDT)
+    # plane S of the packed elements q: code - zero in the activation dtype (the planar kernel's PTX), given
+    # -(MAGICF * 2^-E + zero) with E = (S % PW) * BITS. That value is built from its bits, not converted:
+    # MAGICF * 2^-E is a power of two 2^(MANT - E) whose mantissa bit E is worth 1, so for a zero point below
+    # 2^(MANT - E) (every zero point of a BITS-bit grid, [0, 2^BITS - 1], since E <= MANT - BITS) the sum is
+    # the sign, the exponent of 2^(MANT - E), and the zero point shifted up by E in the mantissa: one integer
+    # multiply-add per zero point (the bits do not overlap), where a conversion, a subtraction and a rounding stood
+    E: gl.constexpr = (S % PW) * BITS
+    if MAGICF == 1024.0:  # float16: 10 mantissa bits, exponent bias 15
+        CB: gl.constexpr = 0x8000 | ((15 + 10 - E) << 10)
+    else:  # bfloat16: 7 mantissa bits, exponent bias 127
+        CB: gl.constexpr = 0x8000 | ((127 + 7 - E) << 7)
+    czc = (zi * (1 << E) + CB).to(gl.int16).to(CDT, bitcast=True)
     cz, q = gl.broadcast(czc[:, None], q)
     if S // PW == 0:
         src = q
@@ -94,7 +109,8 @@ def _decode_plane(q, zf, S: gl.constexpr, BITS: gl.constexpr, PW: gl.constexpr, 
 def gluon_delta_decode_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, seg_ptr, lut_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, U, QROW_E, G, stride_xm, stride_om, SPLIT_MAX, TARGET,
-    HAS_LUT: gl.constexpr, BITS: gl.constexpr, BKP: gl.constexpr, BR: gl.constexpr, MP: gl.constexpr,
+    HAS_LUT: gl.constexpr, OUT_ASYNC: gl.constexpr, BITS: gl.constexpr, BKP: gl.constexpr, BR: gl.constexpr,
+    MP: gl.constexpr,
     STAGES: gl.constexpr, PPG: gl.constexpr, MAGICF: gl.constexpr, PW: gl.constexpr, GC: gl.constexpr,
     BN: gl.constexpr, SPLIT_RULE: gl.constexpr,
     A0: gl.constexpr, A1: gl.constexpr, A2: gl.constexpr, A3: gl.constexpr,
@@ -116,6 +132,7 @@ def gluon_delta_decode_kernel(
     row_c: gl.constexpr = gl.SliceLayout(1, mma)
     col_c: gl.constexpr = gl.SliceLayout(0, mma)
     ld_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    o_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [num_warps, 1], [1, 0])  # [BR, BN] output rows, 8 bytes a copy
     g_l: gl.constexpr = gl.BlockedLayout([4, 1], [8, 4], [1, num_warps], [0, 1])
     sq_l: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [num_warps, 1], [1, 0])
     sv_l: gl.constexpr = gl.SliceLayout(1, sq_l)  # one entry per sorted slot
@@ -128,6 +145,8 @@ def gluon_delta_decode_kernel(
     qs = gl.allocate_shared_memory(gl.uint16, [STAGES, BN, BKP], sl)
     zs = gl.allocate_shared_memory(gl.uint8, [GC, BN], flat)  # an item's zero points and scales, group-major
     ss = gl.allocate_shared_memory(SDT, [GC, BN], flat)
+    ODT: gl.constexpr = out_ptr.dtype.element_ty
+    os_ = gl.allocate_shared_memory(ODT, [BR, BN], flat)  # what the item's output rows hold before it adds
     zsv = zs._reinterpret(gl.uint8, [GC, BN], flat1)
     ssv = ss._reinterpret(SDT, [GC, BN], flat1)
 
@@ -149,19 +168,20 @@ def gluon_delta_decode_kernel(
         d_s = gl.load(lut_ptr + d_s + 1, mask=ok_s, other=-1)
     live = ok_s & (d_s >= 0) & (d_s < U)
     before = offs_t[None, :] < offs_s[:, None]
-    pos = gl.sum(((sg_t[None, :] == sg_s[:, None]) & before).to(gl.int32), axis=1)  # place inside its segment
+    # the slots of its segment before it (its place inside the segment) and from it on, in one reduction
+    both = gl.sum(gl.where(sg_t[None, :] == sg_s[:, None], gl.where(before, 1, 65536), 0), axis=1)
+    pos = both & 65535
     is_start = live & ((pos % BR) == 0)
     start_t = gl.convert_layout(is_start, st_l)
     rank = gl.sum((start_t[None, :] & before).to(gl.int32), axis=1)
-    # one slot per thread from here on (the [MP, MP] layout's slices hold a copy per thread of a warp)
-    v1: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-    offs_v = gl.arange(0, MP, layout=v1)
-    ok_v = offs_v < M
-    d_v = gl.convert_layout(d_s, v1)
-    sg_v = gl.convert_layout(sg_s, v1)
-    start_v = gl.convert_layout(is_start, v1)
-    rank_v = gl.convert_layout(rank, v1)
-    n_blocks = gl.sum(start_v.to(gl.int32), axis=0)
+    # what an item needs of its block, packed into one int32 per starting slot: the first slot (10 bits), the
+    # rows (7 bits: up to BR from there, to the segment's end) and the delta's index in the stack (the rest);
+    # held along the lanes of every warp (two slots per thread), so an item finds its block with one reduction
+    # inside each warp, where four reductions across the warps (each through shared memory and a barrier) stood
+    info_s = (d_s << 17) | (gl.minimum(both >> 16, BR) << 10) | offs_s
+    info_t = gl.convert_layout(gl.where(is_start, info_s, 0), st_l)
+    rank_t = gl.convert_layout(rank, st_l)
+    n_blocks = gl.sum(start_t.to(gl.int32), axis=0)
 
     # the K split follows the step's mix, in whole k-steps
     work = gl.maximum(n_tiles * n_blocks, 1)
@@ -202,11 +222,10 @@ def gluon_delta_decode_kernel(
         t = w // split
         pid_n = t % n_tiles
         b = t // n_tiles
-        bstart = gl.min(gl.where(start_v & (rank_v == b), offs_v, MP), axis=0)
-        at = offs_v == bstart
-        u = gl.sum(gl.where(at, d_v, 0), axis=0)
-        sgb = gl.sum(gl.where(at, sg_v, 0), axis=0)
-        cnt = gl.sum(((sg_v == sgb) & (offs_v >= bstart) & (offs_v < bstart + BR) & ok_v).to(gl.int32), axis=0)
+        info = gl.sum(gl.where(start_t & (rank_t == b), info_t, 0), axis=0)  # block b's first slot is its only one
+        bstart = info & 1023
+        cnt = (info >> 10) & 127
+        u = info >> 17
         k_begin = pid_s * steps * LB
         k_end = gl.minimum(k_begin + steps * LB, K)
         nk = (k_end - k_begin + LB - 1) // LB
@@ -222,15 +241,26 @@ def gluon_delta_decode_kernel(
         x_rows = (xr.to(gl.int64) * stride_xm)[:, None]
         x_mask, _unused = gl.broadcast(xr_ok[:, None], x_cols)
 
-        # the output rows this item adds to; unsplit, what they hold is read now, its latency hidden behind the
-        # k-loop instead of added after it (only this item writes them)
+        # the output rows this item adds to (only this item writes them)
         r_ok = offs_rc < cnt
         rows_c = gl.load(seg_ptr + bstart + offs_rc, mask=r_ok, other=0)
         o_off = rows_c.to(gl.int64)[None, :] * stride_om + offs_n_c.to(gl.int64)[:, None]
         o_mask = nmask_c[:, None] & r_ok[None, :]
-        prev = gl.load(out_ptr + o_off, mask=o_mask & (split == 1), other=0.0).to(gl.float32)
 
         gl.thread_barrier()  # the last item's reads of shared memory are done
+        if not OUT_ASYNC:  # output rows not 16-byte aligned: read into registers now, added after the k-loop
+            prev = gl.load(out_ptr + o_off, mask=o_mask & (split == 1), other=0.0).to(gl.float32)
+        elif split == 1:
+            # unsplit, what the rows hold is copied into shared memory in the first k-step's commit group: its
+            # latency hides behind the k-loop and no registers hold it meanwhile (read into registers here, it
+            # was spilled under the register cap, and the spill waited out the load)
+            offs_or = gl.arange(0, BR, layout=gl.SliceLayout(1, o_l))
+            offs_on = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, o_l))
+            or_ok = offs_or < cnt
+            rows_o = gl.load(seg_ptr + bstart + offs_or, mask=or_ok, other=0)
+            async_copy.async_copy_global_to_shared(
+                os_, out_ptr + rows_o.to(gl.int64)[:, None] * stride_om + offs_on[None, :],
+                mask=or_ok[:, None] & (offs_on < N)[None, :])
         for j in gl.static_range(STAGES - 1):  # prologue: STAGES - 1 k-steps in flight
             if j < nk:
                 _issue(x_ptr, q_ptr, xs, qs, j, x_rows, x_cols, x_mask, q_off, offs_e, k_begin + j * LB, P, BKP)
@@ -263,9 +293,9 @@ def gluon_delta_decode_kernel(
             g0 = kk * NG
             for S in gl.static_range(P):
                 if S % PPG == 0:  # first plane of a quantization group: its zero point and scale
-                    zf = zsv.index(g0 + S // PPG).load(row_a).to(gl.float32)
+                    zi = zsv.index(g0 + S // PPG).load(row_a).to(gl.int32)
                     sc = ssv.index(g0 + S // PPG).load(row_c).to(gl.float32)
-                d = _decode_plane(q, zf, S, BITS, PW, MAGICF, CDT, A0, A1, A2, A3, A4, A5, A6, A7, H1, H2, H3)
+                d = _decode_plane(q, zi, S, BITS, PW, MAGICF, CDT, A0, A1, A2, A3, A4, A5, A6, A7, H1, H2, H3)
                 xb = xst.slice(S * BR, BR).permute((1, 0))
                 # a group's planes accumulate in one of two alternating products, scaled into acc once the
                 # group's MMAs are done: the next group's decode overlaps them
@@ -291,7 +321,9 @@ def gluon_delta_decode_kernel(
         async_copy.wait_group(0)
 
         # ---------------------------------------------------------- add into the output
-        if split == 1:  # what the output holds was read at the item's start
+        if split == 1:  # what the output held landed in shared memory before the first k-step (or in registers)
+            if OUT_ASYNC:
+                prev = os_.permute((1, 0)).load(mma).to(gl.float32)
             gl.store(out_ptr + o_off, (prev + acc).to(out_ptr.dtype.element_ty), mask=o_mask)
         else:
             # partial sums by row; the last item of this (block, tile) adds them up in split order
@@ -342,7 +374,8 @@ def gluon_delta_accumulate(x, stack, segments, out, *, lut=None, split_max=None,
     other arguments are launch parameters; the defaults are what was measured (BENCHMARKS.md section 3):
     for 2-bit codes three stages and at most 168 registers per thread (``max_registers=0``: no cap), so
     that an SM holds three programs instead of two; for 4-bit codes four stages, no cap. Rows whose delta
-    id is out of range (without ``lut``) come out NaN.
+    id is out of range (without ``lut``) come out NaN. Zero points must lie on the grid, ``[0, 2**bits - 1]``
+    (what the compressor writes; the kernel builds ``-(magic + zero)`` from its bits).
     """
     import torch
 
@@ -356,6 +389,10 @@ def gluon_delta_accumulate(x, stack, segments, out, *, lut=None, split_max=None,
         raise ValueError(f'split_rule must be "rounds", "target" or "fixed", got {split_rule!r}')
     if bkp != 64 or bits not in (2, 4):
         raise ValueError("the Gluon decode kernel needs a planar stack (blocks of 64) of 2- or 4-bit codes")
+    if stack.num_deltas >= 1 << 14 or m > 1024 or not 1 <= block_rows <= 64:
+        # an item's block is packed into one int32: its first row (10 bits), rows (7) and delta (14)
+        raise ValueError(f"the Gluon decode kernel takes up to 1024 rows, 16383 deltas and row blocks of up to 64 "
+                         f"rows; got {m} rows, {stack.num_deltas} deltas, blocks of {block_rows}: split the call")
     if stages is None:
         stages = 3 if bits == 2 else 4
     if max_registers is None:
@@ -377,7 +414,9 @@ def gluon_delta_accumulate(x, stack, segments, out, *, lut=None, split_max=None,
             segments if lut is None else lut, out, ws, cnt,
             m, n, k, stack.num_deltas, stack.qweight.shape[-1] // 2, stack.scales.shape[-1], x.stride(0),
             out.stride(0), split_max, 0)
-    kw = dict(HAS_LUT=lut is not None, BITS=bits, BKP=bkp, BR=block_rows, MP=mp, STAGES=stages, PPG=gs // bkp,
+    # what the output rows hold is copied 8 bytes at a time where Triton sees them 16-byte aligned
+    out_async = out.stride(0) % 16 == 0 and out.data_ptr() % 16 == 0
+    kw = dict(HAS_LUT=lut is not None, OUT_ASYNC=out_async, BITS=bits, BKP=bkp, BR=block_rows, MP=mp, STAGES=stages, PPG=gs // bkp,
               MAGICF=asm["MAGICF"], PW=asm["PW"], GC=gc, BN=bn, SPLIT_RULE=_SPLIT_RULES.index(split_rule),
               A0=asm["A00"], A1=asm["A01"], A2=asm["A02"], A3=asm["A03"], A4=asm["A04"], A5=asm["A05"],
               A6=asm["A06"], A7=asm["A07"], H1=asm["H1"], H2=asm["H2"], H3=asm["H3"], num_warps=num_warps,

@@ -40,6 +40,17 @@ def test_gluon_launcher_refuses_an_unknown_split_rule():
         gluon_delta_accumulate(x, st, seg, torch.zeros(2, 64, dtype=torch.bfloat16), split_rule="even")
 
 
+@pytest.mark.parametrize("rows, block_rows", [(1025, 8), (4, 65)])
+def test_gluon_launcher_refuses_what_its_block_table_cannot_hold(rows, block_rows):
+    from hf_deltazip.kernels._gluon_decode import gluon_delta_accumulate
+
+    st = L.prepare_stack(K.random_delta_stack(1, 64, 1024, bits=2, group_size=128))
+    x = torch.randn(rows, 1024, dtype=torch.bfloat16)
+    seg = L.build_row_segments(torch.zeros(rows, dtype=torch.int32))
+    with pytest.raises(ValueError, match="up to 1024 rows, 16383 deltas and row blocks of up to 64 rows"):
+        gluon_delta_accumulate(x, st, seg, torch.zeros(rows, 64, dtype=torch.bfloat16), block_rows=block_rows)
+
+
 def test_blocks_per_sm_gives_the_occupancy_nsight_compute_reported():
     from hf_deltazip.kernels.launch import blocks_per_sm
 

@@ -230,6 +230,14 @@ def gluon_delta_decode_kernel(
         k_end = gl.minimum(k_begin + steps * LB, K)
         nk = (k_end - k_begin + LB - 1) // LB
         u64 = u.to(gl.int64) * N
+        # zero points and scales of every group of this item's K range: their loads go out first, so their latency
+        # overlaps the row table's and the copies' (stored into shared memory once the last item is done with it)
+        offs_gn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, g_l))
+        gch0 = k_begin // (PPG * BKP)
+        g_ok = (offs_gg < steps * NG) & ((gch0 + offs_gg) < G)
+        g_off = (u64 + gl.minimum(offs_gn, N - 1).to(gl.int64))[None, :] * G + (gch0 + offs_gg)[:, None]
+        zv = gl.load(z_ptr + g_off, mask=g_ok[:, None], other=0)
+        sv = gl.load(s_ptr + g_off, mask=g_ok[:, None], other=0.0)
 
         offs_n_q = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ld_l))
         q_off = (u64 + gl.minimum(offs_n_q, N - 1).to(gl.int64))[:, None] * QROW_E
@@ -266,13 +274,8 @@ def gluon_delta_decode_kernel(
                 _issue(x_ptr, q_ptr, xs, qs, j, x_rows, x_cols, x_mask, q_off, offs_e, k_begin + j * LB, P, BKP)
             else:
                 async_copy.commit_group()
-        # zero points and scales of every group of this item's K range, read once
-        offs_gn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, g_l))
-        gch0 = k_begin // (PPG * BKP)
-        g_ok = (offs_gg < steps * NG) & ((gch0 + offs_gg) < G)
-        g_off = (u64 + gl.minimum(offs_gn, N - 1).to(gl.int64))[None, :] * G + (gch0 + offs_gg)[:, None]
-        zs.store(gl.load(z_ptr + g_off, mask=g_ok[:, None], other=0))
-        ss.store(gl.load(s_ptr + g_off, mask=g_ok[:, None], other=0.0))
+        zs.store(zv)
+        ss.store(sv)
 
         acc = gl.zeros([BN, BR], gl.float32, mma)
         pa = gl.zeros([BN, BR], gl.float32, mma)

@@ -124,6 +124,7 @@ def gluon_delta_decode_kernel(
     LB: gl.constexpr = P * BKP
     NG: gl.constexpr = P // PPG  # quantization groups per k-step
     ITEM_COST: gl.constexpr = 8  # an item's start and finish, in k-steps (the K split's cost model)
+    SPLIT_COST: gl.constexpr = 8  # what a split item adds: its float32 partial sums out, the last one's back in
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BR, 16])
@@ -190,14 +191,15 @@ def gluon_delta_decode_kernel(
         # the step lasts (rounds of items) x (k-steps per item + ITEM_COST, what starting and finishing an
         # item costs in k-steps: its first loads wait out the memory latency, and so does its output);
         # measured on an H100, an item costs about eight k-steps beside its own, so K is split only where
-        # the step has far fewer items than programs (BENCHMARKS.md section 3)
+        # the step has far fewer items than programs (BENCHMARKS.md section 3); a split item costs SPLIT_COST
+        # more (without it, 4-bit 4096x14336 at 1.3 items per program took two chunks and ran 19 % slower)
         steps = nk_all
         split = nk_all * 0 + 1
         best = ((work + nprog - 1) // nprog) * (nk_all + ITEM_COST)
         for s in range(2, gl.minimum(SPLIT_MAX, nk_all) + 1):
             st = (nk_all + s - 1) // s
             sp = (nk_all + st - 1) // st
-            cost = ((work * sp + nprog - 1) // nprog) * (st + ITEM_COST)
+            cost = ((work * sp + nprog - 1) // nprog) * (st + ITEM_COST + SPLIT_COST)
             if cost < best:  # ties keep the smaller split (fewer partial sums)
                 best = cost
                 steps = st

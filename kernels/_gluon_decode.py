@@ -16,15 +16,13 @@ inside a warp. Per item:
 * a ring of ``STAGES`` shared-memory buffers, filled with ``cp.async`` ``STAGES - 1`` k-steps ahead,
   holds each k-step's packed codes ``[BN, BKP]`` (the planar layout, ``kernels/layout.py``) and the
   block's rows of ``x`` cut into planes ``[P * BR, BKP]``;
-* the codes are read into registers in the wgmma A-operand layout, each plane is decoded there with one
-  ``lop3`` per two codes, to ``2^(MANT - E) + code`` (:func:`plane_asm_args`; no packed ``fma`` taking the
-  offset and zero point off per code), and multiplied by its slice of ``x`` with an asynchronous wgmma; a
-  group's decode overlaps the previous group's MMAs (``warpgroup_mma_wait`` keeps one group in flight), which
-  plain Triton does not allow for a register A operand; each quantization group's product lands in one of two
-  alternating accumulators and is scaled into the result once its MMAs are done, and what the offsets and
-  the zero point added, ``zero * sum(x) + sum_planes(2^(MANT - E) * sum_plane(x))``, is taken off with two
-  rank-one updates from the group's input sums (:func:`group_sums`, one small Triton launch per call, copied
-  into shared memory beside each k-step's ``x``);
+* the codes are read into registers in the wgmma A-operand layout, each plane is decoded there
+  (``lop3`` + packed ``fma``: the planar Triton kernel's PTX; the ``fma``'s ``-(magic + zero)`` is built from
+  the zero point's bits with one integer multiply-add) and multiplied by its slice of ``x``
+  with an asynchronous wgmma; a group's decode overlaps the previous group's MMAs
+  (``warpgroup_mma_wait`` keeps one group in flight), which plain Triton does not allow for a
+  register A operand; each quantization group's product lands in one of two alternating
+  accumulators and is scaled into the result once its MMAs are done;
 * one K chunk: the item adds its product to the output rows it owns; several: float32 partial sums,
   and the last item of the (block, tile) adds them in split order (deterministic) and resets its
   counter for the next launch.
@@ -40,8 +38,8 @@ from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
 
 
 @gluon.jit
-def _plane(q, ASM: gl.constexpr, CDT: gl.constexpr):
-    return gl.inline_asm_elementwise(ASM, "=r,r", [q], dtype=CDT.value, is_pure=True, pack=2)
+def _plane(q, cz, ASM: gl.constexpr, CDT: gl.constexpr):
+    return gl.inline_asm_elementwise(ASM, "=r,r,r", [q, cz], dtype=cz.dtype, is_pure=True, pack=2)
 
 
 @gluon.jit
@@ -51,30 +49,34 @@ def _shr(q, ASM: gl.constexpr):
 
 @gluon.jit
 def _issue(x_ptr, q_ptr, xs, qs, stage, x_rows, x_cols, x_mask, q_off, offs_e, k0,
-           xsum_ptr, xss, xs_off, xs_mask, P: gl.constexpr, BKP: gl.constexpr, NG: gl.constexpr):
+           P: gl.constexpr, BKP: gl.constexpr):
     # codes of this k-step: [BN, BKP] uint16 elements; x: [P * BR, BKP], row p*BR + r = row r's inputs
     # k0 + p*BKP + i (plane p)
     k0 = gl.multiple_of(k0, P * BKP)
     e_idx = (k0 // (P * BKP)) * BKP + offs_e
     async_copy.async_copy_global_to_shared(qs.index(stage), q_ptr + q_off + e_idx[None, :])
     async_copy.async_copy_global_to_shared(xs.index(stage), x_ptr + x_rows + (k0 + x_cols), mask=x_mask)
-    # per quantization group of this k-step and row, its inputs' sum and their sum weighted by the planes'
-    # offsets, [2 * NG, BR] float32 (group_sums)
-    async_copy.async_copy_global_to_shared(xss.index(stage), xsum_ptr + xs_off + (k0 // (P * BKP)) * (2 * NG),
-                                           mask=xs_mask)
     async_copy.commit_group()
 
 
 @gluon.jit
-def _decode_plane(q, S: gl.constexpr, PW: gl.constexpr, CDT: gl.constexpr,
-                  A0: gl.constexpr, A1: gl.constexpr, A2: gl.constexpr, A3: gl.constexpr,
+def _decode_plane(q, zi, S: gl.constexpr, BITS: gl.constexpr, PW: gl.constexpr, MAGICF: gl.constexpr,
+                  CDT: gl.constexpr, A0: gl.constexpr, A1: gl.constexpr, A2: gl.constexpr, A3: gl.constexpr,
                   A4: gl.constexpr, A5: gl.constexpr, A6: gl.constexpr, A7: gl.constexpr,
                   H1: gl.constexpr, H2: gl.constexpr, H3: gl.constexpr):
-    # plane S of the packed elements q as 2^(MANT - E) + code, exactly, in the activation dtype: one lop3 per
-    # two codes puts the code's bits at mantissa bit E under the exponent of 2^(MANT - E) (E = (S % PW) * BITS,
-    # below MANT - BITS + 1). The offset and the zero point are not taken off here (a packed fma per two codes
-    # did that before): the kernel takes (2^(MANT - E) + zero) * (the plane's inputs summed) off the float32
-    # product instead, per row block and output row (plane_asm_args, and the k-loop)
+    # plane S of the packed elements q: code - zero in the activation dtype (the planar kernel's PTX), given
+    # -(MAGICF * 2^-E + zero) with E = (S % PW) * BITS. That value is built from its bits, not converted:
+    # MAGICF * 2^-E is a power of two 2^(MANT - E) whose mantissa bit E is worth 1, so for a zero point below
+    # 2^(MANT - E) (every zero point of a BITS-bit grid, [0, 2^BITS - 1], since E <= MANT - BITS) the sum is
+    # the sign, the exponent of 2^(MANT - E), and the zero point shifted up by E in the mantissa: one integer
+    # multiply-add per zero point (the bits do not overlap), where a conversion, a subtraction and a rounding stood
+    E: gl.constexpr = (S % PW) * BITS
+    if MAGICF == 1024.0:  # float16: 10 mantissa bits, exponent bias 15
+        CB: gl.constexpr = 0x8000 | ((15 + 10 - E) << 10)
+    else:  # bfloat16: 7 mantissa bits, exponent bias 127
+        CB: gl.constexpr = 0x8000 | ((127 + 7 - E) << 7)
+    czc = (zi * (1 << E) + CB).to(gl.int16).to(CDT, bitcast=True)
+    cz, q = gl.broadcast(czc[:, None], q)
     if S // PW == 0:
         src = q
     elif S // PW == 1:
@@ -84,29 +86,29 @@ def _decode_plane(q, S: gl.constexpr, PW: gl.constexpr, CDT: gl.constexpr,
     else:
         src = _shr(q, H3)
     if S == 0:
-        d = _plane(src, A0, CDT)
+        d = _plane(src, cz, A0, CDT)
     elif S == 1:
-        d = _plane(src, A1, CDT)
+        d = _plane(src, cz, A1, CDT)
     elif S == 2:
-        d = _plane(src, A2, CDT)
+        d = _plane(src, cz, A2, CDT)
     elif S == 3:
-        d = _plane(src, A3, CDT)
+        d = _plane(src, cz, A3, CDT)
     elif S == 4:
-        d = _plane(src, A4, CDT)
+        d = _plane(src, cz, A4, CDT)
     elif S == 5:
-        d = _plane(src, A5, CDT)
+        d = _plane(src, cz, A5, CDT)
     elif S == 6:
-        d = _plane(src, A6, CDT)
+        d = _plane(src, cz, A6, CDT)
     else:
-        d = _plane(src, A7, CDT)
+        d = _plane(src, cz, A7, CDT)
     return d
 
 
 # M, U and the split limits change between calls, and a value of 1 would otherwise be specialised away
 @gluon.jit(do_not_specialize=["M", "U", "SPLIT_MAX", "TARGET"])
 def gluon_delta_decode_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, seg_ptr, lut_ptr, out_ptr, ws_ptr, cnt_ptr, xsum_ptr,
-    M, N, K, U, QROW_E, G, stride_xm, stride_om, SPLIT_MAX, TARGET, KB,
+    x_ptr, q_ptr, s_ptr, z_ptr, seg_ptr, lut_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, U, QROW_E, G, stride_xm, stride_om, SPLIT_MAX, TARGET,
     HAS_LUT: gl.constexpr, OUT_ASYNC: gl.constexpr, BITS: gl.constexpr, BKP: gl.constexpr, BR: gl.constexpr,
     MP: gl.constexpr,
     STAGES: gl.constexpr, PPG: gl.constexpr, MAGICF: gl.constexpr, PW: gl.constexpr, GC: gl.constexpr,
@@ -139,7 +141,6 @@ def gluon_delta_decode_kernel(
     sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     flat1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    xsl: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [num_warps, 1], [1, 0])  # [2 * NG, BR] group sums
 
     xs = gl.allocate_shared_memory(CDT, [STAGES, P * BR, BKP], sl)
     qs = gl.allocate_shared_memory(gl.uint16, [STAGES, BN, BKP], sl)
@@ -147,8 +148,6 @@ def gluon_delta_decode_kernel(
     ss = gl.allocate_shared_memory(SDT, [GC, BN], flat)
     ODT: gl.constexpr = out_ptr.dtype.element_ty
     os_ = gl.allocate_shared_memory(ODT, [BR, BN], flat)  # what the item's output rows hold before it adds
-    xss = gl.allocate_shared_memory(gl.float32, [STAGES, 2 * NG, BR], flat)  # each k-step's group sums of x
-    xssv = xss._reinterpret(gl.float32, [STAGES * 2 * NG, BR], flat1)
     zsv = zs._reinterpret(gl.uint8, [GC, BN], flat1)
     ssv = ss._reinterpret(SDT, [GC, BN], flat1)
 
@@ -251,12 +250,6 @@ def gluon_delta_decode_kernel(
         xr = gl.load(seg_ptr + bstart + offs_xr % BR, mask=xr_ok, other=0)
         x_rows = (xr.to(gl.int64) * stride_xm)[:, None]
         x_mask, _unused = gl.broadcast(xr_ok[:, None], x_cols)
-        offs_sp = gl.arange(0, 2 * NG, layout=gl.SliceLayout(1, xsl))
-        offs_sr = gl.arange(0, BR, layout=gl.SliceLayout(0, xsl))
-        sr_ok = offs_sr < cnt
-        srow = gl.load(seg_ptr + bstart + offs_sr, mask=sr_ok, other=0)
-        xs_off = (srow.to(gl.int64) * KB)[None, :] + offs_sp[:, None]
-        xs_mask, _unused2 = gl.broadcast(sr_ok[None, :], xs_off)
 
         # the output rows this item adds to (only this item writes them)
         r_ok = offs_rc < cnt
@@ -280,8 +273,7 @@ def gluon_delta_decode_kernel(
                 mask=or_ok[:, None] & (offs_on < N)[None, :])
         for j in gl.static_range(STAGES - 1):  # prologue: STAGES - 1 k-steps in flight
             if j < nk:
-                _issue(x_ptr, q_ptr, xs, qs, j, x_rows, x_cols, x_mask, q_off, offs_e, k_begin + j * LB,
-                       xsum_ptr, xss, xs_off, xs_mask, P, BKP, NG)
+                _issue(x_ptr, q_ptr, xs, qs, j, x_rows, x_cols, x_mask, q_off, offs_e, k_begin + j * LB, P, BKP)
             else:
                 async_copy.commit_group()
         zs.store(zv)
@@ -298,7 +290,7 @@ def gluon_delta_decode_kernel(
             nxt = kk + STAGES - 1
             if nxt < nk:  # refill the stage the last k-step used
                 _issue(x_ptr, q_ptr, xs, qs, nxt % STAGES, x_rows, x_cols, x_mask, q_off, offs_e,
-                       k_begin + nxt * LB, xsum_ptr, xss, xs_off, xs_mask, P, BKP, NG)
+                       k_begin + nxt * LB, P, BKP)
             else:
                 async_copy.commit_group()
             q = qs.index(stage).load(a_l)
@@ -306,16 +298,9 @@ def gluon_delta_decode_kernel(
             g0 = kk * NG
             for S in gl.static_range(P):
                 if S % PPG == 0:  # first plane of a quantization group: its zero point and scale
+                    zi = zsv.index(g0 + S // PPG).load(row_a).to(gl.int32)
                     sc = ssv.index(g0 + S // PPG).load(row_c).to(gl.float32)
-                    zf = zsv.index(g0 + S // PPG).load(row_c).to(gl.float32)
-                    # what the group's MMAs add beyond (code - zero) * input: zero * (its inputs' sum) +
-                    # sum over planes of 2^(MANT - E) * (the plane's inputs' sum), taken off acc with the scale
-                    xg = xssv.index(stage * (2 * NG) + 2 * (S // PPG)).load(col_c)
-                    mg = xssv.index(stage * (2 * NG) + 2 * (S // PPG) + 1).load(col_c)
-                    nsz = -(sc * zf)
-                    acc += nsz[:, None] * xg[None, :]
-                    acc += (-sc)[:, None] * mg[None, :]
-                d = _decode_plane(q, S, PW, CDT, A0, A1, A2, A3, A4, A5, A6, A7, H1, H2, H3)
+                d = _decode_plane(q, zi, S, BITS, PW, MAGICF, CDT, A0, A1, A2, A3, A4, A5, A6, A7, H1, H2, H3)
                 xb = xst.slice(S * BR, BR).permute((1, 0))
                 # a group's planes accumulate in one of two alternating products, scaled into acc once the
                 # group's MMAs are done: the next group's decode overlaps them
@@ -379,50 +364,6 @@ def gluon_delta_decode_kernel(
 _SPLIT_RULES = ("rounds", "target", "fixed")
 
 
-def plane_asm_args(bits: int, fp16: bool) -> dict:
-    """The kernel's constexpr PTX for ``bits``-bit codes and float16 (else bfloat16) inputs: per plane S one
-    ``lop3`` that masks two codes (one per 16-bit lane) at bit E = (S % PW) * bits and ORs in the exponent of
-    2^(MANT - E), giving 2^(MANT - E) + code exactly (``A0``-``A7``); the right shifts that bring the next window
-    of planes down (``H1``-``H3``); planes per window ``PW``; ``MAGICF`` = 2^MANT (which also tells the dtype)."""
-    mant = 10 if fp16 else 7
-    pw = max(1, mant // bits)
-    args = {"PW": pw, "MAGICF": float(1 << mant)}
-    for s in range(8):
-        if s < 16 // bits:
-            e = (s % pw) * bits
-            mask = ((1 << bits) - 1) << e
-            exp = ((15 + mant - e) << 10) if fp16 else ((127 + mant - e) << 7)
-            args[f"A{s}"] = f"lop3.b32 $0, $1, 0x{mask | mask << 16:08x}, 0x{exp | exp << 16:08x}, 0xea;"
-        else:
-            args[f"A{s}"] = "trap;"
-    for w in (1, 2, 3):
-        sh = w * pw * bits
-        args[f"H{w}"] = f"shr.b32 $0, $1, {sh};" if sh < 16 else "trap;"
-    return args
-
-
-def group_sums(x, bits: int, group_size: int, block: int = 64):
-    """What the kernel takes off its float32 products, per row of ``x`` ``[M, K]`` and quantization group of a
-    planar stack (``bits``-bit codes, planes of ``block`` inputs, ``group_size`` dividing a k-step's
-    ``16 // bits * block`` inputs): ``out[m, g, 0]`` the sum of the group's inputs, ``out[m, g, 1]`` their sum
-    weighted by each plane's decode offset 2^(MANT - E) (:func:`plane_asm_args`); float32, ``[M, G, 2]`` with
-    ``G`` the groups of every k-step (inputs past ``K`` count as zero)."""
-    import torch
-
-    from .multi_delta import triton_kernel
-
-    m, k = x.shape
-    p = 16 // bits
-    lb = p * block
-    nk = (k + lb - 1) // lb
-    ng = lb // group_size
-    asm = plane_asm_args(bits, x.dtype == torch.float16)
-    out = torch.empty((m, nk * ng, 2), dtype=torch.float32, device=x.device)
-    triton_kernel("group_sums_kernel")[(m, nk)](x, out, k, x.stride(0), BITS=bits, BK=block, P=p, PPG=group_size // block,
-                               PW=asm["PW"], MAGICF=asm["MAGICF"])
-    return out
-
-
 def gluon_delta_accumulate(x, stack, segments, out, *, lut=None, split_max=None, target=None, num_warps=4,
                            block_rows=8, stages=None, block_n=64, max_registers=None, split_rule="rounds"):
     """``out[m] += x[m] @ dequant(stack[delta of m])^T`` for a planar stack (bf16/fp16 ``x``, sm_90 GPU).
@@ -438,11 +379,12 @@ def gluon_delta_accumulate(x, stack, segments, out, *, lut=None, split_max=None,
     other arguments are launch parameters; the defaults are what was measured (BENCHMARKS.md section 3):
     for 2-bit codes three stages and at most 168 registers per thread (``max_registers=0``: no cap), so
     that an SM holds three programs instead of two; for 4-bit codes four stages, no cap. Rows whose delta
-    id is out of range (without ``lut``) come out NaN. ``x``'s group sums (:func:`group_sums`) are
-    computed first, by one small Triton launch.
+    id is out of range (without ``lut``) come out NaN. Zero points must lie on the grid, ``[0, 2**bits - 1]``
+    (what the compressor writes; the kernel builds ``-(magic + zero)`` from its bits).
     """
     import torch
 
+    from ._multi_delta_triton import planar_asm_args
     from .launch import semaphores, sm_count
 
     m, k = x.shape
@@ -461,7 +403,8 @@ def gluon_delta_accumulate(x, stack, segments, out, *, lut=None, split_max=None,
     if max_registers is None:
         max_registers = 168 if bits == 2 else 0
     gs = k if stack.group_size == -1 else stack.group_size
-    asm = plane_asm_args(bits, x.dtype == torch.float16)
+    magic = 1 if x.dtype == torch.float16 else 2
+    asm = planar_asm_args(bits, magic, False)
     lb = (16 // bits) * bkp
     nk = (k + lb - 1) // lb
     if split_max is None:
@@ -472,22 +415,21 @@ def gluon_delta_accumulate(x, stack, segments, out, *, lut=None, split_max=None,
     mp = 1 << max(5, (m - 1).bit_length())
     ws = torch.empty((split_max, m, n), dtype=torch.float32, device=x.device) if split_max > 1 else out
     cnt = semaphores(x.device, n_tiles * m)  # the split-K counters the Triton kernels share (each reset to 0)
-    xsum = group_sums(x, bits, gs, bkp)
     args = (x, stack.qweight.view(torch.uint16), stack.scales, stack.zeros, segments,
-            segments if lut is None else lut, out, ws, cnt, xsum,
+            segments if lut is None else lut, out, ws, cnt,
             m, n, k, stack.num_deltas, stack.qweight.shape[-1] // 2, stack.scales.shape[-1], x.stride(0),
-            out.stride(0), split_max, 0, xsum.shape[1] * 2)
+            out.stride(0), split_max, 0)
     # what the output rows hold is copied 8 bytes at a time where Triton sees them 16-byte aligned
     out_async = out.stride(0) % 16 == 0 and out.data_ptr() % 16 == 0
     kw = dict(HAS_LUT=lut is not None, OUT_ASYNC=out_async, BITS=bits, BKP=bkp, BR=block_rows, MP=mp, STAGES=stages, PPG=gs // bkp,
               MAGICF=asm["MAGICF"], PW=asm["PW"], GC=gc, BN=bn, SPLIT_RULE=_SPLIT_RULES.index(split_rule),
-              A0=asm["A0"], A1=asm["A1"], A2=asm["A2"], A3=asm["A3"], A4=asm["A4"], A5=asm["A5"],
-              A6=asm["A6"], A7=asm["A7"], H1=asm["H1"], H2=asm["H2"], H3=asm["H3"], num_warps=num_warps,
+              A0=asm["A00"], A1=asm["A01"], A2=asm["A02"], A3=asm["A03"], A4=asm["A04"], A5=asm["A05"],
+              A6=asm["A06"], A7=asm["A07"], H1=asm["H1"], H2=asm["H2"], H3=asm["H3"], num_warps=num_warps,
               **({"maxnreg": max_registers} if max_registers else {}))
     if target is None:  # persistent programs: as many as the SMs hold at once (the first rule: three per SM)
         per_sm = 3 if split_rule == "target" else _resident_programs(args, kw, x, out, lut)
         target = per_sm * sm_count(x.device)
-    args = args[:-2] + (target, args[-1])
+    args = args[:-1] + (target,)
     # never more programs than the largest step can use
     gluon_delta_decode_kernel[(max(1, min(target, n_tiles * m * split_max)),)](*args, **kw)
     return out

@@ -952,36 +952,3 @@ def planar_dequant_kernel(
         d = (code.to(tl.float32) - zf[:, None]) * sc[:, None]
         tl.store(out_ptr + offs_n64[:, None] * K + (k0 + offs_i)[None, :], d.to(out_ptr.dtype.element_ty),
                  mask=nmask[:, None])
-
-
-# =====================================================================================================
-# Input sums for the Gluon decode kernel (kernels/_gluon_decode.py): it multiplies each plane's codes as
-# 2^(MANT - E) + code (one lop3 per two codes, no packed fma), so its float32 product for a quantization group
-# holds sum((code - zero) * x) plus zero * sum(x) + sum over planes of 2^(MANT - E) * (the plane's sum of x).
-# One program per (row, k-step) computes both sums for the k-step's groups; launched by
-# kernels._gluon_decode.group_sums, tested against PyTorch under the interpreter (tests/test_gluon_decode.py).
-# =====================================================================================================
-@triton.jit
-def _sum_add(a, b):  # tl.reduce's combine: a module-local jit function, so that the launcher's reload switches it
-    return a + b
-
-
-@triton.jit
-def group_sums_kernel(x_ptr, out_ptr, K, stride_xm, BITS: tl.constexpr, BK: tl.constexpr, P: tl.constexpr,
-                      PPG: tl.constexpr, PW: tl.constexpr, MAGICF: tl.constexpr):
-    m = tl.program_id(0)
-    kk = tl.program_id(1)
-    NG: tl.constexpr = P // PPG
-    offs_s = tl.arange(0, P)
-    offs_i = tl.arange(0, BK)
-    k = kk * (P * BK) + offs_s[:, None] * BK + offs_i[None, :]
-    xv = tl.load(x_ptr + m.to(tl.int64) * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
-    plane = tl.reduce(xv, 1, _sum_add)  # [P]: each plane's inputs summed
-    # plane S's decode offset 2^(MANT - E), E = (S % PW) * BITS: MAGICF / 2^E
-    w = MAGICF / (1 << ((offs_s % PW) * BITS)).to(tl.float32)
-    both = tl.join(plane, plane * w)  # [P, 2]
-    sums = tl.reduce(tl.reshape(both, (NG, PPG, 2)), 1, _sum_add)  # [NG, 2]
-    offs_g = tl.arange(0, NG)
-    offs_t = tl.arange(0, 2)
-    o = out_ptr + (m.to(tl.int64) * (tl.num_programs(1) * NG) + kk * NG + offs_g[:, None]) * 2 + offs_t[None, :]
-    tl.store(o, sums)

@@ -97,21 +97,61 @@ def _planar_perm(bits: int, in_features: int, block: int) -> tuple[int, int]:
     return p, in_features // (p * block)
 
 
+_BYTE_CODES: dict = {}
+
+
+def _byte_tables(bits: int, device: torch.device) -> tuple:
+    """``(codes, shifts)`` on ``device``: uint8 ``[256, 8 // bits]``, the codes each byte value holds (code i at
+    bits ``i * bits``), and uint8 ``[8 // bits]``, ``1 << (i * bits)``. Made there by device operations and kept
+    (no copy from the host, which would wait for the device's running work)."""
+    key = (bits, str(device))
+    t = _BYTE_CODES.get(key)
+    if t is None:
+        at = torch.arange(8 // bits, dtype=torch.int32, device=device) * bits
+        codes = (torch.arange(256, dtype=torch.int32, device=device)[:, None] >> at) & ((1 << bits) - 1)
+        t = _BYTE_CODES[key] = (codes.to(torch.uint8), (torch.ones_like(at) << at).to(torch.uint8))
+    return t
+
+
 def repack_for_kernel(qweight: torch.Tensor, bits: int, in_features: int, block: int) -> torch.Tensor:
     """File-layout packed codes ``uint8 [..., packed_nbytes(K, bits)]`` -> planar layout (same shape).
 
     Works on one delta ``[N, bytes]`` or a whole stack ``[U, N, bytes]``, on any device; take
-    ``block`` from :func:`planar_block_for` (0 there: no planar layout for this shape).
+    ``block`` from :func:`planar_block_for` (0 there: no planar layout for this shape). Four tensor
+    operations whatever the bits (each byte's codes from a 256-entry table, then each output byte as the sum
+    of its codes shifted into place): staging a delta ahead repacks every layer between decode steps, where
+    each operation is a launch on a GPU.
 
     Raises:
         ValueError: the layout does not exist for these ``bits`` / ``in_features`` / ``block``.
     """
     p, nblk = _planar_perm(bits, in_features, block)
-    codes = unpack_bits(qweight, bits, in_features)  # [..., K] in input order
-    lead = codes.shape[:-1]
-    # input j*L + S*B + i  ->  position (j, i, S) of the packed order
-    planar = codes.reshape(*lead, nblk, p, block).transpose(-1, -2).reshape(*lead, in_features)
-    return pack_bits(planar, bits, check=False)  # unpacked codes: in range, and no device sync
+    if qweight.dtype != torch.uint8:
+        raise ValueError(f"packed codes must be uint8, got {qweight.dtype}")
+    nbytes = in_features * bits // 8
+    if qweight.dim() == 0 or qweight.shape[-1] != nbytes:
+        raise ValueError(f"{in_features} codes of {bits} bits need {nbytes} bytes per row, got shape "
+                         f"{tuple(qweight.shape)}")
+    rows = qweight.reshape(-1, nbytes)
+    step = max(1, _REPACK_CHUNK_BYTES // nbytes)  # rows at a time: the lookup's temporaries are 9x the bytes
+    if rows.shape[0] <= step:
+        return _repack_rows(rows, bits, p, nblk, block).reshape(qweight.shape)
+    out = torch.empty_like(rows)
+    for i in range(0, rows.shape[0], step):
+        out[i:i + step] = _repack_rows(rows[i:i + step], bits, p, nblk, block)
+    return out.reshape(qweight.shape)
+
+
+_REPACK_CHUNK_BYTES = 64 << 20
+
+
+def _repack_rows(rows: torch.Tensor, bits: int, p: int, nblk: int, block: int) -> torch.Tensor:
+    per = 8 // bits  # codes per byte; an element's p planes fill p // per bytes
+    table, shifts = _byte_tables(bits, rows.device)
+    codes = table[rows.to(torch.int32)]  # [R, K // per, per]: input order
+    # input j*L + S*B + i  ->  position (j, i, S) of the packed order; S splits into (byte, code in the byte)
+    planar = codes.reshape(-1, nblk, p, block).transpose(-1, -2).reshape(-1, nblk, block, p // per, per)
+    return (planar * shifts).sum(-1, dtype=torch.uint8).reshape(rows.shape)  # bit fields apart: a sum is an or
 
 
 def unpack_planar_codes(qweight: torch.Tensor, bits: int, in_features: int, block: int) -> torch.Tensor:

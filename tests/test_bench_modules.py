@@ -413,6 +413,10 @@ def test_host_overhead_staging_stages_every_delta_into_kept_room_and_restores_th
     res = host_overhead.measure_staging(hidden=256, layers=2, deltas=3)
     assert res["modules"] == 14 and len(res["stage_ms"]) == len(res["free_room_ms"]) == 3
     assert all(t > 0 for t in res["stage_ms"] + res["free_room_ms"])
+    # one more staging per setup, counted: every module's codes are copied into the stack
+    for key in ("stage_ms", "free_room_ms"):
+        ops = res["ops_per_stage"][key]
+        assert ops["total"] >= ops["top"].get("copy_", 0) >= res["modules"]
     assert "TRITON_INTERPRET" not in os.environ
     out = tmp_path / "s.json"
     assert host_overhead.main(["--staging", "--layers", "1", "--deltas", "2", "--json", str(out)]) == 0

@@ -53,6 +53,42 @@ def test_repack_puts_plane_s_at_contiguous_inputs(bits, block):
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
+def test_repack_takes_four_tensor_operations(bits):
+    # staging a delta repacks each of its layers between decode steps, one launch per operation on a GPU: the
+    # table lookup, the shifted sum and the index cast; views are free (the byte tables are made once per device)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    k = 16 // bits * 32 * 2
+    q = torch.randint(0, 256, (3, packing.packed_nbytes(k, bits)), dtype=torch.int32).to(torch.uint8)
+    L.repack_for_kernel(q, bits, k, 32)  # the tables
+    with Count() as c:
+        L.repack_for_kernel(q, bits, k, 32)
+    assert sorted(o for o in c.ops if o not in ("view", "transpose", "_unsafe_view", "alias")) == \
+        ["_to_copy", "index", "mul", "sum"]
+
+
+def test_repack_in_chunks_matches_one_pass_and_refuses_what_is_not_packed_codes(monkeypatch):
+    # large stacks are repacked a few rows at a time (the lookup's temporaries): the same bytes as in one pass
+    k = 8 * 32 * 3
+    q = torch.randint(0, 256, (2, 7, packing.packed_nbytes(k, 2)), dtype=torch.int32).to(torch.uint8)
+    whole = L.repack_for_kernel(q, 2, k, 32)
+    monkeypatch.setattr(L, "_REPACK_CHUNK_BYTES", 3 * q.shape[-1])  # 3 rows at a time: 5 chunks, the last short
+    assert torch.equal(L.repack_for_kernel(q, 2, k, 32), whole)
+    assert torch.equal(L.unpack_planar_codes(whole, 2, k, 32), packing.unpack_bits(q, 2, k))
+    with pytest.raises(ValueError, match="768 codes of 2 bits need 192 bytes per row"):
+        L.repack_for_kernel(q[..., :-1], 2, k, 32)
+    with pytest.raises(ValueError, match="packed codes must be uint8"):
+        L.repack_for_kernel(q.to(torch.int32), 2, k, 32)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
 def test_repack_reads_no_value_back(bits):
     # staging and loading repack every layer on the device between decode steps: a value read back (a range
     # check) would wait for the running step there. Meta tensors hold no values: anything that reads one fails

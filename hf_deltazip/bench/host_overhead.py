@@ -16,7 +16,9 @@ Prints one line per layer kind and, with ``--json``, writes them.
 evicting the least recently used delta, then writing the new one into the kernel stacks' free room), on a model
 of ``--layers`` decoder layers (32: an 8B model's 224 linear layers) at width ``--hidden``, every delta held in
 host memory. On a GPU this work runs between decode steps while the GPU waits; here the copies are CPU copies of
-small tensors, so what is timed is mostly Python.
+small tensors, so what is timed is mostly Python. It also counts the tensor operations one staging dispatches
+(``ops_per_stage``, through a ``TorchDispatchMode``; on a GPU most of them are a kernel launch or a copy each),
+which unlike the time does not depend on the machine.
 """
 
 from __future__ import annotations
@@ -121,10 +123,36 @@ def measure(hidden: int = 256, calls: int = 2000) -> list:
     return rows
 
 
+class _CountOps:
+    """Counts the tensor operations dispatched inside it (by name)."""
+
+    def __init__(self):
+        import collections
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counts = self.counts = collections.Counter()
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counts[func.overloadpacket.__name__] += 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
 def measure_staging(hidden: int = 256, layers: int = 32, deltas: int = 8) -> dict:
     """Host milliseconds to stage each of ``deltas`` host-tier deltas into a model of ``layers`` decoder layers:
-    ``{"stage_ms": [...], "free_room_ms": [...], "modules": n}``, the first with room for two resident deltas (each
-    staging evicts the least recently used one), the second with room for all (no eviction)."""
+    ``{"stage_ms": [...], "free_room_ms": [...], "modules": n, "ops_per_stage": {...}}``, the first with room for two
+    resident deltas (each staging evicts the least recently used one), the second with room for all (no eviction);
+    ``ops_per_stage``: the tensor operations of one more staging per setup (untimed), by setup, with the top ones."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ..modeling import DeltaModel
@@ -135,8 +163,8 @@ def measure_staging(hidden: int = 256, layers: int = 32, deltas: int = 8) -> dic
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
                       num_key_value_heads=1, head_dim=hidden // 4, vocab_size=128)
-    names = [f"d{i}" for i in range(deltas + 2)]
-    out = {}
+    names = [f"d{i}" for i in range(deltas + 3)]  # two resident, ``deltas`` timed, one counted
+    out = {"ops_per_stage": {}}
     with _kernels_launch_nothing(), torch.no_grad():
         for key, room in (("stage_ms", 2), ("free_room_ms", len(names))):
             torch.manual_seed(0)  # the same base both times
@@ -148,13 +176,16 @@ def measure_staging(hidden: int = 256, layers: int = 32, deltas: int = 8) -> dic
             cache = model.cache
             out["modules"] = len(cache.entry(names[2]).host[0])
             times = []
-            for n in names[2:]:
+            for n in names[2:-1]:
                 t = time.perf_counter()
                 started = cache.stage([n])
                 times.append((time.perf_counter() - t) * 1e3)
                 if started != [n]:
                     raise RuntimeError(f"staging {n} did not start ({started}): the bench's model has no room kept for it")
             out[key] = times
+            with _CountOps() as count:
+                cache.stage([names[-1]])
+            out["ops_per_stage"][key] = {"total": sum(count.counts.values()), "top": dict(count.counts.most_common(8))}
     return out
 
 
@@ -174,6 +205,10 @@ def main(argv=None) -> int:
         print(f"host time to stage one delta of {res['modules']} modules ({args.layers} layers, width {args.hidden}; "
               f"torch {torch.__version__}, {os.cpu_count()} CPUs): median {med:.1f} ms evicting one, {med_free:.1f} ms "
               f"into free room; each: " + ", ".join(f"{v:.1f}" for v in res["stage_ms"]))
+        for key, ops in res["ops_per_stage"].items():
+            setup = "evicting one" if key == "stage_ms" else "into free room"
+            print(f"tensor operations of one staging, {setup}: {ops['total']} ({ops['total'] / res['modules']:.1f} per "
+                  f"module); most: " + ", ".join(f"{k} {v}" for k, v in ops["top"].items()))
         if args.json:
             Path(args.json).write_text(json.dumps({**res, "median_stage_ms": med, "median_free_room_ms": med_free},
                                                   indent=2))

@@ -117,13 +117,16 @@ def repack_for_kernel(qweight: torch.Tensor, bits: int, in_features: int, block:
     """File-layout packed codes ``uint8 [..., packed_nbytes(K, bits)]`` -> planar layout (same shape).
 
     Works on one delta ``[N, bytes]`` or a whole stack ``[U, N, bytes]``, on any device; take
-    ``block`` from :func:`planar_block_for` (0 there: no planar layout for this shape). Four tensor
-    operations whatever the bits (each byte's codes from a 256-entry table, then each output byte as the sum
-    of its codes shifted into place): staging a delta ahead repacks every layer between decode steps, where
-    each operation is a launch on a GPU.
+    ``block`` from :func:`planar_block_for` (0 there: no planar layout for this shape). Off the CPU it computes
+    with four tensor operations whatever the bits (each byte's codes from a 256-entry table, then each output byte
+    as the sum of its codes shifted into place), where unpacking and packing with shifts and masks takes 17 for
+    2-bit codes and 9 for 4-bit: staging a delta ahead repacks every layer between decode steps, one launch per
+    operation on a GPU. On the CPU, where no launch is saved and the lookup computes 2.5-7x slower at 8B layer
+    shapes (``python -m hf_deltazip.bench.host_overhead --repack``), the shifts stay.
 
     Raises:
-        ValueError: the layout does not exist for these ``bits`` / ``in_features`` / ``block``.
+        ValueError: the layout does not exist for these ``bits`` / ``in_features`` / ``block``, or ``qweight`` is
+            not packed codes of that width.
     """
     p, nblk = _planar_perm(bits, in_features, block)
     if qweight.dtype != torch.uint8:
@@ -133,25 +136,37 @@ def repack_for_kernel(qweight: torch.Tensor, bits: int, in_features: int, block:
         raise ValueError(f"{in_features} codes of {bits} bits need {nbytes} bytes per row, got shape "
                          f"{tuple(qweight.shape)}")
     rows = qweight.reshape(-1, nbytes)
-    step = max(1, _REPACK_CHUNK_BYTES // nbytes)  # rows at a time: the lookup's temporaries are 9x the bytes
-    if rows.shape[0] <= step:
-        return _repack_rows(rows, bits, p, nblk, block).reshape(qweight.shape)
-    out = torch.empty_like(rows)
-    for i in range(0, rows.shape[0], step):
-        out[i:i + step] = _repack_rows(rows[i:i + step], bits, p, nblk, block)
-    return out.reshape(qweight.shape)
+    repack = _repack_rows_shifts if qweight.device.type == "cpu" else _repack_table
+    return repack(rows, bits, p, nblk, block).reshape(qweight.shape)
 
 
 _REPACK_CHUNK_BYTES = 64 << 20
 
 
-def _repack_rows(rows: torch.Tensor, bits: int, p: int, nblk: int, block: int) -> torch.Tensor:
+def _repack_table(rows: torch.Tensor, bits: int, p: int, nblk: int, block: int) -> torch.Tensor:
+    step = max(1, _REPACK_CHUNK_BYTES // rows.shape[-1])  # rows at a time: the lookup's temporaries are 9x the bytes
+    if rows.shape[0] <= step:
+        return _repack_rows_table(rows, bits, p, nblk, block)
+    out = torch.empty_like(rows)
+    for i in range(0, rows.shape[0], step):
+        out[i:i + step] = _repack_rows_table(rows[i:i + step], bits, p, nblk, block)
+    return out
+
+
+def _repack_rows_table(rows: torch.Tensor, bits: int, p: int, nblk: int, block: int) -> torch.Tensor:
     per = 8 // bits  # codes per byte; an element's p planes fill p // per bytes
     table, shifts = _byte_tables(bits, rows.device)
     codes = table[rows.to(torch.int32)]  # [R, K // per, per]: input order
     # input j*L + S*B + i  ->  position (j, i, S) of the packed order; S splits into (byte, code in the byte)
     planar = codes.reshape(-1, nblk, p, block).transpose(-1, -2).reshape(-1, nblk, block, p // per, per)
     return (planar * shifts).sum(-1, dtype=torch.uint8).reshape(rows.shape)  # bit fields apart: a sum is an or
+
+
+def _repack_rows_shifts(rows: torch.Tensor, bits: int, p: int, nblk: int, block: int) -> torch.Tensor:
+    k = rows.shape[-1] * 8 // bits
+    codes = unpack_bits(rows, bits, k)  # [R, K] in input order
+    planar = codes.reshape(-1, nblk, p, block).transpose(-1, -2).reshape(-1, k)
+    return pack_bits(planar, bits, check=False)  # unpacked codes: in range, and no device sync
 
 
 def unpack_planar_codes(qweight: torch.Tensor, bits: int, in_features: int, block: int) -> torch.Tensor:

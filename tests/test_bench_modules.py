@@ -423,6 +423,23 @@ def test_host_overhead_staging_stages_every_delta_into_kept_room_and_restores_th
     assert len(json.loads(out.read_text())["stage_ms"]) == 2
 
 
+def test_host_overhead_repack_counts_both_routes(tmp_path):
+    """bench.host_overhead --repack: the byte table (the GPU's route) dispatches 4 computing operations whatever
+    the bits, the shifts (the CPU's) more, both timed; the JSON has a row per width and shape."""
+    import json
+
+    from hf_deltazip.bench import host_overhead
+
+    rows = host_overhead.measure_repack(bits_list=(2, 4), shapes=((64, 1024),), repeats=1)
+    assert [(r["bits"], r["shape"]) for r in rows] == [(2, [64, 1024]), (4, [64, 1024])]
+    assert [r["table"]["computing_ops"] for r in rows] == [4, 4]
+    assert [r["shifts"]["computing_ops"] for r in rows] == [17, 9]
+    assert all(r[route]["cpu_ms"] > 0 for r in rows for route in ("table", "shifts"))
+    out = tmp_path / "r.json"
+    assert host_overhead.main(["--repack", "--json", str(out)]) == 0
+    assert len(json.loads(out.read_text())) == 6
+
+
 def test_cllm_recipe_bench_trains_every_schedule_and_seed_and_summarises(tmp_path):
     """bench.cllm_recipe on the tiny pair: one run per schedule and seed, each scored, and per schedule the
     lowest and mean gain kept over its runs."""

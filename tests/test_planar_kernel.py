@@ -53,9 +53,36 @@ def test_repack_puts_plane_s_at_contiguous_inputs(bits, block):
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_repack_takes_four_tensor_operations(bits):
+@pytest.mark.parametrize("block", [16, 64])
+def test_repack_by_byte_table_gives_the_bytes_of_the_shifts(bits, block):
+    # off the CPU the repack looks each byte's codes up in a table and sums them shifted; on the CPU it unpacks
+    # and packs with shifts and masks: both must give the same bytes (here both run on the CPU)
+    p = 16 // bits
+    k = 3 * p * block
+    q = torch.randint(0, 256, (2, 5, packing.packed_nbytes(k, bits)), dtype=torch.int32).to(torch.uint8)
+    rows = q.reshape(-1, q.shape[-1])
+    assert torch.equal(L._repack_table(rows, bits, p, 3, block), L._repack_rows_shifts(rows, bits, p, 3, block))
+
+
+def test_repack_by_table_in_chunks_matches_one_pass_and_refuses_what_is_not_packed_codes(monkeypatch):
+    # large stacks go through the table a few rows at a time (the lookup's temporaries): the same bytes
+    k = 8 * 32 * 3
+    q = torch.randint(0, 256, (14, packing.packed_nbytes(k, 2)), dtype=torch.int32).to(torch.uint8)
+    whole = L._repack_table(q, 2, 8, 3, 32)
+    monkeypatch.setattr(L, "_REPACK_CHUNK_BYTES", 3 * q.shape[-1])  # 3 rows at a time: 5 chunks, the last short
+    assert torch.equal(L._repack_table(q, 2, 8, 3, 32), whole)
+    assert torch.equal(L.unpack_planar_codes(whole, 2, k, 32), packing.unpack_bits(q, 2, k))
+    with pytest.raises(ValueError, match="768 codes of 2 bits need 192 bytes per row"):
+        L.repack_for_kernel(q[..., :-1], 2, k, 32)
+    with pytest.raises(ValueError, match="packed codes must be uint8"):
+        L.repack_for_kernel(q.to(torch.int32), 2, k, 32)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_repack_off_the_cpu_takes_four_tensor_operations(bits):
     # staging a delta repacks each of its layers between decode steps, one launch per operation on a GPU: the
-    # table lookup, the shifted sum and the index cast; views are free (the byte tables are made once per device)
+    # index cast, the table lookup, the shifted sum; views are free (the byte tables are made once per device).
+    # Meta tensors stand for the GPU's (off the CPU: the same route, the same operations)
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -66,26 +93,12 @@ def test_repack_takes_four_tensor_operations(bits):
             return func(*args, **(kwargs or {}))
 
     k = 16 // bits * 32 * 2
-    q = torch.randint(0, 256, (3, packing.packed_nbytes(k, bits)), dtype=torch.int32).to(torch.uint8)
+    q = torch.empty((3, packing.packed_nbytes(k, bits)), dtype=torch.uint8, device="meta")
     L.repack_for_kernel(q, bits, k, 32)  # the tables
     with Count() as c:
-        L.repack_for_kernel(q, bits, k, 32)
+        assert L.repack_for_kernel(q, bits, k, 32).shape == q.shape
     assert sorted(o for o in c.ops if o not in ("view", "transpose", "_unsafe_view", "alias")) == \
         ["_to_copy", "index", "mul", "sum"]
-
-
-def test_repack_in_chunks_matches_one_pass_and_refuses_what_is_not_packed_codes(monkeypatch):
-    # large stacks are repacked a few rows at a time (the lookup's temporaries): the same bytes as in one pass
-    k = 8 * 32 * 3
-    q = torch.randint(0, 256, (2, 7, packing.packed_nbytes(k, 2)), dtype=torch.int32).to(torch.uint8)
-    whole = L.repack_for_kernel(q, 2, k, 32)
-    monkeypatch.setattr(L, "_REPACK_CHUNK_BYTES", 3 * q.shape[-1])  # 3 rows at a time: 5 chunks, the last short
-    assert torch.equal(L.repack_for_kernel(q, 2, k, 32), whole)
-    assert torch.equal(L.unpack_planar_codes(whole, 2, k, 32), packing.unpack_bits(q, 2, k))
-    with pytest.raises(ValueError, match="768 codes of 2 bits need 192 bytes per row"):
-        L.repack_for_kernel(q[..., :-1], 2, k, 32)
-    with pytest.raises(ValueError, match="packed codes must be uint8"):
-        L.repack_for_kernel(q.to(torch.int32), 2, k, 32)
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

@@ -18,7 +18,13 @@ of ``--layers`` decoder layers (32: an 8B model's 224 linear layers) at width ``
 host memory. On a GPU this work runs between decode steps while the GPU waits; here the copies are CPU copies of
 small tensors, so what is timed is mostly Python. It also counts the tensor operations one staging dispatches
 (``ops_per_stage``, through a ``TorchDispatchMode``; on a GPU most of them are a kernel launch or a copy each),
-which unlike the time does not depend on the machine.
+which unlike the time does not depend on the machine. On the CPU the codes are repacked for the kernel with
+shifts and masks (29 operations per 2-bit layer, 17 of them computing), on a GPU with a byte table (10, 4 computing;
+``kernels.layout.repack_for_kernel``), so a GPU's staging dispatches 19 fewer per 2-bit layer than counted here.
+
+``--repack``: both ways of repacking one layer's codes for the kernel (``kernels.layout.repack_for_kernel``) at
+8B layer shapes: the tensor operations each dispatches (the byte table's counted on meta tensors, which take the
+GPU's route), and the CPU milliseconds each computes for (the reason the CPU keeps the shifts).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["measure", "measure_staging", "main"]
+__all__ = ["measure", "measure_staging", "measure_repack", "main"]
 
 
 class _NoLaunch:
@@ -148,6 +154,36 @@ class _CountOps:
         return self.mode.__exit__(*exc)
 
 
+def measure_repack(bits_list=(2, 4), shapes=((4096, 4096), (14336, 4096), (4096, 14336)), repeats: int = 3) -> list:
+    """Per code width and layer shape ``(N, K)``: the operations one repack dispatches by each route (all, and
+    those that compute: not views) and the best CPU milliseconds of ``repeats`` (random codes)."""
+    from ..kernels import layout as L
+
+    views = ("view", "transpose", "_unsafe_view", "alias", "select", "slice")
+    rows = []
+    for bits in bits_list:
+        for n, k in shapes:
+            block = L.planar_block_for(bits, k, 128)
+            p, nblk = L._planar_perm(bits, k, block)
+            q = torch.randint(0, 256, (n, k * bits // 8), dtype=torch.int32).to(torch.uint8)
+            row = {"bits": bits, "shape": [n, k]}
+            for route, fn, dev in (("shifts", L._repack_rows_shifts, "cpu"), ("table", L._repack_table, "meta")):
+                qd = q.to(dev)
+                fn(qd, bits, p, nblk, block)  # the tables, once per device
+                with _CountOps() as count:
+                    fn(qd, bits, p, nblk, block)
+                best = float("inf")
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    fn(q, bits, p, nblk, block)
+                    best = min(best, time.perf_counter() - t)
+                row[route] = {"ops": sum(count.counts.values()),
+                              "computing_ops": sum(v for o, v in count.counts.items() if o not in views),
+                              "cpu_ms": best * 1e3}
+            rows.append(row)
+    return rows
+
+
 def measure_staging(hidden: int = 256, layers: int = 32, deltas: int = 8) -> dict:
     """Host milliseconds to stage each of ``deltas`` host-tier deltas into a model of ``layers`` decoder layers:
     ``{"stage_ms": [...], "free_room_ms": [...], "modules": n, "ops_per_stage": {...}}``, the first with room for two
@@ -196,8 +232,21 @@ def main(argv=None) -> int:
     p.add_argument("--staging", action="store_true", help="time staging a delta ahead of use instead (see above)")
     p.add_argument("--layers", type=int, default=32, help="--staging: decoder layers (default 32)")
     p.add_argument("--deltas", type=int, default=8, help="--staging: deltas staged one after another (default 8)")
+    p.add_argument("--repack", action="store_true", help="count and time the two ways of repacking codes (see above)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
+    if args.repack:
+        rows = measure_repack()
+        print(f"repacking one layer's codes for the kernel (torch {torch.__version__}, {os.cpu_count()} CPUs): "
+              "operations dispatched (computing ones), best CPU ms of 3")
+        for r in rows:
+            sh, tb = r["shifts"], r["table"]
+            print(f"{r['bits']}-bit {r['shape'][0]}x{r['shape'][1]}: shifts (CPU route) {sh['ops']} ops "
+                  f"({sh['computing_ops']}), {sh['cpu_ms']:.1f} ms; byte table (GPU route) {tb['ops']} ops "
+                  f"({tb['computing_ops']}), {tb['cpu_ms']:.1f} ms on the CPU")
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
+        return 0
     if args.staging:
         res = measure_staging(args.hidden, args.layers, args.deltas)
         med = sorted(res["stage_ms"])[len(res["stage_ms"]) // 2]

@@ -109,8 +109,14 @@ def _byte_tables(bits: int, device: torch.device) -> tuple:
     if t is None:
         at = torch.arange(8 // bits, dtype=torch.int32, device=device) * bits
         codes = (torch.arange(256, dtype=torch.int32, device=device)[:, None] >> at) & ((1 << bits) - 1)
-        t = _BYTE_CODES[key] = (codes.to(torch.uint8), (torch.ones_like(at) << at).to(torch.uint8))
-    return t
+        made = None
+        if device.type == "cuda":  # made on whichever stream is current (staging: a side stream)
+            made = torch.cuda.Event()
+            made.record()
+        t = _BYTE_CODES[key] = (codes.to(torch.uint8), (torch.ones_like(at) << at).to(torch.uint8), made)
+    if t[2] is not None:  # later uses, on any stream, wait for the tables (a stream wait, not a host one)
+        torch.cuda.current_stream(device).wait_event(t[2])
+    return t[0], t[1]
 
 
 def repack_for_kernel(qweight: torch.Tensor, bits: int, in_features: int, block: int) -> torch.Tensor:
@@ -156,7 +162,8 @@ def _repack_table(rows: torch.Tensor, bits: int, p: int, nblk: int, block: int) 
 def _repack_rows_table(rows: torch.Tensor, bits: int, p: int, nblk: int, block: int) -> torch.Tensor:
     per = 8 // bits  # codes per byte; an element's p planes fill p // per bytes
     table, shifts = _byte_tables(bits, rows.device)
-    codes = table[rows.to(torch.int32)]  # [R, K // per, per]: input order
+    # [R, K // per, per]: input order (index_select takes int32 indices on every device: a quarter of int64's bytes)
+    codes = table.index_select(0, rows.reshape(-1).to(torch.int32)).reshape(rows.shape[0], -1, per)
     # input j*L + S*B + i  ->  position (j, i, S) of the packed order; S splits into (byte, code in the byte)
     planar = codes.reshape(-1, nblk, p, block).transpose(-1, -2).reshape(-1, nblk, block, p // per, per)
     return (planar * shifts).sum(-1, dtype=torch.uint8).reshape(rows.shape)  # bit fields apart: a sum is an or

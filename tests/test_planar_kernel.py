@@ -78,6 +78,26 @@ def test_repack_by_table_in_chunks_matches_one_pass_and_refuses_what_is_not_pack
         L.repack_for_kernel(q.to(torch.int32), 2, k, 32)
 
 
+@needs_cuda
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_repack_on_the_gpu_gives_the_cpus_bytes_from_a_side_stream_too(bits, monkeypatch):
+    # the GPU's byte-table route against the CPU's shifts, the tables first made on a side stream (as staging
+    # does) and then used on the main stream, and a stack taken in chunks (of 700 rows here)
+    k = 16 // bits * 64 * 4
+    q = torch.randint(0, 256, (3, 1000, packing.packed_nbytes(k, bits)), dtype=torch.int32).to(torch.uint8)
+    want = L.repack_for_kernel(q, bits, k, 64)
+    L._BYTE_CODES.clear()
+    side = torch.cuda.Stream()
+    qd = q.cuda()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        first = L.repack_for_kernel(qd[0], bits, k, 64)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(first.cpu(), want[0])
+    monkeypatch.setattr(L, "_REPACK_CHUNK_BYTES", 700 * q.shape[-1])
+    assert torch.equal(L.repack_for_kernel(qd, bits, k, 64).cpu(), want)
+
+
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_repack_off_the_cpu_takes_four_tensor_operations(bits):
     # staging a delta repacks each of its layers between decode steps, one launch per operation on a GPU: the

@@ -129,6 +129,10 @@ def measure(hidden: int = 256, calls: int = 2000) -> list:
     return rows
 
 
+# operations that make a view of a tensor and compute nothing (no launch on a GPU)
+_VIEW_OPS = ("view", "transpose", "_unsafe_view", "alias", "select", "slice")
+
+
 class _CountOps:
     """Counts the tensor operations dispatched inside it (by name)."""
 
@@ -159,7 +163,6 @@ def measure_repack(bits_list=(2, 4), shapes=((4096, 4096), (14336, 4096), (4096,
     those that compute: not views) and the best CPU milliseconds of ``repeats`` (random codes)."""
     from ..kernels import layout as L
 
-    views = ("view", "transpose", "_unsafe_view", "alias", "select", "slice")
     rows = []
     for bits in bits_list:
         for n, k in shapes:
@@ -178,7 +181,7 @@ def measure_repack(bits_list=(2, 4), shapes=((4096, 4096), (14336, 4096), (4096,
                     fn(q, bits, p, nblk, block)
                     best = min(best, time.perf_counter() - t)
                 row[route] = {"ops": sum(count.counts.values()),
-                              "computing_ops": sum(v for o, v in count.counts.items() if o not in views),
+                              "computing_ops": sum(v for o, v in count.counts.items() if o not in _VIEW_OPS),
                               "cpu_ms": best * 1e3}
             rows.append(row)
     return rows

@@ -413,6 +413,7 @@ def test_admission_variants_parse_and_refuse_bad_fields():
     assert serve.parse_admission_variant("max_prefill_tokens=none,prefer_running=0") == {
         "max_prefill_tokens": None, "prefer_running": False}
     assert serve.parse_admission_variant("stage_ahead=off") == {"stage_ahead": False}
+    assert serve.parse_admission_variant("stage_in_steps=on") == {"stage_in_steps": True}
     assert serve.parse_admission_variant("min_free_rows=16") == {"min_free_rows": 16}
     assert serve.parse_admission_variant("min_free_rows=none") == {"min_free_rows": None}
     for bad in ("", "max_bypass", "max_bypass=-3", "cost_aware=maybe", "speed=9", "min_free_rows=0"):

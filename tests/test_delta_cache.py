@@ -337,6 +337,134 @@ def test_a_delta_whose_read_ahead_fails_is_left_to_its_admission_which_reports_i
     assert eng.active == 1  # the running row is untouched
 
 
+def _close(got, want, device):
+    tol = 1e-4 if device == "cpu" else 3e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_a_deferred_staging_writes_a_piece_per_step_and_serves_as_a_whole_one(folders, reference, monkeypatch, device):
+    model = _hosted(folders, monkeypatch, device)
+    cache = model.cache
+    version = model.layout_version.value
+    cache.acquire(["d1"])
+    assert cache.stage(["d3"], keep=["d1"], defer=True) == ["d3"]
+    # the room is made now (d2 evicted, d3's slot taken), the modules are written later
+    assert sorted(model.resident_deltas) == ["d1", "d3"] and cache.state("d2") == "host"
+    assert cache.staging_pending == ["d3"] and not cache.is_ready("d3")
+    assert cache.stage(["d3"], keep=["d1"], defer=True) == []  # already under way: not begun twice
+    pieces = 0
+    while cache.advance_staging(steps=1):
+        pieces += 1
+        assert not cache.is_ready("d3")
+    pieces += 1
+    modules, params = cache.entry("d3").host if cache.entry("d3").host is not None else model.cache.placer.gather(
+        cache.slot_of("d3"))
+    assert pieces == len(modules) + len(params)  # one module (or stored parameter) per piece
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert cache.staging_pending == [] and cache.is_ready("d3")
+    with torch.no_grad():
+        got = model(input_ids=IDS.to(device), delta_names=["d3", "d1"]).logits.float().cpu()
+    _close(got, logits(reference, ["d3", "d1"]), device)
+    assert model.layout_version.value == version  # in place: a captured decode step stays valid
+    cache.release(["d1"])
+
+
+def test_a_batch_that_needs_a_delta_still_being_staged_writes_the_rest_first(folders, reference, monkeypatch):
+    model = _hosted(folders, monkeypatch)
+    cache = model.cache
+    assert cache.stage(["d3"], keep=["d1"], defer=True) == ["d3"]
+    assert cache.advance_staging(steps=2) == 1  # partly written
+    assert torch.equal(logits(model, ["d3", "d1"]), logits(model, ["d3", "d1"]))
+    assert cache.staging_pending == [] and cache.is_ready("d3")
+    _close(logits(model, ["d3", "d1"]), logits(reference, ["d3", "d1"]), "cpu")
+    # finish_staging writes a named one at once; others wait
+    cache.acquire(["d1"])
+    assert cache.stage(["d2"], keep=["d1"], defer=True) == ["d2"]  # evicts d3, idle
+    cache.finish_staging(["d3", "nope"])  # not being staged: nothing to do
+    assert cache.staging_pending == ["d2"]
+    cache.finish_staging(["d2"])
+    assert cache.staging_pending == [] and cache.is_ready("d2")
+    _close(logits(model, ["d2", "d1"]), logits(reference, ["d2", "d1"]), "cpu")
+    cache.release(["d1"])
+
+
+def test_evicting_or_deleting_a_delta_still_being_staged_takes_its_written_part_out(folders, reference, monkeypatch):
+    model = _hosted(folders, monkeypatch)
+    cache = model.cache
+    cache.acquire(["d1"])
+    assert cache.stage(["d3"], keep=["d1"], defer=True) == ["d3"]
+    cache.advance_staging(steps=3)
+    # a more urgent delta needs the room: the half-written d3 is the idle one, so it goes back to host memory
+    assert cache.stage(["d2"], keep=["d1"], defer=True) == ["d2"]
+    assert cache.state("d3") == "host" and cache.staging_pending == ["d2"]
+    assert all(cache.slot_of("d2") not in m.slots() or m.names.get(cache.slot_of("d2")) != "d3"
+               for _, m in cache.placer.wrappers())  # nothing of d3 left in the slot d2 now writes
+    cache.finish_staging()
+    _close(logits(model, ["d2", "d1"]), logits(reference, ["d2", "d1"]), "cpu")
+    cache.release(["d1"])
+    # d3 comes back whole on its next use (d2 evicted for it)
+    _close(logits(model, ["d3", "d1"]), logits(reference, ["d3", "d1"]), "cpu")
+    # deleting a delta mid-staging leaves nothing of it behind
+    cache.acquire(["d1"])
+    assert cache.stage(["d2"], keep=["d1"], defer=True) == ["d2"]
+    cache.advance_staging(steps=2)
+    model.delete_delta("d2")
+    assert "d2" not in model.deltas and cache.staging_pending == []
+    assert not any(m.names.get(s) == "d2" for _, m in cache.placer.wrappers() for s in m.slots())
+    _close(logits(model, ["d3", "d1"]), logits(reference, ["d3", "d1"]), "cpu")
+    cache.release(["d1"])
+
+
+def test_engine_writes_a_staged_delta_inside_its_decode_steps(folders, reference, monkeypatch):
+    """With ``AdmissionPolicy(stage_in_steps=True)`` and every row busy, a round only takes the waiting request's
+    slot; each decode step writes a piece, the running rows decode as before, and once written the request is
+    admitted and decodes as with its delta loaded up front."""
+    from hf_deltazip.serving import AdmissionPolicy, DecodeEngine, Pending
+
+    model = _hosted(folders, monkeypatch)
+    cache = model.cache
+    eng = DecodeEngine(model, max_batch_size=2, max_length=48, admission=AdmissionPolicy(stage_in_steps=True))
+    prompt = IDS[0, :6].tolist()
+    running = eng.add([prompt, prompt], ["d1", "d1"], max_new_tokens=12, eos_token_id=None)
+    waiting = [Pending(6, "d3")]
+    assert eng.pick(waiting) == []  # no free row
+    assert cache.staging_pending == ["d3"] and eng.stats.staged == 1
+    out = {}
+    for _ in range(3):
+        out.update(dict(eng.step()))
+    assert cache.staging_pending == ["d3"] and eng.stats.stage_in_steps_s > 0  # one piece per step on a CPU
+    while eng.active:
+        out.update(dict(eng.step()))
+    ref = reference.generate(IDS[:1, :6], delta_names=["d1"], max_new_tokens=12, do_sample=False)[0, 6:].tolist()
+    assert out[running[0]] == ref and out[running[1]] == ref
+    assert cache.staging_pending == ["d3"]  # nothing runs any more: nothing writes it
+    assert eng.pick(waiting) == waiting  # nothing runs: admitted at once, the rest written at its admission
+    h = eng.add([prompt], ["d3"], max_new_tokens=3, eos_token_id=None)[0]
+    assert cache.staging_pending == [] and cache.is_ready("d3")
+    done = {}
+    while eng.active:
+        done.update(dict(eng.step()))
+    assert done[h] == reference.generate(IDS[:1, :6], delta_names=["d3"], max_new_tokens=3, do_sample=False)[0, 6:].tolist()
+
+
+def test_a_round_that_leaves_rows_free_writes_a_staged_delta_at_once(folders, monkeypatch):
+    """``stage_in_steps``: where a round leaves rows free while a waiting request's delta is still to be written
+    inside the steps, the round writes it (the rows would run empty until then); the request gets a row next round."""
+    from hf_deltazip.serving import AdmissionPolicy, DecodeEngine, Pending
+
+    model = _hosted(folders, monkeypatch)
+    eng = DecodeEngine(model, max_batch_size=3, max_length=48, admission=AdmissionPolicy(stage_in_steps=True))
+    eng.add([IDS[0, :6].tolist()] * 2, ["d1", "d1"], max_new_tokens=8, eos_token_id=None)
+    waiting = [Pending(6, "d3")]
+    assert eng.pick(waiting) == []  # its delta is staged this round: passed over
+    assert model.cache.staging_pending == [] and model.cache.is_ready("d3")  # but written at once: a row is free
+    assert eng.pick(waiting) == waiting
+    eng.reset()
+
+
 def test_stage_leaves_deltas_only_on_disk_and_unknown_names_alone(folders, monkeypatch):
     model = _kernel_model(folders, "cpu", torch.float32, monkeypatch)  # d1 on the device, d2 only on disk
     assert model.cache.stage(["d2", "nope", None]) == []

@@ -282,7 +282,7 @@ def time_split(engine_stats, run: Replay) -> dict:
     st = engine_stats.as_dict()
     load = st["load_s"] + run.switch_s
     split.update({k: st[k] for k in ("prefill_s", "decode_s", "idle_row_s", "prefills", "decode_steps", "loads", "staged",
-                                      "admission_s", "stage_s", "mean_distinct_deltas", "bytes_per_step",
+                                      "admission_s", "stage_s", "stage_in_steps_s", "mean_distinct_deltas", "bytes_per_step",
                                       "floor_bytes_per_step", "step_ms", "floor_GBps", "captures", "split_steps",
                                       "max_deltas_auto")})
     split["load_s"] = load
@@ -637,14 +637,14 @@ def _make_engine(model, args):
 
 
 _VARIANT_FIELDS = {"max_bypass": "count", "cost_aware": "bool", "prefer_running": "bool", "max_prefill_tokens": "count",
-                   "stage_ahead": "bool", "min_free_rows": "rows"}
+                   "stage_ahead": "bool", "min_free_rows": "rows", "stage_in_steps": "bool"}
 
 
 def parse_admission_variant(text: str) -> dict:
     """``"max_bypass=512,cost_aware=on"`` -> ``{"max_bypass": 512, "cost_aware": True}`` (``--admission-variant``).
 
     Fields: ``max_bypass`` and ``max_prefill_tokens`` (a whole number >= 0, or ``none``), ``min_free_rows`` (a
-    whole number >= 1, or ``none``), ``cost_aware``, ``prefer_running`` and ``stage_ahead`` (``on``/``off``,
+    whole number >= 1, or ``none``), ``cost_aware``, ``prefer_running``, ``stage_ahead`` and ``stage_in_steps`` (``on``/``off``,
     ``true``/``false``, ``1``/``0``).
     """
     out = {}
@@ -1221,7 +1221,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admission-variant", action="append", default=[], type=_variant_arg, metavar="FIELD=VALUE,...",
                    help="deltazip: one more replay on the same model and engine with these AdmissionPolicy fields changed "
                         "(max_bypass, max_prefill_tokens, min_free_rows: a number or none; cost_aware, prefer_running, "
-                        "stage_ahead: on/off), reported "
+                        "stage_ahead, stage_in_steps: on/off), reported "
                         "as deltazip[FIELD=VALUE,...]; repeatable")
     p.add_argument("--max-resident", type=int, help="deltas kept on the GPU (default: as many as fit; the others wait in pinned host memory)")
     p.add_argument("--lora-rank", type=int, default=16, help="peft: LoRA rank of each fine-tune's adapter (default 16)")

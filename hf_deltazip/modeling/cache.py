@@ -35,7 +35,7 @@ from contextlib import contextmanager, nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -94,6 +94,7 @@ class CacheEntry:
     host_is_only_copy: bool = False  # an in-memory delta's host copy: never trimmed
     prefetched: bool = False  # host copy made by a prefetch and not used yet: outside the host budget
     ready: Any = field(default=None, repr=False)  # CUDA event: side-stream copies done
+    staging: Any = field(default=None, repr=False)  # a staging still writing it (DeltaCache.stage(defer=True))
     content_id: Optional[str] = None  # its .dz file's content id when registered: another delta saved there is refused
 
     @property
@@ -150,6 +151,14 @@ class _OverlappedLoad:
         self.handles.clear()
 
 
+class _Staging:
+    """A delta being written into its slot a piece at a time (:meth:`DeltaCache.stage` with ``defer``): the
+    placer's :meth:`~DeltaPlacer.attach_steps` generator and the side stream its copies run on."""
+
+    def __init__(self, steps, side, pieces: int):
+        self.steps, self.side, self.left = steps, side, pieces  # left: pieces still to write
+
+
 class DeltaCache:
     """Residency of a model's deltas: budgets, LRU eviction, holds, a host tier and prefetching.
 
@@ -193,6 +202,8 @@ class DeltaCache:
         self._staging_ready = False
         #: overlapped loads in flight (:meth:`acquire_overlapped`): name -> its load
         self._inflight: dict = {}
+        #: stagings still writing their delta (``stage(defer=True)``), in the order they began: name -> None
+        self._pending: dict = {}
         #: decode a delta read from disk into page-locked host memory (CUDA only), so its uploads run
         #: asynchronously; ``False``: into pageable memory (no pinning cost on the read; each upload then
         #: waits for its copy). A prefetched host copy is pinned either way.
@@ -322,6 +333,7 @@ class DeltaCache:
             e = self.entry(name)
             if e.holds:
                 raise DeltaInUseError(f"delta {name!r} is in use by running requests; delete it once they finish")
+            self._drop_staging(e)
             if e.slot is not None:
                 self.placer.detach(e.slot, keep_room=False)
             del self._entries[name]
@@ -329,6 +341,8 @@ class DeltaCache:
     def clear(self) -> None:
         """Forget every delta without touching the modules (after they were merged away)."""
         with self.lock:
+            for e in self._entries.values():
+                self._drop_staging(e)
             self._entries.clear()
 
     # ------------------------------------------------------------------ using
@@ -571,7 +585,7 @@ class DeltaCache:
 
         return self._prefetcher.submit(work)
 
-    def stage(self, names: Sequence, *, keep: Sequence = ()) -> list:
+    def stage(self, names: Sequence, *, keep: Sequence = (), defer: bool = False) -> list:
         """Start putting the host-tier deltas of ``names`` (most urgent first) on the device ahead of use,
         evicting least recently used deltas to make room: never a held one, one of ``keep`` or one of
         ``names``. On CUDA the copies run on a side stream while the main stream keeps working;
@@ -583,6 +597,12 @@ class DeltaCache:
         freed the room that admission needs (an idle delta evicted a little earlier than it would have been),
         and later rounds evict nothing more for it while that room stays free. Returns the names whose copies
         began now.
+
+        With ``defer``, only the room is made now (slot taken, victims evicted): the delta's modules are written
+        a few at a time by later :meth:`advance_staging` calls, which a serving loop makes while the device
+        computes a step, so the host work of staging stays off its critical path. A deferred delta counts as
+        resident but is not ready (:meth:`is_ready`) until its last module is written; whatever needs it first
+        (a batch, a merge) writes the rest at once. Evicting it before then takes its written part out again.
         """
         started = []
         with self.lock:
@@ -599,7 +619,7 @@ class DeltaCache:
                                     incoming=delta_nbytes(modules, params) + self.placer.sparse_copy_estimate(modules))
                 except CacheFullError:
                     break
-                if not self._upload_ahead(e):
+                if not self._upload_ahead(e, defer=defer):
                     break
                 e.last_used = next(self._clock)
                 started.append(n)
@@ -610,11 +630,35 @@ class DeltaCache:
         side-stream copies are still running is not yet)."""
         with self.lock:
             e = self.entry(name)
-            return e.slot is not None and (e.ready is None or e.ready.query())
+            return e.slot is not None and e.staging is None and (e.ready is None or e.ready.query())
 
-    def _upload_ahead(self, e: CacheEntry) -> bool:
+    @property
+    def staging_pending(self) -> list:
+        """Deltas staged with ``defer`` whose modules are not all written yet, oldest first."""
+        return list(self._pending)
+
+    def advance_staging(self, steps: int = 1, more: Optional[Callable[[], bool]] = None) -> int:
+        """Write ``steps`` more pieces (a module, or an exactly stored parameter, each) of the deferred stagings,
+        oldest first, then more while ``more()`` returns true (a serving loop passes "the device is still
+        computing the step just launched"). Returns how many stagings are still pending."""
+        with self.lock:
+            done = 0
+            for n in list(self._pending):
+                e = self._entries[n]
+                done += self._run_staging(e, steps - done, more)[0]
+                if e.staging is not None:  # out of budget
+                    break
+            return len(self._pending)
+
+    def finish_staging(self, names: Optional[Sequence] = None) -> None:
+        """Write the remaining pieces of the deferred stagings of ``names`` (default: all) now."""
+        with self.lock:
+            for n in list(self._pending) if names is None else [n for n in dict.fromkeys(names) if n in self._pending]:
+                self._run_staging(self._entries[n])
+
+    def _upload_ahead(self, e: CacheEntry, defer: bool = False) -> bool:
         """Put a host-tier delta on the device ahead of use, into free room only (caller holds the lock);
-        returns whether it did.
+        returns whether it did (with ``defer``: took its slot, see :meth:`stage`).
 
         On CUDA the copies run on a side stream (device memory is taken on the main stream, so the
         caching allocator never hands a block in use by a running step to the side stream).
@@ -637,18 +681,58 @@ class DeltaCache:
             if self._side_stream is None:
                 self._side_stream = torch.cuda.Stream(device)
             side = self._side_stream
-            side.wait_stream(torch.cuda.current_stream(device))
-        self.placer.attach(slot, modules, params, e.header, name=e.name, side=side)
-        if side is not None:
+        e.staging = _Staging(self.placer.attach_steps(slot, modules, params, e.header, name=e.name, side=side), side,
+                             pieces=len(modules) + len(params))
+        e.slot, e.nbytes, e.prefetched, e.ready = slot, nbytes, False, None
+        self._pending[e.name] = None
+        if not defer:
+            self._run_staging(e)
+        return True
+
+    def _run_staging(self, e: CacheEntry, steps: Optional[int] = None, more=None) -> tuple:
+        """Write pieces of ``e``'s staging (caller holds the lock): all of them (``steps`` None), or ``steps``
+        then more while ``more()``. Returns ``(pieces written, finished)``. A failure takes the part written out
+        again (the delta stays where it was before the staging) and raises."""
+        job = e.staging
+        if job.side is not None:  # after what the main stream was given so far (its memory, evicted slots)
+            job.side.wait_stream(torch.cuda.current_stream(self.placer.device))
+        done = 0
+        try:
+            while job.left and (steps is None or done < steps or (more is not None and more())):
+                next(job.steps)
+                done += 1
+                job.left -= 1
+            if not job.left:
+                for _ in job.steps:  # the generator's end (nothing left to write)
+                    raise RuntimeError(f"staging delta {e.name!r} wrote more pieces than it has modules")
+                self._staged(e)
+                return done, True
+        except BaseException:
+            self._drop_staging(e)
+            self.placer.detach(e.slot)
+            e.slot = None
+            raise
+        return done, False
+
+    def _staged(self, e: CacheEntry) -> None:
+        """A staging wrote its last piece: the delta is ready once its copies are done."""
+        job, e.staging = e.staging, None
+        self._pending.pop(e.name, None)
+        if job.side is not None:
             e.ready = torch.cuda.Event()
-            e.ready.record(side)
-        e.slot, e.nbytes, e.prefetched = slot, nbytes, False
+            e.ready.record(job.side)
         # an in-memory delta keeps its host copy (evicting it again copies nothing back); otherwise the copy goes
         # unless the host tier keeps it (pinned blocks stay alive until the upload is done: caching host allocator)
         if not e.host_is_only_copy and (not self.max_host_bytes or e.path is None):
             e.host = None
         self._trim_host(keep=())
-        return True
+
+    def _drop_staging(self, e: CacheEntry) -> None:
+        """Stop ``e``'s staging where it is (its written part stays in the slot until detached)."""
+        if e.staging is not None:
+            e.staging.steps.close()
+            e.staging = None
+            self._pending.pop(e.name, None)
 
     def shutdown(self) -> None:
         """Stop the prefetch thread (after the work queued so far)."""
@@ -658,6 +742,8 @@ class DeltaCache:
 
     # ------------------------------------------------------------------ internals
     def _wait_ready(self, e: CacheEntry) -> None:
+        if e.staging is not None:  # deferred: the rest of it now
+            self._run_staging(e)
         ready, e.ready = e.ready, None
         if ready is not None:
             torch.cuda.current_stream().wait_event(ready)
@@ -822,12 +908,15 @@ class DeltaCache:
         if e.path is None and e.host is None:  # nothing to read it back from: keep it in host memory
             e.host = to_host(*self.placer.gather(e.slot))
             e.host_is_only_copy = True
+        self._drop_staging(e)
         self.placer.detach(e.slot)
         e.slot, e.ready = None, None
 
     def _trim_host(self, keep) -> None:
         # the host budget covers cached copies, not prefetches in flight or in-memory deltas' only copy
-        cached = [n for n, e in self._entries.items() if e.host is not None and not e.prefetched and not e.host_is_only_copy]
+        # (a staging still writing a delta keeps its host copy: what it writes next, and what save_delta reads)
+        cached = [n for n, e in self._entries.items()
+                  if e.host is not None and not e.prefetched and not e.host_is_only_copy and e.staging is None]
         total = sum(delta_nbytes(*self._entries[n].host) for n in cached)
         order = sorted(cached, key=lambda n: (n in keep, self._entries[n].last_used))  # LRU, the batch's own last
         for n in order:

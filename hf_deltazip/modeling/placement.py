@@ -231,6 +231,15 @@ class DeltaPlacer:
                side: Optional[torch.cuda.Stream] = None) -> None:
         """Put a delta's tensors on the device under ``slot``; with a CUDA ``side`` stream the copies
         run on it (device memory is taken on the current stream)."""
+        for _ in self.attach_steps(slot, modules, params, header, name=name, side=side):
+            pass
+
+    def attach_steps(self, slot: int, modules: dict, params: dict, header: DeltaHeader, name: Optional[str] = None,
+                     side: Optional[torch.cuda.Stream] = None):
+        """:meth:`attach` a piece at a time: a generator that places one module (with the LM head sharing it)
+        or one exactly stored parameter per step. Until it is exhausted the slot holds part of the delta;
+        :meth:`detach` takes a part out as it takes a whole delta out. Each wrapper learns the delta's name
+        as its part is placed."""
         self._copies = None
         device = self.device
         special = self.special_names()
@@ -268,6 +277,7 @@ class DeltaPlacer:
                 with (on_side if head.can_write_in_place(slot, hp) else nullcontext()):
                     head.add_packed(slot, hp)  # in place: one copy into the head's stack
                 touched.append(head)
+            yield from self._name(touched, slot, name)
         for pname, t in params.items():
             owner, _, attr = pname.rpartition(".")
             targets = [self.wrap(owner, "override" if owner not in modules else modules[owner].kind)]
@@ -290,9 +300,16 @@ class DeltaPlacer:
                         copies[where] = t.to(where)
                     wrapper.add_override(slot, attr, copies[where])
                 touched.append(wrapper)
+            yield from self._name(touched, slot, name)
+
+    def _name(self, touched: list, slot: int, name: Optional[str]):
+        """One step of :meth:`attach_steps`: name the slot in the wrappers just written, then yield."""
+        self._copies = None  # what the written wrappers hold changed
         if name is not None:
             for w in touched:
                 w.names[slot] = name
+        touched.clear()
+        yield
 
     @staticmethod
     def _shard(name: str, wrapper: DeltaModule, p):

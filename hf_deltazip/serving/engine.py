@@ -103,6 +103,8 @@ class EngineStats:
             admission (``AdmissionPolicy.stage_ahead``), beside the decode steps instead of before a prefill.
         admission_s: seconds inside :meth:`DecodeEngine.pick` (choosing requests and staging deltas ahead: host
             work between decode steps, not in ``prefill_s`` or ``decode_s``); ``stage_s``: of those, staging.
+        stage_in_steps_s: host seconds spent writing staged deltas inside decode steps (``stage_in_steps``),
+            while the device computed them; part of ``decode_s``.
         decode_steps: decode steps run.
         row_steps: rows computed by decode steps (``max_batch_size`` per step).
         idle_row_steps: of those, rows with no request (computed and thrown away).
@@ -129,6 +131,7 @@ class EngineStats:
     staged: int = 0
     admission_s: float = 0.0
     stage_s: float = 0.0
+    stage_in_steps_s: float = 0.0
     decode_steps: int = 0
     row_steps: int = 0
     idle_row_steps: int = 0
@@ -248,6 +251,11 @@ class AdmissionPolicy:
     being read or copied is passed over until it is in (unless no row is running: then it is admitted at
     once, its delta read beside its prefill), so the running rows do not wait for it; it counts as bypassed
     like any other, and the fairness bound still holds. Where every delta is resident this does nothing.
+    With ``stage_in_steps`` (off by default), while rows run a round only makes the room and takes the slot; the
+    host work of writing the delta (a few operations per module: copies, the kernel layout, table rows) is
+    done a module at a time after each decode step is launched, while the device computes it, instead of
+    between steps where the device waits for it. A round that leaves rows free while a waiting request's delta
+    is still being written that way writes the rest at once (the rows would otherwise run empty until it is in).
 
     Attributes:
         max_bypass: the bound K above (``None``: ``16 * max_batch_size`` of the engine; on a saturating
@@ -261,6 +269,8 @@ class AdmissionPolicy:
         stage_ahead: the staging above (``False``: a delta is put on the device when its request is admitted,
             before that request's prefill, while every row waits).
         min_free_rows: the coalescing above (``None``: a round admits into any free row).
+        stage_in_steps: write staged deltas inside the decode steps as above (``False``: all at once in the
+            round that stages them; on an H100 trace the default was faster, BENCHMARKS.md section 5).
     """
 
     max_bypass: Optional[int] = None
@@ -270,6 +280,7 @@ class AdmissionPolicy:
     step_cost_line: Optional[tuple] = None
     stage_ahead: bool = True
     min_free_rows: Optional[int] = None
+    stage_in_steps: bool = False
 
 
 def fit_step_costs(step_costs: dict, *, min_steps: int = 8) -> Optional[tuple]:
@@ -616,6 +627,15 @@ class DecodeEngine:
             chosen.append(pick)
             taken.add(pick)
             running.add(waiting[pick].delta)
+        if len(chosen) < free and self.delta_model is not None:
+            # rows left free: a delta still being written inside the steps is written now instead, so that its
+            # requests can have those rows next round
+            pending = set(self.delta_model.cache.staging_pending)
+            late = [w.delta for j, w in enumerate(waiting) if j not in taken and w.delta in pending]
+            if late:
+                t0 = time.perf_counter()
+                self.delta_model.cache.finish_staging(late)
+                self.stats.stage_s += time.perf_counter() - t0
         for j, w in enumerate(waiting):
             if j not in taken:
                 w.bypassed += sum(1 for i in chosen if i > j)
@@ -631,9 +651,10 @@ class DecodeEngine:
         wanted = list(dict.fromkeys(w.delta for w in waiting[: self.max_batch_size] if w.delta is not None))
         if not wanted or not cache.placer.uses_kernels():
             return set()
-        started = cache.stage(wanted, keep=[d for d in running if d is not None])
+        busy = any(r is not None for r in self._rows)  # decode steps follow, to write deferred stagings in
+        started = cache.stage(wanted, keep=[d for d in running if d is not None], defer=busy and self._stages_in_steps())
         self.stats.staged += len(started)
-        if not any(r is not None for r in self._rows):  # nothing runs: a prefill may as well wait for its copies,
+        if not busy:  # nothing runs: a prefill may as well wait for its copies,
             return set()  # and a delta only on disk is read beside its prefill (DeltaCache.overlap_loads)
         cold = [d for d in wanted if d in cache and cache.state(d) is Residency.DISK
                 and d not in self._reading and d not in self._unreadable]
@@ -973,8 +994,10 @@ class DecodeEngine:
         accepted = None
         if width > 1:
             accepted = self._jacobi_step(width)
+            self._advance_staging()
         else:
             self._decode_step(used[1])
+            self._advance_staging()  # host work while the device computes the step
             self._after_step()  # reads the tokens back: the step is done
         seconds = time.perf_counter() - t0
         # a step that captured a CUDA graph (and compiled its kernels) is no sample of a step's cost
@@ -987,6 +1010,27 @@ class DecodeEngine:
             # a delta that rode along one token per step in another delta's wide step: no sample of either kind
 
     # -- Jacobi steps
+    def _stages_in_steps(self) -> bool:
+        """Whether staged deltas are written inside the decode steps (``AdmissionPolicy.stage_in_steps``)."""
+        return bool(self.admission.stage_in_steps)
+
+    def _advance_staging(self) -> None:
+        """Write a module of each deferred staging (at least one piece), then more while the step just launched
+        is still computing on the device (on a CPU the step is done by now: one piece per step)."""
+        if self.delta_model is None:
+            return
+        cache = self.delta_model.cache
+        if not cache.staging_pending:
+            return
+        t0 = time.perf_counter()
+        more = None
+        if self.device.type == "cuda":
+            launched = torch.cuda.Event()
+            launched.record(torch.cuda.current_stream(self.device))
+            more = lambda: not launched.query()  # noqa: E731
+        cache.advance_staging(steps=1, more=more)
+        self.stats.stage_in_steps_s += time.perf_counter() - t0
+
     def _jacobi_width(self) -> int:
         """Tokens per row of the coming step: the widest block among the Jacobi rows whose delta's gate
         says wide (they are ``_wide_deltas``), or 1 (an ordinary step) while there are none. Each gate of a

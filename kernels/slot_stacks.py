@@ -166,8 +166,8 @@ class SlotStacks:
         if c.input_major is not None:
             self._write_input_major(c, i)
         c.index[slot] = i
-        c.lookup[slot + 1] = i
-        c.member[slot + 1] = True
+        c.lookup[slot + 1].fill_(i)  # fill_: the value rides in the launch (assigning a number copies it
+        c.member[slot + 1].fill_(True)  # from pageable memory, which waits for the stream: a staging's sync)
         return st, i
 
     def remove(self, slot: int) -> bool:
@@ -175,8 +175,8 @@ class SlotStacks:
         for c in self.classes:
             if slot in c.index:
                 c.free.append(c.index.pop(slot))
-                c.lookup[slot + 1] = -1
-                c.member[slot + 1] = False
+                c.lookup[slot + 1].fill_(-1)
+                c.member[slot + 1].fill_(False)
                 return True
         return False
 

@@ -270,7 +270,8 @@ class AdmissionPolicy:
             before that request's prefill, while every row waits).
         min_free_rows: the coalescing above (``None``: a round admits into any free row).
         stage_in_steps: write staged deltas inside the decode steps as above (``False``: all at once in the
-            round that stages them; on an H100 trace the default was faster, BENCHMARKS.md section 5).
+            round that stages them; on an 8B H100 trace it ran 1.03x the default as a second replay, within the
+            replay-order effect, BENCHMARKS.md section 5).
     """
 
     max_bypass: Optional[int] = None

@@ -40,6 +40,15 @@ def logits(model, rows):
         return model(input_ids=IDS, delta_names=rows).logits
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
+
+
+def _close(got, want, device):
+    """Equal to the reference within the device's tolerance (float32 on a CPU, bfloat16 on a GPU)."""
+    tol = 1e-4 if device == "cpu" else 3e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
 def test_resident_budget_evicts_least_recently_used(folders, reference):
     model = DeltaModel(copy.deepcopy(base_model("llama")))
     model.configure_cache(max_resident=2)
@@ -133,8 +142,7 @@ def _kernel_model(folders, device, dtype, monkeypatch):
     return model
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("device", DEVICES)
 def test_prefetch_uploads_into_free_room_ahead_of_use(folders, reference, device, monkeypatch):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     model = _kernel_model(folders, device, dtype, monkeypatch)
@@ -144,9 +152,7 @@ def test_prefetch_uploads_into_free_room_ahead_of_use(folders, reference, device
     assert "d2" not in model.memory_footprint()["host"]  # no host copy kept without a host budget
     with torch.no_grad():
         got = model(input_ids=IDS.to(device), delta_names=["d2", "d1"]).logits.float().cpu()
-    want = logits(reference, ["d2", "d1"])
-    tol = 1e-4 if device == "cpu" else 3e-2
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+    _close(got, logits(reference, ["d2", "d1"]), device)
     # linear layers, embeddings and norms all took it into room kept for it: no new device tensors,
     # so a captured decode step stays valid (no re-capture)
     assert model.layout_version.value == version
@@ -156,8 +162,7 @@ def test_prefetch_uploads_into_free_room_ahead_of_use(folders, reference, device
     for rows in (["d1", "d2"][:1], ["d2"], ["d1"]):
         with torch.no_grad():
             got = model(input_ids=IDS[:1].to(device), delta_names=rows).logits.float().cpu()
-        want = logits(reference, rows + [None])[:1]
-        torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+        _close(got, logits(reference, rows + [None])[:1], device)
     assert model.layout_version.value == version
     full = _kernel_model(folders, device, dtype, monkeypatch)
     full.configure_cache(max_resident=1)
@@ -178,8 +183,7 @@ def _hosted(folders, monkeypatch, device="cpu"):
     return model
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("device", DEVICES)
 def test_stage_evicts_an_idle_delta_to_copy_a_waiting_one_in_ahead(folders, reference, monkeypatch, device):
     model = _hosted(folders, monkeypatch, device)
     cache = model.cache
@@ -192,9 +196,7 @@ def test_stage_evicts_an_idle_delta_to_copy_a_waiting_one_in_ahead(folders, refe
     assert cache.is_ready("d3")
     with torch.no_grad():
         got = model(input_ids=IDS.to(device), delta_names=["d3", "d1"]).logits.float().cpu()
-    want = logits(reference, ["d3", "d1"])
-    tol = 1e-4 if device == "cpu" else 3e-2
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+    _close(got, logits(reference, ["d3", "d1"]), device)
     assert model.layout_version.value == version  # in place: a captured decode step stays valid
     # nothing to evict: d1 is held, d3 is kept for a running request; d2 stays in host memory
     assert cache.state("d2") == "host"
@@ -221,8 +223,7 @@ def tied_folders(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("device", DEVICES)
 def test_stage_copies_a_tied_embedding_delta_in_ahead(tied_folders, monkeypatch, device):
     """A delta of a model with tied embeddings (every Gemma fine-tune) stages like any other: its embedding
     delta goes into room kept in the embedding's stack and in the LM head's, its norms into their tables, so
@@ -255,8 +256,7 @@ def test_stage_copies_a_tied_embedding_delta_in_ahead(tied_folders, monkeypatch,
     with torch.no_grad():
         got = model(input_ids=ids.to(device), delta_names=rows).logits.float().cpu()
         want = reference(input_ids=ids, delta_names=rows).logits
-    tol = 1e-4 if device == "cpu" else 3e-2
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+    _close(got, want, device)
     assert model.layout_version.value == version  # in place: no re-capture
     cache.release(["d1"])
 
@@ -337,13 +337,7 @@ def test_a_delta_whose_read_ahead_fails_is_left_to_its_admission_which_reports_i
     assert eng.active == 1  # the running row is untouched
 
 
-def _close(got, want, device):
-    tol = 1e-4 if device == "cpu" else 3e-2
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_deferred_staging_writes_a_piece_per_step_and_serves_as_a_whole_one(folders, reference, monkeypatch, device):
     model = _hosted(folders, monkeypatch, device)
     cache = model.cache

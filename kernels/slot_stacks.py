@@ -151,8 +151,9 @@ class SlotStacks:
                 # repack where the stack lives: on a GPU one layer takes microseconds, on the host
                 # (a delta arriving in pinned memory) seconds, which made an 8B delta's load take 20 s
                 q = q.to(dev, non_blocking=True)
-                pos = pos.to(dev, non_blocking=True) if pos is not None else None
-                zeros = zeros.to(dev, non_blocking=True)
+                if c.fmt.densify:  # 2:4 codes are densified there with their positions and zero points
+                    pos = pos.to(dev, non_blocking=True) if pos is not None else None
+                    zeros = zeros.to(dev, non_blocking=True)
             q = pack_for_stack(c.fmt, q, pos, zeros, fields.bits, fields.group_size, self.in_features)
         if tuple(q.shape) != tuple(c.stack.qweight.shape[1:]):
             return None

@@ -270,7 +270,8 @@ def time_split(engine_stats, run: Replay) -> dict:
     """Where a replay's wall time went: prefill, loads (deltas becoming resident, or whole fine-tunes
     copied in by ``switch``), decode steps (of which idle rows), and the rest (waiting for arrivals,
     scheduling, host work between steps; of it, ``admission_s`` in the engine's ``pick``, ``stage_s`` of that
-    staging deltas ahead); plus distinct deltas and bytes per decode step.
+    staging deltas ahead; ``stage_in_steps_s``: staging written inside decode steps, part of decode, with
+    ``AdmissionPolicy.stage_in_steps``); plus distinct deltas and bytes per decode step.
 
     ``engine_stats`` is the engine's :class:`~hf_deltazip.serving.EngineStats` for this replay alone
     (``None`` for an engine without one: only the switch time and the rest are known).
@@ -1115,17 +1116,17 @@ def markdown_table(results: dict) -> str:
 
 def split_table(results: dict) -> str:
     """Markdown: where each system's wall time went (see :func:`time_split`)."""
-    rows = ["| system | wall s | prefill s | loads s (admissions) | staged ahead | decode s | of which idle rows s | other s "
-            "| of which admission s (staging) | decode steps | step ms | distinct deltas / step | MB read / step "
-            "| MB floor / step | floor GB/s | graph captures |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| system | wall s | prefill s | loads s (admissions) | staged ahead | decode s | of which idle rows s "
+            "| of which staging s | other s | of which admission s (staging) | decode steps | step ms "
+            "| distinct deltas / step | MB read / step | MB floor / step | floor GB/s | graph captures |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     mb = (lambda x: None if x is None else x / 1e6)
     for name, r in results.items():
         t = r.get("time_split", {})
         rows.append(f"| {name} | {_fmt(t.get('wall_s'), '.2f')} | {_fmt(t.get('prefill_s'), '.2f')} "
                     f"| {_fmt(t.get('load_s'), '.2f')} ({_fmt(t.get('loads'), 'd')}) | {_fmt(t.get('staged'), 'd')} "
                     f"| {_fmt(t.get('decode_s'), '.2f')} | {_fmt(t.get('idle_row_s'), '.2f')} "
-                    f"| {_fmt(t.get('other_s'), '.2f')} | {_fmt(t.get('admission_s'), '.2f')} ({_fmt(t.get('stage_s'), '.2f')}) "
+                    f"| {_fmt(t.get('stage_in_steps_s'), '.2f')} | {_fmt(t.get('other_s'), '.2f')} | {_fmt(t.get('admission_s'), '.2f')} ({_fmt(t.get('stage_s'), '.2f')}) "
                     f"| {_fmt(t.get('decode_steps'), 'd')} | {_fmt(t.get('step_ms'), '.2f')} "
                     f"| {_fmt(t.get('mean_distinct_deltas'), '.2f')} | {_fmt(mb(t.get('bytes_per_step')), '.1f')} "
                     f"| {_fmt(mb(t.get('floor_bytes_per_step')), '.1f')} | {_fmt(t.get('floor_GBps'), '.0f')} "

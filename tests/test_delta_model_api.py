@@ -223,6 +223,32 @@ def test_the_recorded_local_base_is_found_or_reported_missing_at_once(tmp_path):
     assert time.perf_counter() - start < 5, "a missing local base must be reported at once, not retried on the Hub"
 
 
+def test_zero_points_off_the_code_grid_are_refused_in_memory_and_from_a_file(deltas, tmp_path):
+    """The kernels take a zero point's low bits and the reference path its value, so a zero point past
+    ``2**bits - 1`` (which no compression writes) would make the two routes disagree: refused, naming the module."""
+    import dataclasses
+
+    from hf_deltazip import DeltaZipFormatError
+
+    delta = deltas["a"][1]
+    name = next(n for n, p in delta.modules.items() if p.kind == "linear" and p.bits == 4)
+    bad = dict(delta.modules)
+    zeros = bad[name].zeros.clone()
+    zeros[0, 0] = 16  # 4-bit codes: zero points in [0, 15]
+    bad[name] = dataclasses.replace(bad[name], zeros=zeros)
+    damaged = CompressedDelta(config=delta.config, modules=bad, params=dict(delta.params), header=delta.header)
+    model = DeltaModel(fresh_base())
+    with pytest.raises(DeltaZipFormatError, match=rf"{name}: zero points up to 16, but those of 4-bit codes lie in \[0, 15\]"):
+        model.add_delta(damaged, "bad")
+    assert model.deltas == []
+    damaged.save_pretrained(tmp_path / "bad")
+    with pytest.raises(DeltaZipFormatError, match="zero points up to 16"):
+        model.load_delta(tmp_path / "bad", delta_name="bad")
+    assert model.deltas == []
+    model.add_delta(delta, "a")  # the delta as compressed passes
+    assert torch.equal(greedy(model), greedy(model.merge_and_unload("a")))
+
+
 @pytest.mark.parametrize("case", ["missing module", "wrong shape", "missing parameter"])
 def test_an_in_memory_delta_that_does_not_fit_the_base_is_refused_with_the_fix(case):
     """add_delta with packed modules or exact parameters the base lacks, or of another shape: a BaseMismatchError

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..errors import BaseMismatchError
+from ..errors import BaseMismatchError, DeltaZipFormatError
 from ..fingerprint import check_fingerprint, load_onto_hint
 from ..format import DeltaHeader
 from ..quantization import logical_weight_shape
@@ -122,7 +122,9 @@ class DeltaPlacer:
         check_fingerprint(header.base_fingerprint, params, expected_base=expected)
 
     def validate(self, modules: dict, params: dict, header: DeltaHeader, where) -> None:
-        """Raise :class:`BaseMismatchError` unless every module and parameter of the delta fits the base."""
+        """Raise :class:`BaseMismatchError` unless every module and parameter of the delta fits the base, and
+        :class:`DeltaZipFormatError` for zero points off their code grid (what no compression writes; the kernels
+        take a zero point's low bits, the reference path its value, so such a delta would compute two ways)."""
         base_params = self.plain_params()
         fix = load_onto_hint(header.base_model, header.model_type)  # what every mismatch below tells the user to do
         vocab_rows = set()
@@ -143,6 +145,11 @@ class DeltaPlacer:
                 fits = (n, k) == tuple(p.shape)
             if not fits:
                 raise BaseMismatchError(f"{where}: {name} is {list(p.shape)} in the delta but {[n, k]} in the base; {fix}")
+            top = (1 << p.bits) - 1
+            if p.bits < 8 and p.zeros.numel() and int(p.zeros.max()) > top:
+                raise DeltaZipFormatError(where, f"{name}: zero points up to {int(p.zeros.max())}, but those of {p.bits}-bit "
+                                                 f"codes lie in [0, {top}]; the delta is damaged or was not made by "
+                                                 "hf_deltazip: compress the fine-tune again")
         vocab_modules = set(self.special_names().values())
         for pname, t in params.items():
             b = base_params.get(pname)

@@ -380,7 +380,8 @@ def gluon_delta_accumulate(x, stack, segments, out, *, lut=None, split_max=None,
     for 2-bit codes three stages and at most 168 registers per thread (``max_registers=0``: no cap), so
     that an SM holds three programs instead of two; for 4-bit codes four stages, no cap. Rows whose delta
     id is out of range (without ``lut``) come out NaN. Zero points must lie on the grid, ``[0, 2**bits - 1]``
-    (what the compressor writes; the kernel builds ``-(magic + zero)`` from its bits).
+    (what the compressor writes, and all that ``DeltaModel`` accepts: adding or loading a delta refuses others;
+    the kernel builds ``-(magic + zero)`` from its bits).
     """
     import torch
 

@@ -703,8 +703,6 @@ class DeltaCache:
                 done += 1
                 job.left -= 1
             if not job.left:
-                for _ in job.steps:  # the generator's end (nothing left to write)
-                    raise RuntimeError(f"staging delta {e.name!r} wrote more pieces than it has modules")
                 self._staged(e)
                 return done, True
         except BaseException:
@@ -717,6 +715,7 @@ class DeltaCache:
     def _staged(self, e: CacheEntry) -> None:
         """A staging wrote its last piece: the delta is ready once its copies are done."""
         job, e.staging = e.staging, None
+        job.steps.close()  # every piece is written: only the generator's end is left
         self._pending.pop(e.name, None)
         if job.side is not None:
             e.ready = torch.cuda.Event()

@@ -284,7 +284,8 @@ class DeltaPlacer:
                 with (on_side if head.can_write_in_place(slot, hp) else nullcontext()):
                     head.add_packed(slot, hp)  # in place: one copy into the head's stack
                 touched.append(head)
-            yield from self._name(touched, slot, name)
+            self._named(touched, slot, name)
+            yield
         for pname, t in params.items():
             owner, _, attr = pname.rpartition(".")
             targets = [self.wrap(owner, "override" if owner not in modules else modules[owner].kind)]
@@ -307,16 +308,17 @@ class DeltaPlacer:
                         copies[where] = t.to(where)
                     wrapper.add_override(slot, attr, copies[where])
                 touched.append(wrapper)
-            yield from self._name(touched, slot, name)
+            self._named(touched, slot, name)
+            yield
 
-    def _name(self, touched: list, slot: int, name: Optional[str]):
-        """One step of :meth:`attach_steps`: name the slot in the wrappers just written, then yield."""
+    def _named(self, touched: list, slot: int, name: Optional[str]) -> None:
+        """The end of a step of :meth:`attach_steps`: name the slot in the wrappers just written (``touched``,
+        emptied for the next step)."""
         self._copies = None  # what the written wrappers hold changed
         if name is not None:
             for w in touched:
                 w.names[slot] = name
         touched.clear()
-        yield
 
     @staticmethod
     def _shard(name: str, wrapper: DeltaModule, p):

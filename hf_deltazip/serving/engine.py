@@ -653,7 +653,7 @@ class DecodeEngine:
         if not wanted or not cache.placer.uses_kernels():
             return set()
         busy = any(r is not None for r in self._rows)  # decode steps follow, to write deferred stagings in
-        started = cache.stage(wanted, keep=[d for d in running if d is not None], defer=busy and self._stages_in_steps())
+        started = cache.stage(wanted, keep=[d for d in running if d is not None], defer=busy and self.admission.stage_in_steps)
         self.stats.staged += len(started)
         if not busy:  # nothing runs: a prefill may as well wait for its copies,
             return set()  # and a delta only on disk is read beside its prefill (DeltaCache.overlap_loads)
@@ -1011,10 +1011,6 @@ class DecodeEngine:
             # a delta that rode along one token per step in another delta's wide step: no sample of either kind
 
     # -- Jacobi steps
-    def _stages_in_steps(self) -> bool:
-        """Whether staged deltas are written inside the decode steps (``AdmissionPolicy.stage_in_steps``)."""
-        return bool(self.admission.stage_in_steps)
-
     def _advance_staging(self) -> None:
         """Write a module of each deferred staging (at least one piece), then more while the step just launched
         is still computing on the device (on a CPU the step is done by now: one piece per step)."""

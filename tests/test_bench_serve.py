@@ -417,6 +417,7 @@ def test_admission_variants_parse_and_refuse_bad_fields():
         "max_prefill_tokens": None, "prefer_running": False}
     assert serve.parse_admission_variant("stage_ahead=off") == {"stage_ahead": False}
     assert serve.parse_admission_variant("stage_in_steps=on") == {"stage_in_steps": True}
+    assert serve.parse_admission_variant("overlap_steps=on") == {"overlap_steps": True}
     assert serve.parse_admission_variant("min_free_rows=16") == {"min_free_rows": 16}
     assert serve.parse_admission_variant("min_free_rows=none") == {"min_free_rows": None}
     for bad in ("", "max_bypass", "max_bypass=-3", "cost_aware=maybe", "speed=9", "min_free_rows=0"):
@@ -439,18 +440,21 @@ def test_admission_variants_replay_the_trace_on_the_same_engine(tmp_path, capsys
     out = tmp_path / "v.json"
     rc = serve.main(SMOKE + ["--systems", "deltazip,swap-cpu", "--admission-variant", "max_bypass=0",
                              "--admission-variant", "cost_aware=on,max_bypass=512",
-                             "--admission-variant", "min_free_rows=2", "--json", str(out)])
+                             "--admission-variant", "min_free_rows=2", "--admission-variant", "overlap_steps=on",
+                             "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
     names = ["deltazip", "deltazip[max_bypass=0]", "deltazip[cost_aware=on,max_bypass=512]", "deltazip[min_free_rows=2]",
-             "swap-cpu"]
+             "deltazip[overlap_steps=on]", "swap-cpu"]
     assert list(report["systems"]) == names
     for name in names:
         assert report["systems"][name]["completed"] == 6, name
     assert "cost_aware=True" in report["systems"][names[2]]["how"]
     assert "min_free_rows=2" in report["systems"][names[3]]["how"]
+    assert report["systems"][names[4]]["time_split"]["ahead_steps"] > 0
+    assert report["systems"]["deltazip"]["time_split"]["ahead_steps"] == 0
     swap = report["systems"]["swap-cpu"]
-    for v in names[1:4]:
+    for v in names[1:5]:
         assert swap["variant_speedups"][v] == pytest.approx(report["systems"][v]["tokens_per_s"] / swap["tokens_per_s"])
     assert f"- {names[1]} / swap-cpu:" in capsys.readouterr().out
 

@@ -483,3 +483,104 @@ def test_an_overlapped_cold_load_on_the_gpu_answers_as_a_plain_one(delta_dirs, d
     engine = DecodeEngine(model, max_batch_size=3, max_length=32)
     assert engine.run(ps, names, max_new_tokens=6) == want
     assert model.cache.entry("d3").slot is not None and engine.stats.loads == 1
+
+
+# -- steps launched ahead of reading back the last one's tokens (AdmissionPolicy.overlap_steps)
+def ahead(**kw):
+    from hf_deltazip.serving import AdmissionPolicy
+
+    return AdmissionPolicy(overlap_steps=True, **kw)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_steps_launched_ahead_give_generates_tokens_with_rows_joining_mid_flight_and_cache_shifts(arch, monkeypatch):
+    model = base_model(arch)
+    ps = prompts(7) + [[1, 5, 7, 9], [8, 9, 10, 11, 12]]
+    news = [5, 9, 3, 12, 1, 7, 4, 6, 6]
+    want = [alone(model, p, n) for p, n in zip(ps, news)]
+    engine = DecodeEngine(model, max_batch_size=3, max_length=20, admission=ahead())
+    joined, shifts = [], []
+    admit, compact = engine._admit, engine._compact
+
+    def spy_admit(*a, **k):
+        joined.append(len(engine._ahead))  # steps in flight while a request joins
+        return admit(*a, **k)
+
+    def spy_compact():
+        before = engine._ptr
+        compact()
+        shifts.append(before - engine._ptr)
+
+    monkeypatch.setattr(engine, "_admit", spy_admit)
+    monkeypatch.setattr(engine, "_compact", spy_compact)
+    assert engine.run(ps, max_new_tokens=news) == want
+    assert any(joined), "no request joined while a step was in flight: the test does not cover it"
+    assert any(s > 0 for s in shifts), "the cache was never shifted: the test does not cover it"
+    assert engine.stats.ahead_steps > 0 and engine.active == 0 and engine.free == 3
+
+
+def test_steps_launched_ahead_with_a_delta_per_row(delta_dirs):
+    model = DeltaModel(copy.deepcopy(base_model("llama")))
+    for name, path in delta_dirs.items():
+        model.load_delta(path, delta_name=name)
+    ps = prompts(6, seed=3)
+    names = ["d1", "d2", None, "d3", "d1", "d2"]
+    news = [6, 3, 7, 2, 5, 6]
+    want = [alone(model, p, n, delta_names=[d]) for p, d, n in zip(ps, names, news)]
+    engine = DecodeEngine(model, max_batch_size=4, max_length=24, admission=ahead())
+    assert engine.run(ps, names, max_new_tokens=news) == want
+    assert engine.stats.ahead_steps > 0
+    assert not any(model.cache.held.values()), "a finished row still holds its delta"
+
+
+@cuda
+def test_steps_launched_ahead_on_the_gpu_with_graphs_and_evictions_answer_as_eager_steps(delta_dirs):
+    """Captured steps launched ahead while rows finish, their deltas are evicted and others are written in."""
+    def make():
+        m = DeltaModel(copy.deepcopy(base_model("llama")).to("cuda"))  # float32: tokens comparable
+        m.configure_cache(max_resident=2)
+        for name, path in delta_dirs.items():
+            m.load_delta(path, delta_name=name, resident=False)
+        return m
+
+    ps = prompts(9, seed=6)
+    names = ["d1", "d2", "d3", None, "d3", "d1", "d2", "d2", "d3"]
+    news = [5, 7, 3, 6, 4, 8, 2, 5, 6]
+    want = DecodeEngine(make(), max_batch_size=2, max_length=32, cuda_graphs=False).run(ps, names, max_new_tokens=news)
+    engine = DecodeEngine(make(), max_batch_size=2, max_length=32, cuda_graphs=True, admission=ahead())
+    assert engine.run(ps, names, max_new_tokens=news) == want
+    assert engine.stats.ahead_steps > 0 and engine._graphs
+
+
+def test_sampled_jacobi_eos_and_cancelled_rows_among_steps_launched_ahead_answer_as_without(delta_dirs):
+    """Rows whose next input the host decides (sampling, Jacobi blocks) stop steps being launched ahead while
+    they run; end-of-sequence and cancel still finish rows whose next step is in flight."""
+    model = DeltaModel(copy.deepcopy(base_model("llama")))
+    model.load_delta(delta_dirs["d1"], delta_name="d1")
+    ps = prompts(4, seed=7)
+    greedy = alone(model, ps[0], 8, delta_names=["d1"])
+    stop = next(i for i in range(3, 8) if greedy.index(greedy[i]) == i)  # a token first met at index >= 3
+
+    def script(engine):
+        out = {}
+        first = engine.add(ps[:2], ["d1", None], max_new_tokens=8, eos_token_id=greedy[stop])
+        for _ in range(2):
+            out.update((f.handle, (f.tokens, f.reason)) for f in engine.step())
+        sampled = engine.add([ps[2]], ["d1"], max_new_tokens=6, do_sample=True, temperature=0.8, top_k=20, seed=3)
+        out.update((f.handle, (f.tokens, f.reason)) for f in engine.step())
+        engine.cancel(first[1])
+        while engine.active:
+            out.update((f.handle, (f.tokens, f.reason)) for f in engine.step())
+        jacobi = engine.add([ps[3]], [None], max_new_tokens=7, decoding="jacobi", jacobi_block_size=4)
+        out.update((f.handle, (f.tokens, f.reason)) for f in engine.step())  # read back what was in flight
+        late = engine.add([ps[0]], ["d1"], max_new_tokens=8, eos_token_id=None)
+        while engine.active:
+            out.update((f.handle, (f.tokens, f.reason)) for f in engine.step())
+        return [out[h] for h in first + sampled + jacobi + late], engine.stats
+
+    want, _ = script(DecodeEngine(model, max_batch_size=3, max_length=40))
+    got, stats = script(DecodeEngine(model, max_batch_size=3, max_length=40, admission=ahead()))
+    assert got == want
+    assert want[0] == (greedy[:stop], "eos") and want[1][1] == "cancelled" and want[4] == (greedy, "length")
+    assert want[3][0] == alone(model.base_model, ps[3], 7) and want[3][1] == "length"
+    assert stats.ahead_steps > 0

@@ -271,7 +271,8 @@ def time_split(engine_stats, run: Replay) -> dict:
     copied in by ``switch``), decode steps (of which idle rows), and the rest (waiting for arrivals,
     scheduling, host work between steps; of it, ``admission_s`` in the engine's ``pick``, ``stage_s`` of that
     staging deltas ahead; ``stage_in_steps_s``: staging written inside decode steps, part of decode, with
-    ``AdmissionPolicy.stage_in_steps``); plus distinct deltas and bytes per decode step.
+    ``AdmissionPolicy.stage_in_steps``); plus distinct deltas and bytes per decode step, and ``ahead_steps``: decode
+    steps launched before the last one's tokens were read back (``AdmissionPolicy.overlap_steps``).
 
     ``engine_stats`` is the engine's :class:`~hf_deltazip.serving.EngineStats` for this replay alone
     (``None`` for an engine without one: only the switch time and the rest are known).
@@ -285,7 +286,7 @@ def time_split(engine_stats, run: Replay) -> dict:
     split.update({k: st[k] for k in ("prefill_s", "decode_s", "idle_row_s", "prefills", "decode_steps", "loads", "staged",
                                       "admission_s", "stage_s", "stage_in_steps_s", "mean_distinct_deltas", "bytes_per_step",
                                       "floor_bytes_per_step", "step_ms", "floor_GBps", "captures", "split_steps",
-                                      "max_deltas_auto")})
+                                      "max_deltas_auto", "ahead_steps")})
     split["load_s"] = load
     split["other_s"] = run.wall_s - load - st["prefill_s"] - st["decode_s"]
     return split
@@ -638,15 +639,15 @@ def _make_engine(model, args):
 
 
 _VARIANT_FIELDS = {"max_bypass": "count", "cost_aware": "bool", "prefer_running": "bool", "max_prefill_tokens": "count",
-                   "stage_ahead": "bool", "min_free_rows": "rows", "stage_in_steps": "bool"}
+                   "stage_ahead": "bool", "min_free_rows": "rows", "stage_in_steps": "bool", "overlap_steps": "bool"}
 
 
 def parse_admission_variant(text: str) -> dict:
     """``"max_bypass=512,cost_aware=on"`` -> ``{"max_bypass": 512, "cost_aware": True}`` (``--admission-variant``).
 
     Fields: ``max_bypass`` and ``max_prefill_tokens`` (a whole number >= 0, or ``none``), ``min_free_rows`` (a
-    whole number >= 1, or ``none``), ``cost_aware``, ``prefer_running``, ``stage_ahead`` and ``stage_in_steps`` (``on``/``off``,
-    ``true``/``false``, ``1``/``0``).
+    whole number >= 1, or ``none``), ``cost_aware``, ``prefer_running``, ``stage_ahead``, ``stage_in_steps`` and
+    ``overlap_steps`` (``on``/``off``, ``true``/``false``, ``1``/``0``).
     """
     out = {}
     for part in [p.strip() for p in text.split(",") if p.strip()]:
@@ -1222,7 +1223,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admission-variant", action="append", default=[], type=_variant_arg, metavar="FIELD=VALUE,...",
                    help="deltazip: one more replay on the same model and engine with these AdmissionPolicy fields changed "
                         "(max_bypass, max_prefill_tokens, min_free_rows: a number or none; cost_aware, prefer_running, "
-                        "stage_ahead, stage_in_steps: on/off), reported "
+                        "stage_ahead, stage_in_steps, overlap_steps: on/off), reported "
                         "as deltazip[FIELD=VALUE,...]; repeatable")
     p.add_argument("--max-resident", type=int, help="deltas kept on the GPU (default: as many as fit; the others wait in pinned host memory)")
     p.add_argument("--lora-rank", type=int, default=16, help="peft: LoRA rank of each fine-tune's adapter (default 16)")

@@ -50,6 +50,7 @@ import math
 import threading
 import time
 import warnings
+from collections import deque
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
@@ -119,6 +120,11 @@ class EngineStats:
         max_deltas_auto: the cap ``max_deltas="auto"`` has chosen so far (``None``: not measured yet).
         jacobi_steps: of the decode steps, Jacobi steps (a block of tokens per row, run eagerly).
         jacobi_row_steps, jacobi_tokens: Jacobi rows in those steps, and the tokens they accepted.
+        ahead_steps: of the decode steps, those launched before the previous step's tokens were read back
+            (``AdmissionPolicy.overlap_steps``). With it, ``decode_s`` is the host's time inside
+            :meth:`DecodeEngine.step` (launching, waiting, reading back) and the step costs behind
+            ``max_deltas="auto"`` are the device's time per step; a row's last step may be followed by one
+            computed for it in vain (counted as one of its row-steps).
     """
 
     prefill_s: float = 0.0
@@ -144,6 +150,7 @@ class EngineStats:
     jacobi_steps: int = 0
     jacobi_row_steps: int = 0
     jacobi_tokens: int = 0
+    ahead_steps: int = 0
 
     @property
     def idle_row_s(self) -> float:
@@ -272,6 +279,14 @@ class AdmissionPolicy:
         stage_in_steps: write staged deltas inside the decode steps as above (``False``: all at once in the
             round that stages them; on an 8B H100 trace it ran 1.03x the default as a second replay, within the
             replay-order effect, BENCHMARKS.md section 5).
+        overlap_steps: launch each decode step before the previous step's tokens are read back, so the host's
+            work between steps (reading tokens back, finishing rows, admission rounds, staging) runs while the
+            device computes instead of between its steps (``False``: launch a step once the last one's tokens
+            are in). It applies to :meth:`DecodeEngine.step` however rows are admitted. While a row samples
+            or decodes by Jacobi steps, its next input depends on the host, so steps are not launched ahead
+            then. A request admitted while a step is in flight joins the step after it; a row that finishes
+            has one more step computed for it in vain. The tokens are the same either way. Not yet measured
+            on a GPU, so off by default.
     """
 
     max_bypass: Optional[int] = None
@@ -282,6 +297,7 @@ class AdmissionPolicy:
     stage_ahead: bool = True
     min_free_rows: Optional[int] = None
     stage_in_steps: bool = False
+    overlap_steps: bool = False
 
 
 def fit_step_costs(step_costs: dict, *, min_steps: int = 8) -> Optional[tuple]:
@@ -337,6 +353,20 @@ class _Row:
     tokens: list = field(default_factory=list)
     jacobi: int = 0  # block size of a Jacobi row (0: one token per step)
     guesses: list = field(default_factory=list)  # the row's next Jacobi guesses
+    first_step: int = 0  # the first decode step (DecodeEngine._launched then) whose tokens are this row's
+
+
+@dataclass
+class _Launched:
+    """A decode step launched ahead of reading back its tokens (``AdmissionPolicy.overlap_steps``)."""
+
+    step: int  # its number: rows with ``first_step <= step`` were in it
+    used: tuple  # _step_usage() when it was launched
+    tokens: torch.Tensor  # its greedy tokens, being copied to the host
+    copied: Optional[object]  # CUDA event after that copy (None: on the CPU, copied already)
+    timing: Optional[tuple]  # CUDA timing events around the step (None: host seconds below)
+    seconds: float  # host seconds of its launch
+    sample: bool  # it captured no CUDA graph: a sample of a step's cost
 
 
 class _StepCache:
@@ -463,7 +493,9 @@ class DecodeEngine:
         self._next_handle = 0
         self._rows: list[Optional[_Row]] = [None] * max_batch_size
         self._finished: list[Finished] = []
-        self._ptr = 0  # host copy of the write index
+        self._ptr = 0  # host copy of the write index (of the next step to launch)
+        self._launched = 0  # decode steps launched so far (numbers them: _Row.first_step)
+        self._ahead: deque = deque()  # steps launched whose tokens are not read back yet (_Launched)
         self._graphs: dict = {}  # decode route (None: no kernels) -> (CUDA graph, layout version)
         self._graph_failed = False
         self.captures = 0  # decode steps captured as CUDA graphs so far (each layout change costs one)
@@ -920,13 +952,14 @@ class DecodeEngine:
             self._next_handle += 1
             handles.append(handle)
             r = _Row(handle=handle, delta=names[i], start=hi - len(p), max_new=news[i], eos=eos,
-                     sample=sample, generator=generators[i], jacobi=block if block > 1 else 0)
+                     sample=sample, generator=generators[i], jacobi=block if block > 1 else 0,
+                     first_step=self._launched)
             self._rows[row] = r
             self._accept(row, firsts[i])
-            if self._rows[row] is not None:
-                self._ids[row, 0] = firsts[i]
-                self._positions[row, 0] = len(p)
-                self._slots[row] = -1 if self.delta_model is None else slots[i]
+            if self._rows[row] is not None:  # fill_: a number assigned to a device tensor waits for the device
+                self._ids[row].fill_(firsts[i])
+                self._positions[row].fill_(len(p))
+                self._slots[row:row + 1].fill_(-1 if self.delta_model is None else slots[i])
         return handles
 
     def _generator(self, seed, i):
@@ -957,8 +990,8 @@ class DecodeEngine:
         r = self._rows[row]
         self._rows[row] = None
         self._finished.append(Finished(r.handle, r.tokens, reason))
-        self._slots[row] = -1  # idle rows read no delta
-        self._ids[row, 0] = self.pad_token_id
+        self._slots[row:row + 1].fill_(-1)  # idle rows read no delta
+        self._ids[row].fill_(self.pad_token_id)
         if self.delta_model is not None:
             self.delta_model.cache.release([r.delta])
 
@@ -981,6 +1014,9 @@ class DecodeEngine:
         self._cache.write.fill_(self._ptr)
 
     def _decode(self) -> None:
+        if self._ahead or self._may_launch_ahead():
+            self._decode_ahead()
+            return
         width = self._jacobi_width()
         if self._ptr + max(width, 1) > self.max_length:
             self._compact()
@@ -993,6 +1029,7 @@ class DecodeEngine:
         used = self._step_usage()
         captures = self.captures
         accepted = None
+        self._launched += 1
         if width > 1:
             accepted = self._jacobi_step(width)
             self._advance_staging()
@@ -1009,6 +1046,89 @@ class DecodeEngine:
             elif delta in self._wide_deltas:
                 gate.record(True, seconds, accepted.get(delta))
             # a delta that rode along one token per step in another delta's wide step: no sample of either kind
+
+    # -- steps launched ahead (AdmissionPolicy.overlap_steps)
+    def _may_launch_ahead(self) -> bool:
+        """Whether the next step may be launched before the last one's tokens are read back: asked for, and
+        every active row's next input is the step's own greedy token (no sampling, no Jacobi blocks)."""
+        if not self.admission.overlap_steps:
+            return False
+        return all(r is None or (r.sample is None and not r.jacobi) for r in self._rows)
+
+    def _in_step(self, job: _Launched) -> bool:
+        return any(r is not None and r.first_step <= job.step for r in self._rows)
+
+    def _decode_ahead(self) -> None:
+        """One token for every active row with the next step launched before this one's tokens are read back:
+        launch a step if none is in flight, launch the next one if it may be, then read back the oldest."""
+        t0 = time.perf_counter()
+        try:
+            while self._ahead and not self._in_step(self._ahead[0]):  # every row of it finished: nobody's tokens
+                self._retire(self._ahead.popleft(), accept=False)
+            if not self._ahead:
+                if not self._may_launch_ahead():  # rows whose next input the host decides: one step at a time
+                    self.stats.decode_s += time.perf_counter() - t0
+                    t0 = None
+                    self._decode()
+                    return
+                self._launch()
+            if self._may_launch_ahead() and self._room_for_step():
+                self._launch()
+                self.stats.ahead_steps += 1
+            self._advance_staging()  # host work while the device computes
+            self._retire(self._ahead.popleft())
+        finally:
+            if t0 is not None:
+                self.stats.decode_s += time.perf_counter() - t0
+
+    def _room_for_step(self) -> bool:
+        """Whether the cache has an index for one more step (shifting it if that makes room)."""
+        if self._ptr + 1 > self.max_length:
+            self._compact()
+        return self._ptr + 1 <= self.max_length
+
+    def _launch(self) -> None:
+        """Launch a one-token step, start copying its greedy tokens to the host, and set the next step's inputs
+        on the device (this step's tokens, positions and write index one on) without waiting for it."""
+        if not self._room_for_step():  # cannot happen: admission checks prompt + max_new <= max_length
+            raise DeltaZipError("the KV cache is full")
+        used = self._step_usage()
+        captures = self.captures
+        t0 = time.perf_counter()
+        cuda = self.device.type == "cuda"
+        timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+        if cuda:
+            timing[0].record()
+        self._decode_step(used[1])
+        copied = None
+        if cuda:
+            timing[1].record()
+            tokens = torch.empty(self._next.shape, dtype=self._next.dtype, pin_memory=True)
+            tokens.copy_(self._next, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            tokens = self._next.clone()
+        self._ptr += 1
+        self._cache.write.add_(1)
+        self._positions.add_(1)
+        self._ids[:, 0].copy_(self._next)  # finished rows are set to the pad token when they are read back
+        self._ahead.append(_Launched(self._launched, used, tokens, copied, timing, time.perf_counter() - t0,
+                                     self.captures == captures))
+        self._launched += 1
+
+    def _retire(self, job: _Launched, accept: bool = True) -> None:
+        """Read back a step launched ahead: its tokens go to the rows that were in it and are still active."""
+        if job.copied is not None:
+            job.copied.synchronize()
+        seconds = job.seconds if job.timing is None else job.timing[0].elapsed_time(job.timing[1]) / 1e3
+        self._count_step(job.used, seconds, sample=job.sample, wall=0.0)
+        if not accept:
+            return
+        greedy = job.tokens.tolist()
+        for i, r in enumerate(self._rows):
+            if r is not None and r.first_step <= job.step:
+                self._accept(i, greedy[i])
 
     # -- Jacobi steps
     def _advance_staging(self) -> None:
@@ -1139,10 +1259,11 @@ class DecodeEngine:
         entries = sum(self._ptr + 1 - r.start for r in rows)
         return len(rows), len(deltas), nbytes, entries
 
-    def _count_step(self, used: tuple, seconds: float, sample: bool = True) -> None:
+    def _count_step(self, used: tuple, seconds: float, sample: bool = True, wall: Optional[float] = None) -> None:
+        """Count a decode step of ``seconds`` (``wall``: its part of ``decode_s``, if not those)."""
         rows, deltas, delta_bytes, entries = used
         st = self.stats
-        st.decode_s += seconds
+        st.decode_s += seconds if wall is None else wall
         st.decode_steps += 1
         st.row_steps += self.max_batch_size
         st.idle_row_steps += self.max_batch_size - rows

@@ -431,6 +431,8 @@ def test_admission_variants_parse_and_refuse_bad_fields():
     assert eng.admission.cost_aware and eng.admission.max_bypass == 7 and eng.admission.min_free_rows is None
     eng = serve._make_engine(_tiny_model(), parse(SMOKE + ["--min-free-rows", "3"]))
     assert eng.admission.min_free_rows == 3
+    assert eng.fused_norms == 0
+    assert serve._make_engine(_tiny_model(), parse(SMOKE + ["--fused-norms"])).fused_norms > 0
     for bad in ("0", "few"):
         with pytest.raises(SystemExit):
             parse(SMOKE + ["--min-free-rows", bad])

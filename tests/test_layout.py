@@ -23,6 +23,7 @@ FOREIGN_PRIVATE = {
     "_attn_implementation",  # transformers' config: which attention function a model runs (no public getter)
     "_patch_lang_tensor",  # Triton's interpreter: wrapped for NumPy 2.4 on Triton 3.6 (kernels/_interpreter_compat.py)
     "_reinterpret",  # Gluon (experimental): a shared-memory buffer viewed with another layout; no public form in 3.6
+    "_functorch",  # torch._C._functorch.is_batchedtensor: a fused norm under vmap (a delta's per-row weights) runs its own forward
 }
 
 

@@ -635,7 +635,7 @@ def _make_engine(model, args):
 
     return DecodeEngine(model, max_batch_size=args.batch, max_length=_cache_length(args),
                         cuda_graphs=False if args.eager else None, max_deltas=args.max_deltas,
-                        admission=_admission(args))
+                        admission=_admission(args), fused_norms=getattr(args, "fused_norms", False))
 
 
 _VARIANT_FIELDS = {"max_bypass": "count", "cost_aware": "bool", "prefer_running": "bool", "max_prefill_tokens": "count",
@@ -1232,6 +1232,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", help="swap-disk: folder on a local disk for the files (default: a temporary folder)")
     p.add_argument("--max-seconds", type=float, default=120.0, help="cap per system: admit no request after it (default 120)")
     p.add_argument("--eager", action="store_true", help="decode without CUDA graphs")
+    p.add_argument("--fused-norms", action="store_true",
+                   help="every system's engine runs the model's RMSNorms in one Triton launch each (DecodeEngine(fused_norms=True))")
     p.add_argument("--prefill", choices=["auto", "fused", "dequant", "split"], default="auto",
                    help="deltazip systems: how prefills run the deltas (DeltaModel.configure_kernels; default auto: "
                         "split from 1024 tokens per forward, else fused)")

@@ -7,7 +7,8 @@ Both drive a :class:`~hf_deltazip.DeltaModel` through its public API only: ``mod
 """
 
 from .engine import AdmissionPolicy, DecodeEngine, EngineStats, Finished, Pending, auto_max_deltas, fit_step_costs
+from .norms import use_fused_norms
 from .server import DeltaServer, QueueFullError, RequestStats, TokenStream
 
 __all__ = ["AdmissionPolicy", "DecodeEngine", "EngineStats", "Finished", "Pending", "auto_max_deltas", "fit_step_costs",
-           "DeltaServer", "QueueFullError", "RequestStats", "TokenStream"]
+           "DeltaServer", "QueueFullError", "RequestStats", "TokenStream", "use_fused_norms"]

@@ -226,6 +226,32 @@ def test_decode_bench_times_both_decode_routes_and_every_prefill_route(tmp_path,
     assert all(r[f"{route}_ms"] > 0 for r in result["prefill"] for route in ("base", "fused", "dequant", "split"))
 
 
+def test_decode_bench_times_the_engine_with_fused_norms_and_switches_them_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the norm kernel through the interpreter
+    from hf_deltazip.serving import norms
+
+    switched = []
+    real = norms.use_fused_norms
+
+    def spy(model, enable=True):
+        n = real(model, enable)
+        switched.append((enable, n))
+        return n
+
+    monkeypatch.setattr(norms, "use_fused_norms", spy)
+    monkeypatch.setattr("hf_deltazip.serving.use_fused_norms", spy)
+    out = tmp_path / "norms.json"
+    assert decode.main(["--shape", "tiny", "--device", "cpu", "--deltas", "2", "--rows", "2", "--prompt-len", "6",
+                        "--new-tokens", "2", "--engine-steps", "4", "--prefill-len", "0", "--fused-norms",
+                        "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["decode"]
+    assert [r["U"] for r in rows] == [0, 2]
+    assert all(r["engine_tokens_per_s_fused_norms"] > 0 and r["engine_tokens_per_s"] > 0 for r in rows)
+    # switched on and back for the base alone and for the delta model, the same norms each time
+    assert [e for e, _ in switched] == [True, False, True, False] and len({n for _, n in switched}) == 1
+    assert switched[0][1] > 0
+
+
 def test_decode_cold_start_times_every_load_mode_from_a_real_file(tmp_path):
     # the cold-start bench end to end on the CPU: a .dz file written, read back six ways (pipelined or
     # whole, pinned or pageable host buffers, smaller pieces, two readers), each request answered, the temporary folder removed

@@ -124,6 +124,19 @@ def _engine_steps(text: str) -> int:
     return n
 
 
+def fused_norms_tokens_per_s(model, names, rows: int, prompt_len: int, steps: int) -> float:
+    """:func:`engine_tokens_per_s` with the model's RMSNorms in one launch each (``serving.use_fused_norms``),
+    switched back afterwards."""
+    from ..serving import use_fused_norms
+
+    if not use_fused_norms(model):
+        raise ValueError("the model has no Llama-style RMSNorm to fuse")
+    try:
+        return engine_tokens_per_s(model, names, rows, prompt_len, steps)
+    finally:
+        use_fused_norms(model, enable=False)
+
+
 def engine_tokens_per_s(model, names, rows: int, prompt_len: int, steps: int) -> float:
     """Decode tokens/s of ``rows`` rows through a DecodeEngine (CUDA graphs on a GPU), prefill excluded: ``steps``
     steps, of which the first three warm up (graph capture) and the rest are timed."""
@@ -558,6 +571,8 @@ def main(argv=None) -> int:
     p.add_argument("--decode-split", action="store_true",
                    help="also time the engine on each decode route, DeltaModel.configure_kernels(decode='fused' / "
                         "'split' (base by cuBLAS), the latter with the Triton kernel too")
+    p.add_argument("--fused-norms", action="store_true",
+                   help="also time the engine with the model's RMSNorms in one Triton launch each (serving.use_fused_norms)")
     p.add_argument("--profile", action="store_true",
                    help="also profile engine decode steps (base alone and each U) and the prefills (base alone, fused and "
                    "dequant routes): GPU time per step by kernel kind")
@@ -583,6 +598,10 @@ def main(argv=None) -> int:
         e = engine_tokens_per_s(base, None, args.rows, args.prompt_len, steps)
         result["decode"][-1]["engine_tokens_per_s"] = e
         print(f"base alone, engine (static cache, CUDA graphs): {e:8.1f} tokens/s", flush=True)
+        if args.fused_norms:
+            en = fused_norms_tokens_per_s(base, None, args.rows, args.prompt_len, steps)
+            result["decode"][-1]["engine_tokens_per_s_fused_norms"] = en
+            print(f"base alone, engine with fused norms: {en:8.1f} tokens/s ({en / e:.3f}x)", flush=True)
         if args.profile:
             prof = profile_engine_step(base, None, args.rows, args.prompt_len)
             result["decode"][-1]["profile"] = prof
@@ -611,6 +630,11 @@ def main(argv=None) -> int:
                                  "tokens_per_s": args.rows * args.new_tokens / t, "engine_tokens_per_s": e, "gpu_gib": mem})
         print(f"U={u:3d}: generate {args.rows * args.new_tokens / t:8.1f} tokens/s, engine {e:8.1f} tokens/s, "
               f"GPU memory {mem:.1f} GiB", flush=True)
+        en = None
+        if args.fused_norms:
+            en = fused_norms_tokens_per_s(dm, names, args.rows, args.prompt_len, steps)
+            result["decode"][-1]["engine_tokens_per_s_fused_norms"] = en
+            print(f"U={u:3d}: engine with fused norms {en:8.1f} tokens/s ({en / e:.3f}x)", flush=True)
         if args.decode_split:  # the same engine steps on each decode route (the figure above: the default)
             from ..kernels import multi_delta as md
 
@@ -636,6 +660,9 @@ def main(argv=None) -> int:
             print_profile(f"U={u}", prof)
         if args.peft and u == max(args.deltas) and not args.cold_start_only:
             result["decode"][-1]["engine_x_peft"] = e / peft_tps
+            if en is not None:
+                result["decode"][-1]["engine_fused_norms_x_peft"] = en / peft_tps
+                print(f"U={u:3d} against PEFT, engine with fused norms: {en / peft_tps:.1f}x", flush=True)
             result["decode"][-1]["generate_x_peft"] = args.rows * args.new_tokens / t / peft_tps
             print(f"U={u:3d} against PEFT: engine {e / peft_tps:.1f}x, generate {args.rows * args.new_tokens / t / peft_tps:.1f}x",
                   flush=True)

@@ -59,15 +59,21 @@ def test_plain_model_matches_generate_with_rows_joining_and_cache_shifts(arch, m
     assert engine.active == 0 and engine.free == 3
 
 
-def test_each_row_uses_its_own_delta(delta_dirs):
+@pytest.mark.parametrize("overlap", [False, True], ids=["one-step-at-a-time", "steps-launched-ahead"])
+def test_each_row_uses_its_own_delta(delta_dirs, overlap):
+    from hf_deltazip.serving import AdmissionPolicy
+
     model = DeltaModel(copy.deepcopy(base_model("llama")))
     for name, path in delta_dirs.items():
         model.load_delta(path, delta_name=name)
     ps = prompts(6, seed=3)
     names = ["d1", "d2", None, "d3", "d1", "d2"]
-    want = [alone(model, p, 6, delta_names=[n]) for p, n in zip(ps, names)]
-    engine = DecodeEngine(model, max_batch_size=4, max_length=24)
-    assert engine.run(ps, names, max_new_tokens=6) == want
+    news = [6, 3, 7, 2, 5, 6]
+    want = [alone(model, p, n, delta_names=[d]) for p, d, n in zip(ps, names, news)]
+    engine = DecodeEngine(model, max_batch_size=4, max_length=24, admission=AdmissionPolicy(overlap_steps=overlap))
+    assert engine.run(ps, names, max_new_tokens=news) == want
+    assert (engine.stats.ahead_steps > 0) == overlap
+    assert not any(model.cache.held.values()), "a finished row still holds its delta"
 
 
 def test_kernel_route_with_device_side_rows_under_interpreter(delta_dirs, monkeypatch):
@@ -517,20 +523,6 @@ def test_steps_launched_ahead_give_generates_tokens_with_rows_joining_mid_flight
     assert any(joined), "no request joined while a step was in flight: the test does not cover it"
     assert any(s > 0 for s in shifts), "the cache was never shifted: the test does not cover it"
     assert engine.stats.ahead_steps > 0 and engine.active == 0 and engine.free == 3
-
-
-def test_steps_launched_ahead_with_a_delta_per_row(delta_dirs):
-    model = DeltaModel(copy.deepcopy(base_model("llama")))
-    for name, path in delta_dirs.items():
-        model.load_delta(path, delta_name=name)
-    ps = prompts(6, seed=3)
-    names = ["d1", "d2", None, "d3", "d1", "d2"]
-    news = [6, 3, 7, 2, 5, 6]
-    want = [alone(model, p, n, delta_names=[d]) for p, d, n in zip(ps, names, news)]
-    engine = DecodeEngine(model, max_batch_size=4, max_length=24, admission=ahead())
-    assert engine.run(ps, names, max_new_tokens=news) == want
-    assert engine.stats.ahead_steps > 0
-    assert not any(model.cache.held.values()), "a finished row still holds its delta"
 
 
 @cuda

@@ -426,6 +426,8 @@ def test_admission_variants_parse_and_refuse_bad_fields():
     parse = serve.build_parser().parse_args
     with pytest.raises(SystemExit):
         parse(SMOKE + ["--admission-variant", "max_bypass=lots"])
+    with pytest.raises(SystemExit):  # a repeat would overwrite the first replay's results under the same name
+        serve.main(SMOKE + ["--admission-variant", "overlap_steps=on", "--admission-variant", "overlap_steps=on"])
     args = parse(SMOKE + ["--cost-aware", "--max-bypass", "7"])
     eng = serve._make_engine(_tiny_model(), args)
     assert eng.admission.cost_aware and eng.admission.max_bypass == 7 and eng.admission.min_free_rows is None

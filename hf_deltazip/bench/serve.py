@@ -1261,6 +1261,10 @@ def main(argv=None) -> int:
         p.error(f"unknown system(s) {unknown}: pick from {', '.join(SYSTEMS)}")
     if not 1 <= args.deltas:
         p.error("--deltas must be at least 1")
+    texts = [text for text, _ in args.admission_variant]
+    if len(set(texts)) != len(texts):  # each variant is reported under its text: a repeat would replace the first
+        p.error(f"--admission-variant {sorted({t for t in texts if texts.count(t) > 1})} given twice: each is reported "
+                "under its text, so spell a repeat differently (on / 1 / true)")
     for flag in ("batch", "host_buffers", "disk_files", "new_tokens"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1")

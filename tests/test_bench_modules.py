@@ -425,6 +425,26 @@ def test_host_overhead_bench_times_every_layer_and_puts_the_kernel_back(monkeypa
         host_overhead.measure(hidden=100)
 
 
+def test_host_overhead_counts_a_decode_steps_operations_with_either_norm_and_puts_the_kernel_back(tmp_path):
+    """bench.host_overhead --step-ops: every norm of the step (two per layer and the last) runs as one counted launch
+    with fused norms, the step computes fewer operations (transformers' bfloat16 norm: seven, one of them an add the
+    fused step still has elsewhere), and the kernel functions are put back."""
+    import json
+
+    from hf_deltazip.bench import host_overhead
+    from hf_deltazip.kernels import rms_norm as RN
+    from hf_deltazip.serving import norms
+
+    real = (RN.kernel_runs_on, RN._kernel, norms.kernel_runs_on)
+    out = tmp_path / "ops.json"
+    assert host_overhead.main(["--step-ops", "--layers", "2", "--rows", "3", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    t, f = res["transformers"], res["fused"]
+    assert t["norm_kernel_launches"] == 0 and f["norm_kernel_launches"] == f["norms_fused"] == 5
+    assert t["computing"] - f["computing"] == 6 * 5  # seven operations per norm become one launch
+    assert (RN.kernel_runs_on, RN._kernel, norms.kernel_runs_on) == real
+
+
 def test_host_overhead_staging_stages_every_delta_into_kept_room_and_restores_the_cache(monkeypatch, tmp_path):
     """bench.host_overhead --staging: each host-tier delta is staged, evicting one or into free room, into room the
     stacks kept (the bench refuses a staging that did not start), the interpreter setting is put back, and the JSON

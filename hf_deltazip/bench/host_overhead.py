@@ -22,6 +22,12 @@ which unlike the time does not depend on the machine. On the CPU the codes are r
 shifts and masks (29 operations per 2-bit layer, 17 of them computing), on a GPU with a byte table (10, 4 computing;
 ``kernels.layout.repack_for_kernel``), so a GPU's staging dispatches 19 fewer per 2-bit layer than counted here.
 
+``--step-ops``: the tensor operations one decode step of the engine dispatches (``DecodeEngine.step()`` on a Llama
+model of ``--layers`` decoder layers and ``--rows`` rows, eager on the CPU; on a GPU the computing ones are the kernel
+launches of the captured step and of the few operations around it), with transformers' RMSNorm and with the fused one
+(``DecodeEngine(fused_norms=True)``, its launch counted as one operation). Like ``ops_per_stage`` it does not depend
+on the machine or on the model's width.
+
 ``--repack``: both ways of repacking one layer's codes for the kernel (``kernels.layout.repack_for_kernel``) at
 8B layer shapes: the tensor operations each dispatches (the byte table's counted on meta tensors, which take the
 GPU's route), and the CPU milliseconds each computes for (the reason the CPU keeps the shifts).
@@ -38,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["measure", "measure_staging", "measure_repack", "main"]
+__all__ = ["measure", "measure_staging", "measure_repack", "measure_step_ops", "main"]
 
 
 class _NoLaunch:
@@ -131,6 +137,10 @@ def measure(hidden: int = 256, calls: int = 2000) -> list:
 
 # operations that make a view of a tensor and compute nothing (no launch on a GPU)
 _VIEW_OPS = ("view", "transpose", "_unsafe_view", "alias", "select", "slice")
+# operations that launch nothing on a GPU: views, shape changes and allocations
+_NO_LAUNCH_OPS = _VIEW_OPS + ("unsqueeze", "squeeze", "expand", "t", "permute", "as_strided", "detach", "_reshape_alias",
+                              "split", "split_with_sizes", "unbind", "narrow", "empty", "empty_like", "empty_strided",
+                              "lift_fresh", "_to_copy_meta")
 
 
 class _CountOps:
@@ -187,6 +197,49 @@ def measure_repack(bits_list=(2, 4), shapes=((4096, 4096), (14336, 4096), (4096,
     return rows
 
 
+def measure_step_ops(layers: int = 32, rows: int = 64, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Operations one decode step dispatches, by norm route: ``{"transformers": {...}, "fused": {...}}``, each with
+    ``total``, ``computing`` (all but views and allocations: a kernel launch each on a GPU), the norm kernel's
+    launches counted among them, and the most frequent operations. The model is in ``dtype`` (as served: transformers'
+    norm casts a 16-bit input to float32 and back, two operations more than in float32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ..kernels import rms_norm as RN
+    from ..serving import DecodeEngine, norms
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=1, head_dim=16, vocab_size=128)
+    launches = []
+
+    class CountedLaunch:  # the norm kernel: counted, launches nothing (the step's values are not looked at)
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(1)
+
+    real_runs, real_kernel = RN.kernel_runs_on, RN._kernel
+    RN.kernel_runs_on = norms.kernel_runs_on = lambda device: True
+    RN._kernel = lambda: CountedLaunch()
+    out = {}
+    try:
+        with torch.no_grad():
+            for route, fused in (("transformers", False), ("fused", True)):
+                torch.manual_seed(0)
+                engine = DecodeEngine(LlamaForCausalLM(cfg).to(dtype).eval(), max_batch_size=rows, max_length=32, fused_norms=fused)
+                engine.add([[1, 2, 3]] * rows, max_new_tokens=16, eos_token_id=None)
+                engine.step()  # the first step sets up what later steps reuse
+                launches.clear()
+                with _CountOps() as count:
+                    engine.step()
+                counts = count.counts
+                computing = sum(v for o, v in counts.items() if o not in _NO_LAUNCH_OPS)
+                out[route] = {"total": sum(counts.values()) + len(launches), "computing": computing + len(launches),
+                              "norm_kernel_launches": len(launches), "norms_fused": engine.fused_norms,
+                              "top": dict(counts.most_common(10))}
+    finally:
+        RN.kernel_runs_on = norms.kernel_runs_on = real_runs
+        RN._kernel = real_kernel
+    return out
+
+
 def measure_staging(hidden: int = 256, layers: int = 32, deltas: int = 8) -> dict:
     """Host milliseconds to stage each of ``deltas`` host-tier deltas into a model of ``layers`` decoder layers:
     ``{"stage_ms": [...], "free_room_ms": [...], "modules": n, "ops_per_stage": {...}}``, the first with room for two
@@ -233,11 +286,26 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=256, help="model width (a multiple of 256)")
     p.add_argument("--calls", type=int, default=2000, help="timed calls per round (best of 3 rounds)")
     p.add_argument("--staging", action="store_true", help="time staging a delta ahead of use instead (see above)")
-    p.add_argument("--layers", type=int, default=32, help="--staging: decoder layers (default 32)")
+    p.add_argument("--layers", type=int, default=32, help="--staging, --step-ops: decoder layers (default 32)")
+    p.add_argument("--step-ops", action="store_true", help="count the operations of one decode step, both norm routes")
+    p.add_argument("--rows", type=int, default=64, help="--step-ops: rows of the step (default 64)")
     p.add_argument("--deltas", type=int, default=8, help="--staging: deltas staged one after another (default 8)")
     p.add_argument("--repack", action="store_true", help="count and time the two ways of repacking codes (see above)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
+    if args.step_ops:
+        res = measure_step_ops(args.layers, args.rows)
+        print(f"operations of one decode step, {args.layers} decoder layers, {args.rows} rows, bfloat16 "
+              f"(torch {torch.__version__}): "
+              "all / computing (a kernel launch each on a GPU)")
+        for route, r in res.items():
+            print(f"{route} RMSNorm: {r['total']} / {r['computing']} (norm kernel launches {r['norm_kernel_launches']}); "
+                  "most: " + ", ".join(f"{k} {v}" for k, v in r["top"].items()))
+        t, f = res["transformers"]["computing"], res["fused"]["computing"]
+        print(f"fused norms: {t - f} fewer computing operations per step ({f / t:.2f}x)")
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=2))
+        return 0
     if args.repack:
         rows = measure_repack()
         print(f"repacking one layer's codes for the kernel (torch {torch.__version__}, {os.cpu_count()} CPUs): "

@@ -140,7 +140,7 @@ _VIEW_OPS = ("view", "transpose", "_unsafe_view", "alias", "select", "slice")
 # operations that launch nothing on a GPU: views, shape changes and allocations
 _NO_LAUNCH_OPS = _VIEW_OPS + ("unsqueeze", "squeeze", "expand", "t", "permute", "as_strided", "detach", "_reshape_alias",
                               "split", "split_with_sizes", "unbind", "narrow", "empty", "empty_like", "empty_strided",
-                              "lift_fresh", "_to_copy_meta")
+                              "lift_fresh", "promote_types")
 
 
 class _CountOps:

@@ -454,17 +454,17 @@ def layer_bytes(
 # --------------------------------------------------------------------------- launcher
 
 
-def triton_kernel(name: str = "multi_delta_linear_kernel"):
-    """The compiled Triton kernel ``name`` (interpreted under ``TRITON_INTERPRET=1``); imports Triton on first use."""
-    from . import _multi_delta_triton as mod  # triton is imported here, on first use
+def triton_kernel(name: str = "multi_delta_linear_kernel", module: str = "_multi_delta_triton"):
+    """The compiled Triton kernel ``name`` of ``module`` (a module of this package; interpreted under
+    ``TRITON_INTERPRET=1``); imports Triton on first use."""
+    import importlib
 
+    mod = importlib.import_module(f".{module}", __package__)  # triton is imported here, on first use
     if _interpreting():
         _interpreter_compat.ensure()
     kern = getattr(mod, name)
     interpreted = type(kern).__name__ == "InterpretedFunction"
     if interpreted != _interpreting():  # TRITON_INTERPRET changed since the first import
-        import importlib
-
         mod = importlib.reload(mod)
         kern = getattr(mod, name)
     return kern

@@ -10,14 +10,10 @@ from hf_deltazip.kernels.rms_norm import rms_norm, rms_norm_reference
 from hf_deltazip.serving import DecodeEngine, use_fused_norms
 
 from model_factory import base_model, calibration_ids
+from test_kernels import interpret  # noqa: F401 - the shared fixture
 
 pytest.importorskip("triton")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -364,9 +364,8 @@ class _Launched:
     step: int  # its number: rows with ``first_step <= step`` were in it
     used: tuple  # _step_usage() when it was launched
     tokens: torch.Tensor  # its greedy tokens, being copied to the host
-    copied: Optional[object]  # CUDA event after that copy (None: on the CPU, copied already)
-    timing: Optional[tuple]  # CUDA timing events around the step (None: host seconds below)
-    seconds: float  # host seconds of its launch
+    events: Optional[tuple]  # CUDA timing events before the step and after the copy (None: on the CPU, done)
+    seconds: float  # host seconds of its launch (the step's cost on the CPU)
     sample: bool  # it captured no CUDA graph: a sample of a step's cost
 
 
@@ -429,7 +428,7 @@ class DecodeEngine:
             their own (:meth:`jacobi_gate`): a delta that falls back takes one token per step, also inside
             the wide steps of another delta whose rows still pay. ``None``: never fall back.
         fused_norms: run the model's Llama-style RMSNorms in one Triton launch each on CUDA
-            (:func:`~hf_deltazip.serving.use_fused_norms`; ``fused_norms`` is then how many): about 520 fewer
+            (:func:`~hf_deltazip.serving.use_fused_norms`; ``fused_norms`` is then how many): 455 fewer
             launches per decode step at 8B shapes. The model keeps them after the engine;
             ``use_fused_norms(model, False)`` switches back. Outputs can differ from transformers' norm in the
             last bit of a 16-bit value (the sum of squares is added in another order). Not yet measured on a
@@ -1023,6 +1022,8 @@ class DecodeEngine:
         self._cache.write.fill_(self._ptr)
 
     def _decode(self) -> None:
+        if self._ahead:
+            self._retire_unused()
         if self._ahead or self._may_launch_ahead():
             self._decode_ahead()
             return
@@ -1067,19 +1068,21 @@ class DecodeEngine:
     def _in_step(self, job: _Launched) -> bool:
         return any(r is not None and r.first_step <= job.step for r in self._rows)
 
+    def _retire_unused(self) -> None:
+        """Read back (and count) the steps in flight whose rows have all finished since: nobody takes their tokens."""
+        t0 = time.perf_counter()
+        try:
+            while self._ahead and not self._in_step(self._ahead[0]):
+                self._retire(self._ahead.popleft(), accept=False)
+        finally:
+            self.stats.decode_s += time.perf_counter() - t0
+
     def _decode_ahead(self) -> None:
         """One token for every active row with the next step launched before this one's tokens are read back:
         launch a step if none is in flight, launch the next one if it may be, then read back the oldest."""
         t0 = time.perf_counter()
         try:
-            while self._ahead and not self._in_step(self._ahead[0]):  # every row of it finished: nobody's tokens
-                self._retire(self._ahead.popleft(), accept=False)
             if not self._ahead:
-                if not self._may_launch_ahead():  # rows whose next input the host decides: one step at a time
-                    self.stats.decode_s += time.perf_counter() - t0
-                    t0 = None
-                    self._decode()
-                    return
                 self._launch()
             if self._may_launch_ahead() and self._room_for_step():
                 self._launch()
@@ -1087,8 +1090,7 @@ class DecodeEngine:
             self._advance_staging()  # host work while the device computes
             self._retire(self._ahead.popleft())
         finally:
-            if t0 is not None:
-                self.stats.decode_s += time.perf_counter() - t0
+            self.stats.decode_s += time.perf_counter() - t0
 
     def _room_for_step(self) -> bool:
         """Whether the cache has an index for one more step (shifting it if that makes room)."""
@@ -1105,32 +1107,30 @@ class DecodeEngine:
         captures = self.captures
         t0 = time.perf_counter()
         cuda = self.device.type == "cuda"
-        timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
         if cuda:
-            timing[0].record()
+            events[0].record()
         self._decode_step(used[1])
-        copied = None
         if cuda:
-            timing[1].record()
             tokens = torch.empty(self._next.shape, dtype=self._next.dtype, pin_memory=True)
             tokens.copy_(self._next, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
+            events[1].record()
         else:
             tokens = self._next.clone()
         self._ptr += 1
         self._cache.write.add_(1)
         self._positions.add_(1)
         self._ids[:, 0].copy_(self._next)  # finished rows are set to the pad token when they are read back
-        self._ahead.append(_Launched(self._launched, used, tokens, copied, timing, time.perf_counter() - t0,
+        self._ahead.append(_Launched(self._launched, used, tokens, events, time.perf_counter() - t0,
                                      self.captures == captures))
         self._launched += 1
 
     def _retire(self, job: _Launched, accept: bool = True) -> None:
         """Read back a step launched ahead: its tokens go to the rows that were in it and are still active."""
-        if job.copied is not None:
-            job.copied.synchronize()
-        seconds = job.seconds if job.timing is None else job.timing[0].elapsed_time(job.timing[1]) / 1e3
+        seconds = job.seconds
+        if job.events is not None:
+            job.events[1].synchronize()
+            seconds = job.events[0].elapsed_time(job.events[1]) / 1e3
         self._count_step(job.used, seconds, sample=job.sample, wall=0.0)
         if not accept:
             return

@@ -576,3 +576,37 @@ def test_sampled_jacobi_eos_and_cancelled_rows_among_steps_launched_ahead_answer
     assert want[0] == (greedy[:stop], "eos") and want[1][1] == "cancelled" and want[4] == (greedy, "length")
     assert want[3][0] == alone(model.base_model, ps[3], 7) and want[3][1] == "length"
     assert stats.ahead_steps > 0
+
+
+@cuda
+def test_an_admission_queues_its_prefill_without_waiting_for_the_gpu(delta_dirs):
+    """Admitting requests whose deltas are resident waits for the device only when it reads the first tokens
+    back: a host copy or a host decision before then would make a prefill wait for the step in flight, and
+    each prefill layer for the one before it."""
+    model = DeltaModel(copy.deepcopy(base_model("llama")).to("cuda", torch.bfloat16))
+    for name, path in delta_dirs.items():
+        model.load_delta(path, delta_name=name)
+    ps = prompts(6, seed=8)
+    names = ["d1", "d2", None, "d3", "d1", "d2"]
+    want = DecodeEngine(model, max_batch_size=4, max_length=32).run(ps, names, max_new_tokens=4)
+    engine = DecodeEngine(model, max_batch_size=4, max_length=32)
+    engine.add(ps[:2], names[:2], max_new_tokens=4)  # compiles, builds the cache and the routing tables
+    engine.step()
+    choose = engine._choose
+
+    def read_back(*args, **kwargs):  # the one wait an admission needs
+        torch.cuda.set_sync_debug_mode(0)
+        return choose(*args, **kwargs)
+
+    engine._choose = read_back
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        handles = engine.add(ps[2:4], names[2:4], max_new_tokens=4)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    engine._choose = choose
+    done = {}
+    while engine.active:
+        done.update((f.handle, f.tokens) for f in engine.step())
+    assert [done[h] for h in handles] == want[2:4]

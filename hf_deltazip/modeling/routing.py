@@ -25,11 +25,23 @@ import torch
 
 from ..errors import DeltaZipError
 
-__all__ = ["BatchRouting", "Router", "LayoutVersion", "KernelPolicy", "BASE_SLOT", "DECODE_SPLIT_MIN_DELTAS"]
+__all__ = ["BatchRouting", "Router", "LayoutVersion", "KernelPolicy", "BASE_SLOT", "DECODE_SPLIT_MIN_DELTAS",
+           "host_to_device"]
 
 BASE_SLOT = -1
 #: distinct deltas from which ``KernelPolicy(decode="auto")`` takes the split route (see there)
 DECODE_SPLIT_MIN_DELTAS = 6
+
+
+def host_to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for the device. A copy out of pageable host memory waits
+    until the GPU has run everything queued before it (a prefill's first layer would wait for the decode
+    step in flight, and its later layers for the earlier ones); out of page-locked memory it is queued like a
+    kernel. PyTorch's page-locked allocator keeps the buffer until the queued copy has run."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -88,7 +100,7 @@ class BatchRouting:
         key = (batch, str(device))
         t = self._device_cache.get(key)
         if t is None:
-            t = self._device_cache[key] = torch.tensor(self.rows_for(batch), dtype=torch.int32, device=device)
+            t = self._device_cache[key] = host_to_device(torch.tensor(self.rows_for(batch), dtype=torch.int32), device)
         return t
 
     def kernel_rows(self, batch: int, tokens: int, device) -> tuple:
@@ -113,7 +125,7 @@ class BatchRouting:
         hit = self._device_cache.get(key)
         if hit is None:
             r = torch.tensor(rows, dtype=torch.long)
-            hit = self._device_cache[key] = (r[:, None] * tokens + torch.arange(tokens)).reshape(-1).to(device)
+            hit = self._device_cache[key] = host_to_device((r[:, None] * tokens + torch.arange(tokens)).reshape(-1), device)
         return hit
 
 

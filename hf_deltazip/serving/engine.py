@@ -60,7 +60,7 @@ import torch
 from ..errors import DeltaZipError
 from ..modeling.cache import Residency
 from ..modeling.quantized import device_map_problem
-from ..modeling.routing import BatchRouting
+from ..modeling.routing import BatchRouting, host_to_device
 from ..modeling.tensor_parallel import tensor_parallel_problem
 from ..decoding.jacobi import JacobiGate
 from ..decoding.scope import sparsify_positions_from
@@ -902,7 +902,7 @@ class DecodeEngine:
         for i, p in enumerate(prompts):
             ids[i, width - len(p):] = torch.tensor(p)
             real[i, width - len(p):] = True
-        ids, real = ids.to(self.device), real.to(self.device)
+        ids, real = host_to_device(ids, self.device), host_to_device(real, self.device)  # queued: no wait for a step in flight
         positions = (real.long().cumsum(-1) - 1).clamp(min=0)
         causal = torch.ones((width, width), dtype=torch.bool, device=self.device).tril()
         allowed = causal[None] & real[:, None, :]
@@ -940,7 +940,7 @@ class DecodeEngine:
             raise DeltaZipError("the model did not hand every layer's keys to the cache: this architecture is not supported by DecodeEngine")
         self._ensure_cache(prefill)
         lo, hi = self._ptr - width, self._ptr
-        index = torch.tensor(rows, device=self.device)
+        index = host_to_device(torch.tensor(rows), self.device)
         with torch.no_grad():
             for layer, (k, v) in enumerate(prefill):
                 self._cache.keys[layer][index, :, lo:hi] = k.to(self.dtype)

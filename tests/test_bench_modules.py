@@ -647,3 +647,19 @@ def test_decode_bench_refuses_fewer_engine_steps_than_it_warms_up():
         decode.main(["--shape", "tiny", "--device", "cpu", "--engine-steps", "3"])
     with pytest.raises(ValueError, match="at least 4 steps"):
         decode.engine_tokens_per_s(None, [None], 1, 4, 3)
+
+
+def test_admission_bench_times_an_admission_idle_and_behind_a_step_in_flight(tmp_path):
+    """bench.admission on the CPU: the admitted prompts are cancelled again so the busy rows keep decoding, the
+    overlap mode launched steps ahead, and a row budget that cannot hold the prompts is refused."""
+    from hf_deltazip.bench import admission
+
+    out = tmp_path / "adm.json"
+    assert admission.main(["--shape", "tiny", "--rows", "6", "--busy", "3", "--prompts", "2", "--prompt-len", "8",
+                           "--deltas", "2", "--repeats", "2", "--device", "cpu", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert (got["layers"], got["busy"], got["prompts"]) == (2, 3, 2) and "syncs" not in got  # sync sites: GPU only
+    assert min(got["idle_ms"], got["gpu_busy_ms"], got["in_flight_ms"], got["step_ms"]) > 0
+    assert got["ahead_steps"] > 0
+    with pytest.raises(ValueError, match="do not fit --rows"):
+        admission.measure("tiny", rows=4, busy=3, prompts=2, device="cpu")

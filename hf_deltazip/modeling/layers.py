@@ -30,8 +30,14 @@ from ..quantization import dequantize_module_weight, logical_weight_shape
 from .activation_sparsity import add_sparsity_correction, base_sees_whole_input, kernel_sparsity, sparsify_module_input
 from .arch import conv1d_class
 from .quantized import base_runs_itself, unhooked
-from .routing import BASE_SLOT, KernelPolicy, LayoutVersion, Router
+from .routing import BASE_SLOT, KernelPolicy, LayoutVersion, Router, host_to_device
 from .tensor_parallel import TPShard, local_tensor
+
+
+def _index(rows, device) -> torch.Tensor:
+    """Row numbers as a long tensor on ``device``, queued without waiting for the device (a copy out of
+    pageable memory would wait for every kernel queued before it: see ``routing.host_to_device``)."""
+    return host_to_device(torch.tensor(rows, dtype=torch.long), device)
 
 
 def _groups(slots: list) -> dict:
@@ -373,7 +379,7 @@ class DeltaLinear(DeltaModule):
             p = self.packed.get(slot)
             if p is None and not ov:
                 continue
-            idx = torch.tensor(rows, device=x.device)
+            idx = _index(rows, x.device)
             xr = x.index_select(0, idx)
             if "weight" in ov:  # replaced outright: the base is not needed
                 yr = F.linear(xr, self.merged_weight(slot, x.dtype), _cast(self.merged_bias(slot), x.dtype))
@@ -385,7 +391,7 @@ class DeltaLinear(DeltaModule):
                     yr = yr + F.linear(xr, p.dequantize().to(device=x.device, dtype=x.dtype))
                 if "bias" in ov:
                     yr[..., :n] += self._bias_row(ov["bias"].to(x.device)).to(yr.dtype)
-            out[rows, ..., : yr.shape[-1]] = yr
+            out[idx, ..., : yr.shape[-1]] = yr
         return out
 
     def _forward_sharded(self, x: torch.Tensor, slots: list) -> torch.Tensor:
@@ -402,7 +408,7 @@ class DeltaLinear(DeltaModule):
             p = self.packed.get(slot)
             if p is None:
                 continue
-            idx = torch.tensor(rows, device=x.device)
+            idx = _index(rows, x.device)
             part = F.linear(x.index_select(0, idx), p.dequantize().to(device=x.device, dtype=x.dtype))
             if delta is None:
                 delta = y if fused else y.new_zeros((*y.shape[:-1], part.shape[-1]))
@@ -418,7 +424,8 @@ class DeltaLinear(DeltaModule):
         for slot, rows in groups.items():
             b = self.overrides.get(slot, {}).get("bias")
             if b is not None:  # this rank's part of (b_u - b_base), added once, after the sum
-                y[rows] = y[rows] + self._bias_row(b.to(x.device)).to(y.dtype)
+                idx = _index(rows, y.device)
+                y[idx] = y[idx] + self._bias_row(b.to(x.device)).to(y.dtype)
         return y
 
     def _pad_out(self, y):
@@ -431,7 +438,7 @@ class DeltaLinear(DeltaModule):
         width = self.out_width()
         out = None
         for slot, rows in _groups(slots).items():
-            idx = torch.tensor(rows, device=x.device)
+            idx = _index(rows, x.device)
             xr = x.index_select(0, idx)
             if slot in self.packed or slot in self.overrides:
                 y = F.linear(xr, self.merged_weight(slot, x.dtype), _cast(self.merged_bias(slot), x.dtype))
@@ -440,7 +447,7 @@ class DeltaLinear(DeltaModule):
             if out is None:
                 fill = float("-inf") if self.is_output_embedding else 0.0
                 out = y.new_full((x.shape[0], *y.shape[1:-1], width), fill)
-            out[rows, ..., : y.shape[-1]] = y
+            out[idx, ..., : y.shape[-1]] = y
         return out
 
     # -- kernel path (CUDA; or the Triton interpreter when use_kernels="always")
@@ -856,7 +863,7 @@ class DeltaEmbedding(DeltaModule):
         out = None
         w = self.base_layer.weight
         for slot, rows in _groups(slots).items():
-            idx = torch.tensor(rows, device=ids.device)
+            idx = _index(rows, ids.device)
             r_ids = ids.index_select(0, idx)
             if slot not in self.packed and "weight" not in self.overrides.get(slot, {}):
                 y = self.base_layer(r_ids)
@@ -868,7 +875,7 @@ class DeltaEmbedding(DeltaModule):
                 y = self._scaled(self._lookup(slot, r_ids))
             if out is None:
                 out = y.new_empty((ids.shape[0], *y.shape[1:]))
-            out[rows] = y
+            out[idx] = y
         return out
 
     def _forward_tp(self, ids: torch.Tensor, slots: list) -> torch.Tensor:
@@ -884,12 +891,13 @@ class DeltaEmbedding(DeltaModule):
             p = self.packed.get(slot)
             if p is None:
                 continue
-            r_ids = ids.index_select(0, torch.tensor(rows, device=ids.device)) - start
+            idx = _index(rows, ids.device)
+            r_ids = ids.index_select(0, idx) - start
             inside = (r_ids >= 0) & (r_ids < end - start)
             found = _dequantize_rows(p, r_ids.clamp(0, end - start - 1).reshape(-1)).view(*r_ids.shape, -1)
             if delta is None:
                 delta = torch.zeros(*ids.shape, found.shape[-1], dtype=torch.float32, device=w.device)
-            delta[rows] = found.to(w.device) * inside[..., None].to(w.device)
+            delta[idx.to(w.device)] = found.to(w.device) * inside[..., None].to(w.device)
         if delta is None:
             return y
         if self.tp.mode == "rows":
@@ -1036,7 +1044,7 @@ class DeltaOverride(DeltaModule):
             x = x.expand(batch, *x.shape[1:])
         out = None
         for slot, rows in _groups(slots).items():
-            idx = torch.tensor(rows, device=x.device)
+            idx = _index(rows, x.device)
             xr = x.index_select(0, idx)
             # per-row tensors beside x (OPT's position ids, an MoE block's routing) are split the same way
             r_args = [_take_rows(a, idx, batch) for a in args]
@@ -1046,7 +1054,7 @@ class DeltaOverride(DeltaModule):
                 y = torch.func.functional_call(unhooked(self.base_layer, xr.device), params, (xr, *r_args), r_kwargs)
             else:
                 y = self.base_layer(xr, *r_args, **r_kwargs)
-            out = _put_rows(out, rows, y, batch)
+            out = _put_rows(out, idx, y, batch)
         return out
 
 
@@ -1057,15 +1065,15 @@ def _take_rows(value, idx: torch.Tensor, batch: int):
     return value
 
 
-def _put_rows(out, rows: list, y, batch: int):
-    """Write ``y`` (a tensor, or a tuple of them such as an MoE router's outputs) into rows ``rows`` of
-    ``out``, made on first use with ``batch`` rows."""
+def _put_rows(out, idx: torch.Tensor, y, batch: int):
+    """Write ``y`` (a tensor, or a tuple of them such as an MoE router's outputs) into rows ``idx`` (a long
+    tensor) of ``out``, made on first use with ``batch`` rows."""
     if isinstance(y, tuple):
         olds = (None,) * len(y) if out is None else out
-        return tuple(_put_rows(o, rows, v, batch) for o, v in zip(olds, y))
+        return tuple(_put_rows(o, idx, v, batch) for o, v in zip(olds, y))
     if not torch.is_tensor(y):
         return y
     if out is None:
         out = y.new_empty((batch, *y.shape[1:]))
-    out[rows] = y
+    out[idx.to(out.device)] = y
     return out

@@ -36,11 +36,6 @@ import torch
 __all__ = ["measure", "main"]
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _sync_sites(fn) -> collections.Counter:
     """Synchronising CUDA operations ``fn`` runs, counted by their innermost call sites in this package."""
     sites: collections.Counter = collections.Counter()
@@ -53,25 +48,21 @@ def _sync_sites(fn) -> collections.Counter:
                   if "hf_deltazip" in f.filename or f"{os.sep}kernels{os.sep}" in f.filename]
         sites[" <- ".join(reversed(frames[-3:])) or "(outside the package)"] += 1
 
-    warnings.showwarning = record
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                fn()
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-    finally:
-        warnings.showwarning = original
+    with warnings.catch_warnings():  # puts showwarning back too
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
     return sites
 
 
 def measure(shape: str = "8b", layers=None, deltas: int = 8, rows: int = 64, busy: int = 48, prompts: int = 6,
             prompt_len: int = 128, repeats: int = 3, device: str = "cuda") -> dict:
     from hf_deltazip import DeltaModel
-    from hf_deltazip.bench.decode import build_base, profile_calls, random_delta
+    from hf_deltazip.bench.decode import _sync, build_base, profile_calls, random_delta
     from hf_deltazip.serving import AdmissionPolicy, DecodeEngine
 
     if busy + prompts > rows:
@@ -101,7 +92,7 @@ def measure(shape: str = "8b", layers=None, deltas: int = 8, rows: int = 64, bus
 
     admit()  # the routing tables of this mix, the prefill's kernels
     engine.step()
-    _sync(dev)
+    _sync()
     out = {"shape": shape, "layers": layers or base.config.num_hidden_layers, "deltas": deltas, "rows": rows,
            "busy": busy, "prompts": prompts, "prompt_len": prompt_len, "device": str(dev)}
     if dev.type == "cuda":
@@ -110,7 +101,7 @@ def measure(shape: str = "8b", layers=None, deltas: int = 8, rows: int = 64, bus
         out["syncs"] = dict(sites.most_common())
     idle = []
     for _ in range(repeats):
-        _sync(dev)
+        _sync()
         t = time.perf_counter()
         admit()
         idle.append((time.perf_counter() - t) * 1e3)
@@ -128,11 +119,11 @@ def measure(shape: str = "8b", layers=None, deltas: int = 8, rows: int = 64, bus
         admit()
         ahead.append((time.perf_counter() - t) * 1e3)
     out["in_flight_ms"] = statistics.median(ahead)
-    _sync(dev)
+    _sync()
     t = time.perf_counter()
     for _ in range(8):
         engine.step()
-    _sync(dev)
+    _sync()
     out["step_ms"] = (time.perf_counter() - t) / 8 * 1e3
     out["ahead_steps"] = engine.stats.ahead_steps
     return out

@@ -30,14 +30,14 @@ from ..quantization import dequantize_module_weight, logical_weight_shape
 from .activation_sparsity import add_sparsity_correction, base_sees_whole_input, kernel_sparsity, sparsify_module_input
 from .arch import conv1d_class
 from .quantized import base_runs_itself, unhooked
-from .routing import BASE_SLOT, KernelPolicy, LayoutVersion, Router, host_to_device
+from .routing import BASE_SLOT, KernelPolicy, LayoutVersion, Router
 from .tensor_parallel import TPShard, local_tensor
 
 
-def _index(rows, device) -> torch.Tensor:
-    """Row numbers as a long tensor on ``device``, queued without waiting for the device (a copy out of
-    pageable memory would wait for every kernel queued before it: see ``routing.host_to_device``)."""
-    return host_to_device(torch.tensor(rows, dtype=torch.long), device)
+def _index(router: Router, rows: list, device) -> torch.Tensor:
+    """Batch rows ``rows`` as a long tensor on ``device``: made once per batch and copied without waiting
+    for the device (``BatchRouting.token_rows``), where every layer used to copy them again."""
+    return router.current.token_rows(tuple(rows), 1, device)
 
 
 def _groups(slots: list) -> dict:
@@ -379,7 +379,7 @@ class DeltaLinear(DeltaModule):
             p = self.packed.get(slot)
             if p is None and not ov:
                 continue
-            idx = _index(rows, x.device)
+            idx = _index(self.router, rows, x.device)
             xr = x.index_select(0, idx)
             if "weight" in ov:  # replaced outright: the base is not needed
                 yr = F.linear(xr, self.merged_weight(slot, x.dtype), _cast(self.merged_bias(slot), x.dtype))
@@ -408,7 +408,7 @@ class DeltaLinear(DeltaModule):
             p = self.packed.get(slot)
             if p is None:
                 continue
-            idx = _index(rows, x.device)
+            idx = _index(self.router, rows, x.device)
             part = F.linear(x.index_select(0, idx), p.dequantize().to(device=x.device, dtype=x.dtype))
             if delta is None:
                 delta = y if fused else y.new_zeros((*y.shape[:-1], part.shape[-1]))
@@ -424,7 +424,7 @@ class DeltaLinear(DeltaModule):
         for slot, rows in groups.items():
             b = self.overrides.get(slot, {}).get("bias")
             if b is not None:  # this rank's part of (b_u - b_base), added once, after the sum
-                idx = _index(rows, y.device)
+                idx = _index(self.router, rows, y.device)
                 y[idx] = y[idx] + self._bias_row(b.to(x.device)).to(y.dtype)
         return y
 
@@ -438,7 +438,7 @@ class DeltaLinear(DeltaModule):
         width = self.out_width()
         out = None
         for slot, rows in _groups(slots).items():
-            idx = _index(rows, x.device)
+            idx = _index(self.router, rows, x.device)
             xr = x.index_select(0, idx)
             if slot in self.packed or slot in self.overrides:
                 y = F.linear(xr, self.merged_weight(slot, x.dtype), _cast(self.merged_bias(slot), x.dtype))
@@ -863,7 +863,7 @@ class DeltaEmbedding(DeltaModule):
         out = None
         w = self.base_layer.weight
         for slot, rows in _groups(slots).items():
-            idx = _index(rows, ids.device)
+            idx = _index(self.router, rows, ids.device)
             r_ids = ids.index_select(0, idx)
             if slot not in self.packed and "weight" not in self.overrides.get(slot, {}):
                 y = self.base_layer(r_ids)
@@ -891,7 +891,7 @@ class DeltaEmbedding(DeltaModule):
             p = self.packed.get(slot)
             if p is None:
                 continue
-            idx = _index(rows, ids.device)
+            idx = _index(self.router, rows, ids.device)
             r_ids = ids.index_select(0, idx) - start
             inside = (r_ids >= 0) & (r_ids < end - start)
             found = _dequantize_rows(p, r_ids.clamp(0, end - start - 1).reshape(-1)).view(*r_ids.shape, -1)
@@ -1044,7 +1044,7 @@ class DeltaOverride(DeltaModule):
             x = x.expand(batch, *x.shape[1:])
         out = None
         for slot, rows in _groups(slots).items():
-            idx = _index(rows, x.device)
+            idx = _index(self.router, rows, x.device)
             xr = x.index_select(0, idx)
             # per-row tensors beside x (OPT's position ids, an MoE block's routing) are split the same way
             r_args = [_take_rows(a, idx, batch) for a in args]

@@ -129,6 +129,39 @@ def test_added_tokens_and_tied_embeddings(tmp_path):
         assert torch.equal(mixed[0], alone)
         assert torch.equal(mixed[1, :, :VOCAB], base_alone)
         assert bool(torch.isinf(mixed[1, :, VOCAB:]).all())  # the base cannot produce the new tokens
+        with pytest.raises(DeltaZipError, match=f"token id {VOCAB + 4} is outside this fine-tune's vocabulary of {VOCAB + 4}"):
+            model(input_ids=torch.tensor([[3, VOCAB + 4]]), delta_names=["big"])
+
+
+def test_the_engine_checks_a_prompt_against_its_fine_tunes_vocabulary_from_the_host(tmp_path):
+    """The engine knows its prompts' ids on the host and hands each row's largest to the embedding, which checks it
+    without reading the ids back from the device; an id past the fine-tune's added tokens fails the admission
+    alone: its rows stay free and the requests already running go on."""
+    from hf_deltazip.modeling.routing import BatchRouting
+    from hf_deltazip.serving import DecodeEngine
+
+    routing = BatchRouting.per_row([0, -1], max_ids=[9, 4])
+    assert routing.max_id_of([0, 1], 2) == 9 and routing.max_id_of([1], 2) == 4
+    assert routing.max_id_of([2, 3], 4) == 4  # rows repeated (beams): row r is request r // 2
+    assert BatchRouting.per_row([0, 1]).max_id_of([0], 2) is None  # unknown: the module reads them back
+    with pytest.raises(DeltaZipError, match="2 rows but 1 max_ids"):
+        BatchRouting.per_row([0, 1], max_ids=[3])
+    ft = finetune("llama", 5, added_tokens=4)
+    cfg = DeltaZipConfig(bits=4, group_size=32, n_samples=4, seq_len=16)
+    compress(base_model("llama"), ft, cfg, calibration=calibration_ids(n=4, length=16), progress=False).save_pretrained(tmp_path)
+    model = DeltaModel.from_pretrained(tmp_path, base=copy.deepcopy(base_model("llama")), delta_name="big")
+    engine = DecodeEngine(model, max_batch_size=3, max_length=16)
+    ok = engine.add([[3, VOCAB + 2, 7, VOCAB + 3]], ["big"], max_new_tokens=4, eos_token_id=None)
+    with pytest.raises(DeltaZipError, match=f"token id {VOCAB + 4} is outside this fine-tune's vocabulary of {VOCAB + 4}"):
+        engine.add([[5, 6], [3, VOCAB + 4]], [None, "big"], max_new_tokens=4)
+    assert engine.free == 2
+    done = {}
+    while engine.active:
+        done.update((f.handle, f.tokens) for f in engine.step())
+    merged = model.merge_and_unload("big")
+    want = merged.generate(torch.tensor([[3, VOCAB + 2, 7, VOCAB + 3]]), max_new_tokens=4, do_sample=False,
+                           pad_token_id=0, eos_token_id=None)[0, 4:].tolist()
+    assert done[ok[0]] == want
 
 
 def test_merge_and_unload_saves_a_plain_checkpoint(saved_deltas, tmp_path):

@@ -578,20 +578,28 @@ def test_sampled_jacobi_eos_and_cancelled_rows_among_steps_launched_ahead_answer
     assert stats.ahead_steps > 0
 
 
-@cuda
-def test_an_admission_queues_its_prefill_without_waiting_for_the_gpu(delta_dirs):
-    """Admitting requests whose deltas are resident waits for the device only when it reads the first tokens
-    back: a host copy or a host decision before then would make a prefill wait for the step in flight, and
-    each prefill layer for the one before it."""
-    model = DeltaModel(copy.deepcopy(base_model("llama")).to("cuda", torch.bfloat16))
+def _running_engine(delta_dirs, base, **kw):
+    """An engine over ``base`` with the three deltas (embedding, norm and linear parts) that has run a step of two
+    requests (compiled, its cache and routing tables built), the six prompts and names of the admission tests, and
+    their tokens from a fresh engine."""
+    model = DeltaModel(base, **kw)
     for name, path in delta_dirs.items():
         model.load_delta(path, delta_name=name)
     ps = prompts(6, seed=8)
     names = ["d1", "d2", None, "d3", "d1", "d2"]
     want = DecodeEngine(model, max_batch_size=4, max_length=32).run(ps, names, max_new_tokens=4)
     engine = DecodeEngine(model, max_batch_size=4, max_length=32)
-    engine.add(ps[:2], names[:2], max_new_tokens=4)  # compiles, builds the cache and the routing tables
+    engine.add(ps[:2], names[:2], max_new_tokens=4)
     engine.step()
+    return engine, ps, names, want
+
+
+@cuda
+def test_an_admission_queues_its_prefill_without_waiting_for_the_gpu(delta_dirs):
+    """Admitting requests whose deltas are resident waits for the device only when it reads the first tokens
+    back: a host copy or a host decision before then would make a prefill wait for the step in flight, and
+    each prefill layer for the one before it."""
+    engine, ps, names, want = _running_engine(delta_dirs, copy.deepcopy(base_model("llama")).to("cuda", torch.bfloat16))
     choose = engine._choose
 
     def read_back(*args, **kwargs):  # the one wait an admission needs
@@ -606,6 +614,51 @@ def test_an_admission_queues_its_prefill_without_waiting_for_the_gpu(delta_dirs)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     engine._choose = choose
+    done = {}
+    while engine.active:
+        done.update((f.handle, f.tokens) for f in engine.step())
+    assert [done[h] for h in handles] == want[2:4]
+
+
+_READ_BACKS = {"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "masked_select", "_unique2", "unique_dim",
+               "unique_consecutive", "repeat_interleave"}
+
+
+def test_an_admission_reads_nothing_back_before_its_first_tokens(delta_dirs, monkeypatch):
+    """The GPU test above on a CPU (the kernels' routes under the interpreter): every operation an admission
+    dispatches before it reads its first tokens back is counted, and none may need the device's data on the host
+    (a read of a number, a boolean mask's nonzero, a unique, ...), each of which would make a prefill wait for the
+    decode step in flight. Deltas with embedding, norm and linear parts, so every host-routed module runs."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    engine, ps, names, want = _running_engine(delta_dirs, copy.deepcopy(base_model("llama")).half(), use_kernels="always")
+    seen = []
+
+    class ReadBacks(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in _READ_BACKS or (name.startswith("index") and any(
+                    torch.is_tensor(i) and i.dtype == torch.bool for a in args if isinstance(a, (list, tuple)) for i in a)):
+                site = [f for f in traceback.extract_stack() if "hf_deltazip" in f.filename][-1:]
+                seen.append(f"{name} at {site[0].filename}:{site[0].lineno}" if site else name)
+            return func(*args, **(kwargs or {}))
+
+    mode = ReadBacks()
+    choose = engine._choose
+
+    def read_back(*args, **kwargs):  # the one wait an admission needs
+        mode.__exit__(None, None, None)
+        return choose(*args, **kwargs)
+
+    engine._choose = read_back
+    mode.__enter__()
+    handles = engine.add(ps[2:4], names[2:4], max_new_tokens=4)
+    engine._choose = choose
+    assert seen == []
     done = {}
     while engine.active:
         done.update((f.handle, f.tokens) for f in engine.step())

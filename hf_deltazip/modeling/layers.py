@@ -872,7 +872,7 @@ class DeltaEmbedding(DeltaModule):
             elif "weight" in self.overrides.get(slot, {}):
                 y = self._scaled(F.embedding(r_ids, self.overrides[slot]["weight"].to(w.dtype)))
             else:
-                y = self._scaled(self._lookup(slot, r_ids))
+                y = self._scaled(self._lookup(slot, r_ids, routing.max_id_of(rows, batch)))
             if out is None:
                 out = y.new_empty((ids.shape[0], *y.shape[1:]))
             out[idx] = y
@@ -931,19 +931,22 @@ class DeltaEmbedding(DeltaModule):
                 out = torch.where((row_slot == slot)[..., None], full, out)
         return self._scaled(out.to(w.dtype))
 
-    def _lookup(self, slot: int, ids: torch.Tensor) -> torch.Tensor:
-        """``(W_base + delta)[ids]`` computing only the rows looked up."""
+    def _lookup(self, slot: int, ids: torch.Tensor, top: Optional[int] = None) -> torch.Tensor:
+        """``(W_base + delta)[ids]`` computing only the rows looked up. ``top``: the ids' largest, where the host
+        knows it; else it is read back from the ids' device. Nothing else here waits for the device (no unique,
+        no boolean mask), so an engine's prefill is queued whole behind a decode step in flight."""
         p = self.packed[slot]
         w = self.base_layer.weight
-        if int(ids.max()) >= p.shape[0]:
-            raise DeltaZipError(f"token id {int(ids.max())} is outside this fine-tune's vocabulary of {p.shape[0]}")
-        uniq, inverse = torch.unique(ids, return_inverse=True)
-        base_rows = torch.zeros(uniq.numel(), w.shape[1], dtype=torch.float32, device=w.device)
-        in_base = uniq < w.shape[0]
-        base_rows[in_base] = w[uniq[in_base]].float()
-        delta_rows = _dequantize_rows(p, uniq).to(w.device)
-        rows = (base_rows + delta_rows).to(w.dtype)
-        return rows[inverse]
+        if top is None:
+            top = int(ids.max())
+        if top >= p.shape[0]:
+            raise DeltaZipError(f"token id {top} is outside this fine-tune's vocabulary of {p.shape[0]}")
+        flat = ids.reshape(-1)
+        base_rows = F.embedding(flat.clamp(max=w.shape[0] - 1), w).float()
+        if p.shape[0] > w.shape[0]:  # tokens the fine-tune adds have no base row
+            base_rows = base_rows * (flat < w.shape[0])[:, None]
+        rows = (base_rows + _dequantize_rows(p, flat).to(w.device)).to(w.dtype)
+        return rows.view(*ids.shape, -1)
 
 
 def _dequantize_rows(p: PackedModule, rows: torch.Tensor) -> torch.Tensor:

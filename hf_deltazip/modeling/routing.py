@@ -53,11 +53,15 @@ class BatchRouting:
         uniform: every row uses ``slots[0]``, whatever the batch size (a model's active delta).
         device_rows: a device int32 tensor of per-row slots read inside a captured decode step
             (``slots`` is then ``None``): modules must take no host-side decisions.
+        max_ids: per row of ``slots``, its largest token id, where the host knows them (the engine's prompts):
+            modules that check ids against a fine-tune's vocabulary take them from here instead of reading the
+            ids back from the device, which would wait for all the work queued before.
     """
 
     slots: Optional[tuple] = None
     uniform: bool = False
     device_rows: Optional[torch.Tensor] = None
+    max_ids: Optional[tuple] = None
     _device_cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -65,8 +69,13 @@ class BatchRouting:
         return cls()
 
     @classmethod
-    def per_row(cls, slots: Sequence[int]) -> "BatchRouting":
-        return cls(slots=tuple(int(s) for s in slots))
+    def per_row(cls, slots: Sequence[int], max_ids: Optional[Sequence[int]] = None) -> "BatchRouting":
+        slots = tuple(int(s) for s in slots)
+        if max_ids is not None:
+            max_ids = tuple(int(i) for i in max_ids)
+            if len(max_ids) != len(slots):
+                raise DeltaZipError(f"{len(slots)} rows but {len(max_ids)} max_ids: give one per row")
+        return cls(slots=slots, max_ids=max_ids)
 
     @classmethod
     def every_row(cls, slot: int) -> "BatchRouting":
@@ -92,6 +101,15 @@ class BatchRouting:
         if batch % n == 0:
             return [s for s in self.slots for _ in range(batch // n)]
         raise DeltaZipError(f"the batch has {batch} rows but {n} delta names were given: pass one name per row")
+
+    def max_id_of(self, rows: Sequence[int], batch: int) -> Optional[int]:
+        """The largest token id of the batch rows ``rows`` (of ``batch``), if the host knows it, else ``None``."""
+        if self.max_ids is None or not rows:
+            return None
+        n = len(self.max_ids)
+        if batch % n:
+            return None
+        return max(self.max_ids[r // (batch // n)] for r in rows)
 
     def device_rows_for(self, batch: int, device) -> torch.Tensor:
         """``rows_for(batch)`` as a device int32 tensor, made once per batch size and device."""

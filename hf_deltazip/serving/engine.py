@@ -902,6 +902,7 @@ class DecodeEngine:
         for i, p in enumerate(prompts):
             ids[i, width - len(p):] = torch.tensor(p)
             real[i, width - len(p):] = True
+        top = ids.amax(1).tolist()  # each row's largest id, on the host: a vocabulary check reads no ids back
         ids, real = host_to_device(ids, self.device), host_to_device(real, self.device)  # queued: no wait for a step in flight
         positions = (real.long().cumsum(-1) - 1).clamp(min=0)
         causal = torch.ones((width, width), dtype=torch.bool, device=self.device).tril()
@@ -923,7 +924,7 @@ class DecodeEngine:
                 if moved and not self._loading(names):  # loaded before the prefill: the load ends here
                     t0 = self._count_load(t0)
                     moved = False
-                route = (self.delta_model.router.use(BatchRouting.per_row(slots)) if self.delta_model is not None
+                route = (self.delta_model.router.use(BatchRouting.per_row(slots, top)) if self.delta_model is not None
                          else nullcontext())
                 kwargs = {self._cache_kw: self._cache, "use_cache": True}
                 if self._keep_kw:

@@ -159,6 +159,65 @@ def test_eos_sampling_and_finished_reasons(delta_dirs):
     assert a == b and len(a[0]) == 8
 
 
+def sampled_alone(model, ids, n, seed, temperature, top_k, top_p, **kw):
+    """Tokens drawn for one prompt from a generator seeded as the engine seeds a request's (``seed`` plus its index
+    in the call), with transformers' own warpers in generate()'s order, recomputing the whole sequence each time."""
+    from transformers.generation import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    warpers = [TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k), TopPLogitsWarper(top_p)]
+    g = torch.Generator().manual_seed(seed)
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            scores = model(input_ids=torch.tensor([seq]), **kw).logits[:, -1].float()
+            for w in warpers:
+                scores = w(torch.tensor([seq]), scores)
+            seq.append(int(torch.multinomial(scores.softmax(-1)[0], 1, generator=g)))
+    return seq[len(ids):]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_sampled_rows_draw_as_transformers_warpers_with_one_read_back_per_step(delta_dirs, overlap, monkeypatch):
+    """Sampled rows (temperature, top-k, top-p, each request its own seeded generator) draw their tokens on the
+    device inside the step: the tokens are those of transformers' warpers with the same generator, a step reads
+    nothing back but its token list (no read of a number per sampled row), and with ``overlap_steps`` the steps
+    are launched ahead while sampled rows run. The engine's model takes the kernels' route (under the
+    interpreter), whose steps read each row's slot on the device, as on a GPU."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_deltazip.serving import AdmissionPolicy
+
+    ref = DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="never")
+    model = DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="always")
+    for m in (ref, model):
+        m.load_delta(delta_dirs["d1"], delta_name="d1")
+    ps = prompts(3, seed=11)
+    settings = dict(temperature=0.7, top_k=12, top_p=0.8)
+    want = [sampled_alone(ref, ps[0], 6, 21, **settings, delta_names=["d1"]),
+            sampled_alone(ref, ps[1], 6, 22, **settings, delta_names=[None])]
+    engine = DecodeEngine(model, max_batch_size=3, max_length=32, admission=AdmissionPolicy(overlap_steps=overlap))
+    handles = engine.add(ps[:2], ["d1", None], max_new_tokens=6, do_sample=True, seed=21, eos_token_id=None, **settings)
+    greedy = engine.add([ps[2]], ["d1"], max_new_tokens=6, eos_token_id=None)
+    reads = []
+
+    class ReadBacks(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in _READ_BACKS:
+                reads.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    done = {}
+    with ReadBacks():
+        while engine.active:
+            done.update((f.handle, f.tokens) for f in engine.step())
+    assert [done[h] for h in handles] == want
+    assert done[greedy[0]] == alone(ref, ps[2], 6, delta_names=["d1"], eos_token_id=None)
+    assert reads == []
+    assert (engine.stats.ahead_steps > 0) == overlap
+
+
 def test_held_deltas_are_not_evicted_and_bad_requests_fail_clearly(delta_dirs):
     model = DeltaModel(copy.deepcopy(base_model("llama")))
     model.configure_cache(max_resident=2)
@@ -545,8 +604,9 @@ def test_steps_launched_ahead_on_the_gpu_with_graphs_and_evictions_answer_as_eag
 
 
 def test_sampled_jacobi_eos_and_cancelled_rows_among_steps_launched_ahead_answer_as_without(delta_dirs):
-    """Rows whose next input the host decides (sampling, Jacobi blocks) stop steps being launched ahead while
-    they run; end-of-sequence and cancel still finish rows whose next step is in flight."""
+    """Rows whose next input the host decides (Jacobi blocks) stop steps being launched ahead while they run;
+    sampled rows draw on the device and ride along; end-of-sequence and cancel still finish rows whose next step
+    is in flight."""
     model = DeltaModel(copy.deepcopy(base_model("llama")))
     model.load_delta(delta_dirs["d1"], delta_name="d1")
     ps = prompts(4, seed=7)

@@ -283,11 +283,14 @@ class AdmissionPolicy:
         overlap_steps: launch each decode step before the previous step's tokens are read back, so the host's
             work between steps (reading tokens back, finishing rows, admission rounds, staging) runs while the
             device computes instead of between its steps (``False``: launch a step once the last one's tokens
-            are in). It applies to :meth:`DecodeEngine.step` however rows are admitted. While a row samples
-            or decodes by Jacobi steps, its next input depends on the host, so steps are not launched ahead
-            then. A request admitted while a step is in flight joins the step after it; a row that finishes
-            has one more step computed for it in vain. The tokens are the same either way. Not yet measured
-            on a GPU, so off by default.
+            are in). It applies to :meth:`DecodeEngine.step` however rows are admitted. Sampled rows draw
+            their tokens on the device, in the step; while a row decodes by Jacobi steps, its next input
+            depends on the host, so steps are not launched ahead then. A request admitted while a step is in
+            flight joins the step after it; a row that finishes has one more step computed for it in vain
+            (a sampled row without a seed then draws once more from the global generator, so unseeded sampled
+            rows may get other tokens than without this option). Greedy rows and seeded sampled rows get the
+            same tokens either way. Off by default for now: one H100 A/B on the 8B serve trace measured 1.03-1.05x
+            the throughput (BENCHMARKS.md section 5).
     """
 
     max_bypass: Optional[int] = None
@@ -1061,10 +1064,10 @@ class DecodeEngine:
     # -- steps launched ahead (AdmissionPolicy.overlap_steps)
     def _may_launch_ahead(self) -> bool:
         """Whether the next step may be launched before the last one's tokens are read back: asked for, and
-        every active row's next input is the step's own greedy token (no sampling, no Jacobi blocks)."""
+        every active row's next input is the token its step picks on the device (no Jacobi blocks)."""
         if not self.admission.overlap_steps:
             return False
-        return all(r is None or (r.sample is None and not r.jacobi) for r in self._rows)
+        return all(r is None or not r.jacobi for r in self._rows)
 
     def _in_step(self, job: _Launched) -> bool:
         return any(r is not None and r.first_step <= job.step for r in self._rows)
@@ -1112,6 +1115,7 @@ class DecodeEngine:
         if cuda:
             events[0].record()
         self._decode_step(used[1])
+        self._draw(self._logits, self._next, self._sampling_rows())
         if cuda:
             tokens = torch.empty(self._next.shape, dtype=self._next.dtype, pin_memory=True)
             tokens.copy_(self._next, non_blocking=True)
@@ -1346,26 +1350,31 @@ class DecodeEngine:
             self._next.copy_(logits.argmax(-1))
 
     def _after_step(self) -> None:
-        greedy = self._next.tolist()
-        sampling = [i for i, r in enumerate(self._rows) if r is not None and r.sample is not None]
-        chosen = dict(zip(sampling, self._choose(self._logits[sampling], [self._rows[i].sample for i in sampling],
-                                                 [self._rows[i].generator for i in sampling]))) if sampling else {}
+        self._draw(self._logits, self._next, self._sampling_rows())
+        chosen = self._next.tolist()  # the one read-back of a step, sampled rows included
         self._ptr += 1
         self._cache.write.add_(1)
         self._positions.add_(1)
-        self._ids[:, 0].copy_(self._next)  # next inputs stay on the device; sampled rows and finished rows below
-        for i, token in chosen.items():
-            self._ids[i, 0] = token
+        self._ids[:, 0].copy_(self._next)  # next inputs stay on the device; finished rows are reset below
         for i, r in enumerate(self._rows):
             if r is not None:
-                self._accept(i, chosen.get(i, greedy[i]))
+                self._accept(i, chosen[i])
+
+    def _sampling_rows(self) -> list:
+        return [(i, r.sample, r.generator) for i, r in enumerate(self._rows) if r is not None and r.sample is not None]
 
     def _choose(self, logits: torch.Tensor, samples: list, generators: list) -> list:
-        """Greedy or sampled next tokens for a few rows of logits."""
-        out = logits.argmax(-1).tolist()
-        for i, s in enumerate(samples):
-            if s is None:
-                continue
+        """Greedy or sampled next tokens for a few rows of logits (read back to the host)."""
+        out = logits.argmax(-1)
+        self._draw(logits, out, [(i, s, generators[i]) for i, s in enumerate(samples) if s is not None])
+        return out.tolist()
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, out: torch.Tensor, rows: list) -> None:
+        """For each ``(i, sample, generator)`` of ``rows``, replace ``out[i]`` with a token drawn from row ``i`` of
+        ``logits`` by the row's generator, on the logits' device: nothing is read back, so a step's draws queue
+        behind it (one read-back per step, not one per sampled row)."""
+        for i, s, generator in rows:
             row = logits[i].float() / max(s["temperature"], 1e-5)
             if s["top_k"]:
                 kth = torch.topk(row, min(s["top_k"], row.numel())).values[-1]
@@ -1375,8 +1384,7 @@ class DecodeEngine:
                 cum = sorted_logits.softmax(-1).cumsum(-1)
                 drop = cum - sorted_logits.softmax(-1) > s["top_p"]
                 row = row.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-            out[i] = int(torch.multinomial(row.softmax(-1), 1, generator=generators[i]))
-        return out
+            out[i:i + 1].copy_(torch.multinomial(row.softmax(-1), 1, generator=generator))
 
     # -- graphs
     def _wants_kernels(self) -> bool:

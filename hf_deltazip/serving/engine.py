@@ -123,7 +123,8 @@ class EngineStats:
         jacobi_row_steps, jacobi_tokens: Jacobi rows in those steps, and the tokens they accepted.
         ahead_steps: of the decode steps, those launched before the previous step's tokens were read back
             (``AdmissionPolicy.overlap_steps``). With it, ``decode_s`` is the host's time inside
-            :meth:`DecodeEngine.step` (launching, waiting, reading back) and the step costs behind
+            :meth:`DecodeEngine.step` (launching, waiting, reading back) plus, on a GPU, an admission's wait
+            for the steps in flight before it (not in ``prefill_s``), and the step costs behind
             ``max_deltas="auto"`` are the device's time per step; a row's last step may be followed by one
             computed for it in vain (counted as one of its row-steps).
     """
@@ -906,6 +907,10 @@ class DecodeEngine:
             ids[i, width - len(p):] = torch.tensor(p)
             real[i, width - len(p):] = True
         top = ids.amax(1).tolist()  # each row's largest id, on the host: a vocabulary check reads no ids back
+        behind = None  # the end of the steps in flight, before this prefill: its wait for them is decode time
+        if self._ahead and self.device.type == "cuda":
+            behind = torch.cuda.Event()
+            behind.record()
         ids, real = host_to_device(ids, self.device), host_to_device(real, self.device)  # queued: no wait for a step in flight
         positions = (real.long().cumsum(-1) - 1).clamp(min=0)
         causal = torch.ones((width, width), dtype=torch.bool, device=self.device).tril()
@@ -954,6 +959,12 @@ class DecodeEngine:
             self._mask[index] = row_mask
         handles = []
         generators = [self._generator(seed, i) for i in range(n)]
+        if behind is not None:
+            t = time.perf_counter()
+            behind.synchronize()
+            waited = time.perf_counter() - t
+            self.stats.decode_s += waited
+            t0 += waited
         firsts = self._choose(logits, [sample] * n, generators)  # reads the tokens back: the prefill is done
         self.stats.prefill_s += time.perf_counter() - t0
         self.stats.prefills += 1

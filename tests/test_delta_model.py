@@ -134,9 +134,10 @@ def test_added_tokens_and_tied_embeddings(tmp_path):
 
 
 def test_the_engine_checks_a_prompt_against_its_fine_tunes_vocabulary_from_the_host(tmp_path):
-    """The engine knows its prompts' ids on the host and hands each row's largest to the embedding, which checks it
-    without reading the ids back from the device; an id past the fine-tune's added tokens fails the admission
-    alone: its rows stay free and the requests already running go on."""
+    """The engine checks each prompt's ids on the host against the vocabulary it is answered with (the fine-tune's,
+    with its added tokens, or the base's): a bad id fails the admission before any device work (on a GPU it would
+    stop the device), its rows stay free and the requests already running go on. It also hands each row's largest
+    id to the embedding, whose own check then reads nothing back from the device."""
     from hf_deltazip.modeling.routing import BatchRouting
     from hf_deltazip.serving import DecodeEngine
 
@@ -152,9 +153,16 @@ def test_the_engine_checks_a_prompt_against_its_fine_tunes_vocabulary_from_the_h
     model = DeltaModel.from_pretrained(tmp_path, base=copy.deepcopy(base_model("llama")), delta_name="big")
     engine = DecodeEngine(model, max_batch_size=3, max_length=16)
     ok = engine.add([[3, VOCAB + 2, 7, VOCAB + 3]], ["big"], max_new_tokens=4, eos_token_id=None)
-    with pytest.raises(DeltaZipError, match=f"token id {VOCAB + 4} is outside this fine-tune's vocabulary of {VOCAB + 4}"):
-        engine.add([[5, 6], [3, VOCAB + 4]], [None, "big"], max_new_tokens=4)
+    assert engine.vocab_size("big") == VOCAB + 4 and engine.vocab_size() == VOCAB
+    for prompt, name, bad in (([3, VOCAB + 4], "big", VOCAB + 4), ([3, VOCAB + 1], None, VOCAB + 1), ([5, -1], "big", -1)):
+        with pytest.raises(DeltaZipError, match=rf"prompt token id {bad} is outside the vocabulary of "
+                           + ("the base model" if name is None else "delta 'big'")):
+            engine.add([[5, 6], prompt], [None, name], max_new_tokens=4)
     assert engine.free == 2
+    # past the engine's check (as a plain forward would be), the embedding checks from the host's ids: no read-back
+    routing = BatchRouting.per_row([model.cache.slot_of("big")], max_ids=[VOCAB + 4])
+    with model.router.use(routing), pytest.raises(DeltaZipError, match=f"token id {VOCAB + 4} is outside this fine-tune's"):
+        model.base_model(input_ids=torch.tensor([[3, 4]]))
     done = {}
     while engine.active:
         done.update((f.handle, f.tokens) for f in engine.step())

@@ -65,6 +65,10 @@ def test_settings_split_batches_and_errors_reach_the_caller(model):
             server.submit([1, 2], "nope")
         with pytest.raises(DeltaZipError, match="need a tokenizer"):
             server.submit("text", "d1")
+        vocab = model.base_model.config.vocab_size
+        for ids in ([1, vocab], [-2, 3]):  # refused at submit, not at admission, where it would fail its batch
+            with pytest.raises(DeltaZipError, match=f"prompt token id {ids[0] if ids[0] < 0 else vocab} is outside"):
+                server.submit(ids, "d1", max_new_tokens=2)
         bad = server.submit([1, 2, 3], "d1", max_new_tokens=2, num_beams=0)
         served = bad.exception(timeout=60)  # the very error generate() raises for these settings
         assert isinstance(served, Exception)

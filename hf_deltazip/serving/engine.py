@@ -806,6 +806,8 @@ class DecodeEngine:
             raise DeltaZipError(f"jacobi_block_size must be an integer in [1, max_length={self.max_length}], got {jacobi_block_size!r}")
         if self.delta_model is None and any(x is not None for x in names):
             raise DeltaZipError("this engine runs a plain model: delta names must be None (use a DeltaModel for deltas)")
+        for p, name in zip(prompts, names):
+            self.check_prompt(p, name)
         if eos_token_id is _MODEL_DEFAULT:
             eos_token_id = getattr(getattr(self.lm, "generation_config", None), "eos_token_id", None)
         eos = frozenset([] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
@@ -813,6 +815,33 @@ class DecodeEngine:
         block = jacobi_block_size if decoding == "jacobi" else 0
         with self._lock, self._model_lock():
             return self._admit(prompts, names, news, eos, sample, seed, block)
+
+    def vocab_size(self, delta_name: Optional[str] = None) -> Optional[int]:
+        """How many token ids a prompt answered with ``delta_name`` may use: the fine-tune's vocabulary where its
+        delta records one (a fine-tune may add tokens), else the base's (``None``: the model's config does not
+        say)."""
+        if delta_name is not None and self.delta_model is not None:
+            v = self.delta_model.cache.entry(delta_name).header.vocab_size_finetune
+            if v:
+                return int(v)
+        cfg = getattr(self.lm, "config", None)
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        v = getattr(cfg, "vocab_size", None)
+        return int(v) if v else None
+
+    def check_prompt(self, prompt: Sequence[int], delta_name: Optional[str] = None) -> None:
+        """Raise :class:`DeltaZipError` if ``prompt`` is empty or holds a token id outside the vocabulary it will
+        be answered with (:meth:`vocab_size`). :meth:`add` checks every prompt so; on a GPU such an id would stop
+        the device with an assertion that no later request survives."""
+        if not len(prompt):
+            raise DeltaZipError("empty prompt")
+        lo, hi = min(prompt), max(prompt)
+        v = self.vocab_size(delta_name)
+        if lo < 0 or (v is not None and hi >= v):
+            what = "the base model" if delta_name is None else f"delta {delta_name!r}"
+            bad = lo if lo < 0 else hi
+            raise DeltaZipError(f"prompt token id {bad} is outside the vocabulary of {what} (ids 0 to {v - 1 if v else '?'}): "
+                                "tokenize with the model's own tokenizer")
 
     def step(self) -> list:
         """Decode one token for every active row. Returns the requests that finished (as :class:`Finished`)."""

@@ -212,7 +212,8 @@ class DeltaServer:
 
         Raises:
             QueueFullError: ``max_queue`` requests are waiting already.
-            DeltaZipError: the server is closed, the delta is not loaded, the prompt is empty or too long.
+            DeltaZipError: the server is closed, the delta is not loaded, the prompt is empty or too long or
+                holds a token id outside the vocabulary it would be answered with.
         """
         if self._closed:
             raise DeltaZipError("this DeltaServer is closed")
@@ -227,6 +228,8 @@ class DeltaServer:
             ids = prompt.reshape(-1).tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
         if not ids:
             raise DeltaZipError("empty prompt")
+        if self.engine is not None:  # here, not at admission, where it would fail the requests batched with it
+            self.engine.check_prompt(ids, delta_name)
         if self.engine is not None and set(generate_kwargs) <= _ENGINE_OPTIONS:
             need = len(ids) + generate_kwargs.get("max_new_tokens", 20)
             if need > self.engine.max_length:

@@ -176,21 +176,23 @@ def sampled_alone(model, ids, n, seed, temperature, top_k, top_p, **kw):
     return seq[len(ids):]
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_sampled_rows_draw_as_transformers_warpers_with_one_read_back_per_step(delta_dirs, overlap, monkeypatch):
+@pytest.mark.parametrize("overlap,kernels", [(False, True), (True, True), (True, False)])
+def test_sampled_rows_draw_as_transformers_warpers_with_one_read_back_per_step(delta_dirs, overlap, kernels, monkeypatch):
     """Sampled rows (temperature, top-k, top-p, each request its own seeded generator) draw their tokens on the
     device inside the step: the tokens are those of transformers' warpers with the same generator, a step reads
     nothing back but its token list (no read of a number per sampled row), and with ``overlap_steps`` the steps
-    are launched ahead while sampled rows run. The engine's model takes the kernels' route (under the
-    interpreter), whose steps read each row's slot on the device, as on a GPU."""
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    are launched ahead while sampled rows run. Either route of a step: the kernels' (under the interpreter), whose
+    steps read each row's slot on the device, as on a GPU; or the one routed on the host, whose embedding deltas
+    check ids against their vocabulary from bounds the engine passes instead of reading the ids back."""
+    if kernels:
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from hf_deltazip.serving import AdmissionPolicy
 
     ref = DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="never")
-    model = DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="always")
+    model = DeltaModel(copy.deepcopy(base_model("llama")), use_kernels="always" if kernels else "never")
     for m in (ref, model):
         m.load_delta(delta_dirs["d1"], delta_name="d1")
     ps = prompts(3, seed=11)

@@ -334,25 +334,27 @@ class DeltaModel(nn.Module):
         return list(delta_names), False
 
     @contextmanager
-    def route(self, delta_names: Optional[Sequence]):
+    def route(self, delta_names: Optional[Sequence], max_ids: Optional[Sequence[int]] = None):
         """Within this block every call through ``base_model`` uses ``delta_names`` (one per row, a single
         name for every row, or the active delta for ``None``). Holds the cache's lock, so the deltas stay
         where they are. With several names, a call whose batch has another number of rows raises
-        :class:`DeltaZipError`."""
+        :class:`DeltaZipError`. ``max_ids`` (with one name per row): per row, the largest token id its input
+        may hold, where the caller knows it; a fine-tune's embedding then checks ids against its vocabulary
+        without reading them back from the device (which waits for all the work queued before)."""
         check = None
         if delta_names is not None and not isinstance(delta_names, str) and len(delta_names) > 1:
             names = list(delta_names)
             check = self.base_model.register_forward_pre_hook(
                 lambda module, args, kwargs: _check_rows(names, args, kwargs), with_kwargs=True)
         try:
-            with self._route(delta_names):
+            with self._route(delta_names, max_ids):
                 yield
         finally:
             if check is not None:
                 check.remove()
 
     @contextmanager
-    def _route(self, delta_names: Optional[Sequence]):
+    def _route(self, delta_names: Optional[Sequence], max_ids: Optional[Sequence[int]] = None):
         """``route`` without the row check: ``generate`` repeats rows (beams, several sequences a prompt).
 
         A delta only on disk is read beside the block's first forward pass, each module waiting for its own
@@ -363,11 +365,11 @@ class DeltaModel(nn.Module):
             names, every = self._route_names(delta_names)
             # (a name the cache does not know: slots_for raises naming it)
             if not (cache.overlap_loads and all(n is None or n in cache for n in names) and cache.cold_deltas(names)):
-                with self.router.use(_routing(cache.slots_for(names), every)):
+                with self.router.use(_routing(cache.slots_for(names), every, max_ids)):
                     yield
                 return
             with cache.acquire_overlapped(names) as slots:
-                with self.router.use(_routing(slots, every)):
+                with self.router.use(_routing(slots, every, max_ids)):
                     yield
             cache.release(names)  # the holds acquire_overlapped took (it releases them itself on failure)
 
@@ -707,11 +709,12 @@ def _folder_name(name: str) -> str:
     return name
 
 
-def _routing(slots: list, every: bool) -> BatchRouting:
-    """The routing of a call: one slot for every row (none: the base alone), or one slot per row."""
+def _routing(slots: list, every: bool, max_ids: Optional[Sequence[int]] = None) -> BatchRouting:
+    """The routing of a call: one slot for every row (none: the base alone), or one slot per row (with each
+    row's largest token id, where known)."""
     if every:
         return BatchRouting.base() if not slots else BatchRouting.every_row(slots[0])
-    return BatchRouting.per_row(slots)
+    return BatchRouting.per_row(slots, max_ids)
 
 
 def _check_rows(delta_names, args, kwargs):

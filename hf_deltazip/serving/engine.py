@@ -1233,7 +1233,7 @@ class DecodeEngine:
         causal = torch.ones((width, width), dtype=torch.bool, device=dev).tril()
         mask[:, :, :, ptr:ptr + width] = torch.where(causal, 0.0, self._neg).to(self.dtype)
         names = [r.delta if r is not None else None for r in self._rows]
-        route = self.delta_model.route(names) if self.delta_model is not None else nullcontext()
+        route = self._host_route(names)
         write = self._cache.write  # a captured step reads this very tensor: put it back afterwards
         self._cache.write = torch.arange(ptr, ptr + width, device=dev)
         try:
@@ -1372,10 +1372,16 @@ class DecodeEngine:
                 return
             except DeltaZipError:  # a module that needs host-side routing: route on the host from now on
                 self._static_failed = True
-        names = [r.delta if r is not None else None for r in self._rows]
-        routing = self.delta_model.route(names) if self.delta_model is not None else nullcontext()
-        with routing:
+        with self._host_route([r.delta if r is not None else None for r in self._rows]):
             self._body()
+
+    def _host_route(self, names: list):
+        """The routing of a step whose delta modules route rows on the host. A row's inputs are tokens picked from
+        its own logits, so inside its vocabulary: the bounds passed spare an embedding delta reading them back."""
+        if self.delta_model is None:
+            return nullcontext()
+        bounds = [self.vocab_size(n) for n in names]
+        return self.delta_model.route(names, None if None in bounds else [v - 1 for v in bounds])
 
     def _body(self) -> None:
         """The step a graph captures: open the write index in every row's mask, run the model, pick greedy tokens."""

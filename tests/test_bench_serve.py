@@ -350,9 +350,31 @@ def test_time_split_adds_up_to_the_wall_time():
     # the engine's admission rounds are part of the rest, staging ahead part of them
     assert 0 < split["admission_s"] <= split["other_s"] and 0 <= split["stage_s"] <= split["admission_s"]
     assert split["stage_in_steps_s"] == 0  # off by default
+    assert split["prefill_device_s"] is None and split["decode_device_s"] is None and "device_idle_s" not in split
     table = serve.split_table({"deltazip": {"time_split": split}}).splitlines()
     assert len(table) == 3 and table[0].count("|") == table[1].count("|") == table[2].count("|")
-    assert table[2].startswith("| deltazip |")
+    assert table[2].startswith("| deltazip |") and table[2].endswith("| - / - / - |")  # no device times on a CPU
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_device_times_on_the_gpu_fit_inside_the_wall_time(overlap):
+    """On a GPU the engine times its prefills and decode steps with CUDA events; their sum cannot exceed the
+    replay's wall time (the stream runs one at a time), and the rest is the device waiting."""
+    from hf_deltazip.modeling import DeltaModel
+    from hf_deltazip.serving import AdmissionPolicy, DecodeEngine
+
+    base = serve.build_base("tiny", "cuda")
+    dm = DeltaModel(base)
+    names = [f"d{i}" for i in range(3)]
+    for i, n in enumerate(names):
+        dm.add_delta(serve.random_delta(base, 4, 64, seed=i), n)
+    trace = make_trace(num_deltas=3, requests=12, rate=100.0, zipf=0.0, prompt_len=4, vocab_size=1024, seed=2)
+    engine = DecodeEngine(dm, max_batch_size=4, max_length=16, admission=AdmissionPolicy(overlap_steps=overlap))
+    split = serve.time_split(engine.stats, replay(engine, trace, names, new_tokens=3, max_seconds=60))
+    assert split["prefill_device_s"] > 0 and split["decode_device_s"] > 0
+    assert 0 <= split["device_idle_s"] <= split["wall_s"]
+    assert (split["ahead_steps"] > 0) == overlap
 
 
 @pytest.fixture(scope="module")

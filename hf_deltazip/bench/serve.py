@@ -272,7 +272,9 @@ def time_split(engine_stats, run: Replay) -> dict:
     scheduling, host work between steps; of it, ``admission_s`` in the engine's ``pick``, ``stage_s`` of that
     staging deltas ahead; ``stage_in_steps_s``: staging written inside decode steps, part of decode, with
     ``AdmissionPolicy.stage_in_steps``); plus distinct deltas and bytes per decode step, and ``ahead_steps``: decode
-    steps launched before the last one's tokens were read back (``AdmissionPolicy.overlap_steps``).
+    steps launched before the last one's tokens were read back (``AdmissionPolicy.overlap_steps``). On a GPU also the
+    device's own time in prefills and decode steps (``prefill_device_s``, ``decode_device_s``, CUDA events) and
+    ``device_idle_s``, the wall time outside both: what the device spent waiting for the host, loads or arrivals.
 
     ``engine_stats`` is the engine's :class:`~hf_deltazip.serving.EngineStats` for this replay alone
     (``None`` for an engine without one: only the switch time and the rest are known).
@@ -286,9 +288,11 @@ def time_split(engine_stats, run: Replay) -> dict:
     split.update({k: st[k] for k in ("prefill_s", "decode_s", "idle_row_s", "prefills", "decode_steps", "loads", "staged",
                                       "admission_s", "stage_s", "stage_in_steps_s", "mean_distinct_deltas", "bytes_per_step",
                                       "floor_bytes_per_step", "step_ms", "floor_GBps", "captures", "split_steps",
-                                      "max_deltas_auto", "ahead_steps")})
+                                      "max_deltas_auto", "ahead_steps", "prefill_device_s", "decode_device_s")})
     split["load_s"] = load
     split["other_s"] = run.wall_s - load - st["prefill_s"] - st["decode_s"]
+    if st["prefill_device_s"] is not None and st["decode_device_s"] is not None:
+        split["device_idle_s"] = run.wall_s - st["prefill_device_s"] - st["decode_device_s"]
     return split
 
 
@@ -1119,8 +1123,9 @@ def split_table(results: dict) -> str:
     """Markdown: where each system's wall time went (see :func:`time_split`)."""
     rows = ["| system | wall s | prefill s | loads s (admissions) | staged ahead | decode s | of which idle rows s "
             "| of which staging s | other s | of which admission s (staging) | decode steps | step ms "
-            "| distinct deltas / step | MB read / step | MB floor / step | floor GB/s | graph captures |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| distinct deltas / step | MB read / step | MB floor / step | floor GB/s | graph captures "
+            "| device s: prefill / decode / idle |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     mb = (lambda x: None if x is None else x / 1e6)
     for name, r in results.items():
         t = r.get("time_split", {})
@@ -1131,7 +1136,8 @@ def split_table(results: dict) -> str:
                     f"| {_fmt(t.get('decode_steps'), 'd')} | {_fmt(t.get('step_ms'), '.2f')} "
                     f"| {_fmt(t.get('mean_distinct_deltas'), '.2f')} | {_fmt(mb(t.get('bytes_per_step')), '.1f')} "
                     f"| {_fmt(mb(t.get('floor_bytes_per_step')), '.1f')} | {_fmt(t.get('floor_GBps'), '.0f')} "
-                    f"| {_fmt(t.get('captures'), 'd')} |")
+                    f"| {_fmt(t.get('captures'), 'd')} | {_fmt(t.get('prefill_device_s'), '.2f')} / "
+                    f"{_fmt(t.get('decode_device_s'), '.2f')} / {_fmt(t.get('device_idle_s'), '.2f')} |")
     return "\n".join(rows)
 
 

@@ -127,6 +127,11 @@ class EngineStats:
             for the steps in flight before it (not in ``prefill_s``), and the step costs behind
             ``max_deltas="auto"`` are the device's time per step; a row's last step may be followed by one
             computed for it in vain (counted as one of its row-steps).
+        prefill_device_s, decode_device_s: on a GPU, the device's time in prefills and in decode steps, from CUDA
+            events around each (from the device starting its work to finishing it, whatever the host does
+            meanwhile; a prefill's includes waiting for a delta read beside it, a Jacobi step's the host's work
+            between its read-back and its last updates); ``None`` elsewhere. The wall time outside both is time
+            the device waited (for the host, for loads, for arrivals).
     """
 
     prefill_s: float = 0.0
@@ -153,6 +158,11 @@ class EngineStats:
     jacobi_row_steps: int = 0
     jacobi_tokens: int = 0
     ahead_steps: int = 0
+    prefill_device_s: Optional[float] = None
+    decode_device_s: Optional[float] = None
+
+    def add_device_s(self, field_name: str, seconds: float) -> None:
+        setattr(self, field_name, (getattr(self, field_name) or 0.0) + seconds)
 
     @property
     def idle_row_s(self) -> float:
@@ -359,6 +369,28 @@ class _Row:
     jacobi: int = 0  # block size of a Jacobi row (0: one token per step)
     guesses: list = field(default_factory=list)  # the row's next Jacobi guesses
     first_step: int = 0  # the first decode step (DecodeEngine._launched then) whose tokens are this row's
+
+
+class _Span:
+    """Two CUDA timing events around work queued on the current stream."""
+
+    def __init__(self):
+        self.first = torch.cuda.Event(enable_timing=True)
+        self.last = torch.cuda.Event(enable_timing=True)
+        self.first.record()
+
+    @classmethod
+    def start(cls, device) -> Optional["_Span"]:
+        """A span starting now on a CUDA ``device``; ``None`` elsewhere."""
+        return cls() if device.type == "cuda" else None
+
+    def end(self) -> None:
+        self.last.record()
+
+    def seconds(self) -> float:
+        """The device's time from the first event to the last (waits for the last)."""
+        self.last.synchronize()
+        return self.first.elapsed_time(self.last) / 1e3
 
 
 @dataclass
@@ -936,10 +968,7 @@ class DecodeEngine:
             ids[i, width - len(p):] = torch.tensor(p)
             real[i, width - len(p):] = True
         top = ids.amax(1).tolist()  # each row's largest id, on the host: a vocabulary check reads no ids back
-        behind = None  # the end of the steps in flight, before this prefill: its wait for them is decode time
-        if self._ahead and self.device.type == "cuda":
-            behind = torch.cuda.Event()
-            behind.record()
+        started = _Span.start(self.device)  # before this prefill, after the steps in flight
         ids, real = host_to_device(ids, self.device), host_to_device(real, self.device)  # queued: no wait for a step in flight
         positions = (real.long().cumsum(-1) - 1).clamp(min=0)
         causal = torch.ones((width, width), dtype=torch.bool, device=self.device).tril()
@@ -988,13 +1017,17 @@ class DecodeEngine:
             self._mask[index] = row_mask
         handles = []
         generators = [self._generator(seed, i) for i in range(n)]
-        if behind is not None:
-            t = time.perf_counter()
-            behind.synchronize()
-            waited = time.perf_counter() - t
-            self.stats.decode_s += waited
-            t0 += waited
+        if started is not None:
+            started.end()
+            if self._ahead:  # the wait for the steps in flight is decode time
+                t = time.perf_counter()
+                started.first.synchronize()
+                waited = time.perf_counter() - t
+                self.stats.decode_s += waited
+                t0 += waited
         firsts = self._choose(logits, [sample] * n, generators)  # reads the tokens back: the prefill is done
+        if started is not None:
+            self.stats.add_device_s("prefill_device_s", started.seconds())
         self.stats.prefill_s += time.perf_counter() - t0
         self.stats.prefills += 1
         self.stats.prefill_rows += n
@@ -1084,13 +1117,18 @@ class DecodeEngine:
         captures = self.captures
         accepted = None
         self._launched += 1
+        span = _Span.start(self.device)
         if width > 1:
             accepted = self._jacobi_step(width)
+            if span is not None:
+                span.end()
             self._advance_staging()
         else:
             self._decode_step(used[1])
             self._advance_staging()  # host work while the device computes the step
-            self._after_step()  # reads the tokens back: the step is done
+            self._after_step(span)  # reads the tokens back: the step is done
+        if span is not None:
+            self.stats.add_device_s("decode_device_s", span.seconds())
         seconds = time.perf_counter() - t0
         # a step that captured a CUDA graph (and compiled its kernels) is no sample of a step's cost
         self._count_step(used, seconds, sample=self.captures == captures)
@@ -1176,6 +1214,7 @@ class DecodeEngine:
         if job.events is not None:
             job.events[1].synchronize()
             seconds = job.events[0].elapsed_time(job.events[1]) / 1e3
+            self.stats.add_device_s("decode_device_s", seconds)
         self._count_step(job.used, seconds, sample=job.sample, wall=0.0)
         if not accept:
             return
@@ -1395,8 +1434,10 @@ class DecodeEngine:
             self._logits.copy_(logits)
             self._next.copy_(logits.argmax(-1))
 
-    def _after_step(self) -> None:
+    def _after_step(self, span: Optional["_Span"] = None) -> None:
         self._draw(self._logits, self._next, self._sampling_rows())
+        if span is not None:
+            span.end()
         chosen = self._next.tolist()  # the one read-back of a step, sampled rows included
         self._ptr += 1
         self._cache.write.add_(1)

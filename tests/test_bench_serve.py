@@ -300,17 +300,24 @@ def test_every_system_serves_the_whole_trace_on_cpu(tmp_path, capsys):
     assert not list((tmp_path / "disk").iterdir())  # the files are removed afterwards
 
 
-def test_deltazip_answers_match_each_request_served_alone():
-    """Continuous batching over many deltas gives every request what the engine gives it alone."""
-    from hf_deltazip.serving import DecodeEngine
+def _tiny_with_deltas(device: str):
+    """A tiny random base on ``device`` as a DeltaModel with three random 4-bit deltas, all resident, and their names."""
     from hf_deltazip.modeling import DeltaModel
 
-    torch.manual_seed(0)
-    base = serve.build_base("tiny", "cpu")
+    base = serve.build_base("tiny", device)
     dm = DeltaModel(base)
     names = [f"d{i}" for i in range(3)]
     for i, n in enumerate(names):
         dm.add_delta(serve.random_delta(base, 4, 64, seed=i), n)
+    return dm, names
+
+
+def test_deltazip_answers_match_each_request_served_alone():
+    """Continuous batching over many deltas gives every request what the engine gives it alone."""
+    from hf_deltazip.serving import DecodeEngine
+
+    torch.manual_seed(0)
+    dm, names = _tiny_with_deltas("cpu")
     trace = make_trace(num_deltas=3, requests=8, rate=100.0, zipf=1.0, prompt_len=6, vocab_size=1024, seed=4)
     engine = DecodeEngine(dm, max_batch_size=4, max_length=16)
     run = replay(engine, trace, names, new_tokens=5, max_seconds=60)
@@ -361,14 +368,9 @@ def test_time_split_adds_up_to_the_wall_time():
 def test_device_times_on_the_gpu_fit_inside_the_wall_time(overlap):
     """On a GPU the engine times its prefills and decode steps with CUDA events; their sum cannot exceed the
     replay's wall time (the stream runs one at a time), and the rest is the device waiting."""
-    from hf_deltazip.modeling import DeltaModel
     from hf_deltazip.serving import AdmissionPolicy, DecodeEngine
 
-    base = serve.build_base("tiny", "cuda")
-    dm = DeltaModel(base)
-    names = [f"d{i}" for i in range(3)]
-    for i, n in enumerate(names):
-        dm.add_delta(serve.random_delta(base, 4, 64, seed=i), n)
+    dm, names = _tiny_with_deltas("cuda")
     trace = make_trace(num_deltas=3, requests=12, rate=100.0, zipf=0.0, prompt_len=4, vocab_size=1024, seed=2)
     engine = DecodeEngine(dm, max_batch_size=4, max_length=16, admission=AdmissionPolicy(overlap_steps=overlap))
     split = serve.time_split(engine.stats, replay(engine, trace, names, new_tokens=3, max_seconds=60))

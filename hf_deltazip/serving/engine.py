@@ -161,7 +161,7 @@ class EngineStats:
     prefill_device_s: Optional[float] = None
     decode_device_s: Optional[float] = None
 
-    def add_device_s(self, field_name: str, seconds: float) -> None:
+    def _add_device_s(self, field_name: str, seconds: float) -> None:
         setattr(self, field_name, (getattr(self, field_name) or 0.0) + seconds)
 
     @property
@@ -400,7 +400,7 @@ class _Launched:
     step: int  # its number: rows with ``first_step <= step`` were in it
     used: tuple  # _step_usage() when it was launched
     tokens: torch.Tensor  # its greedy tokens, being copied to the host
-    events: Optional[tuple]  # CUDA timing events before the step and after the copy (None: on the CPU, done)
+    span: Optional[_Span]  # CUDA timing events before the step and after the copy (None: on the CPU, done)
     seconds: float  # host seconds of its launch (the step's cost on the CPU)
     sample: bool  # it captured no CUDA graph: a sample of a step's cost
 
@@ -1027,7 +1027,7 @@ class DecodeEngine:
                 t0 += waited
         firsts = self._choose(logits, [sample] * n, generators)  # reads the tokens back: the prefill is done
         if started is not None:
-            self.stats.add_device_s("prefill_device_s", started.seconds())
+            self.stats._add_device_s("prefill_device_s", started.seconds())
         self.stats.prefill_s += time.perf_counter() - t0
         self.stats.prefills += 1
         self.stats.prefill_rows += n
@@ -1128,7 +1128,7 @@ class DecodeEngine:
             self._advance_staging()  # host work while the device computes the step
             self._after_step(span)  # reads the tokens back: the step is done
         if span is not None:
-            self.stats.add_device_s("decode_device_s", span.seconds())
+            self.stats._add_device_s("decode_device_s", span.seconds())
         seconds = time.perf_counter() - t0
         # a step that captured a CUDA graph (and compiled its kernels) is no sample of a step's cost
         self._count_step(used, seconds, sample=self.captures == captures)
@@ -1188,33 +1188,29 @@ class DecodeEngine:
         used = self._step_usage()
         captures = self.captures
         t0 = time.perf_counter()
-        cuda = self.device.type == "cuda"
-        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
-        if cuda:
-            events[0].record()
+        span = _Span.start(self.device)
         self._decode_step(used[1])
         self._draw(self._logits, self._next, self._sampling_rows())
-        if cuda:
+        if span is not None:
             tokens = torch.empty(self._next.shape, dtype=self._next.dtype, pin_memory=True)
             tokens.copy_(self._next, non_blocking=True)
-            events[1].record()
+            span.end()
         else:
             tokens = self._next.clone()
         self._ptr += 1
         self._cache.write.add_(1)
         self._positions.add_(1)
         self._ids[:, 0].copy_(self._next)  # finished rows are set to the pad token when they are read back
-        self._ahead.append(_Launched(self._launched, used, tokens, events, time.perf_counter() - t0,
+        self._ahead.append(_Launched(self._launched, used, tokens, span, time.perf_counter() - t0,
                                      self.captures == captures))
         self._launched += 1
 
     def _retire(self, job: _Launched, accept: bool = True) -> None:
         """Read back a step launched ahead: its tokens go to the rows that were in it and are still active."""
         seconds = job.seconds
-        if job.events is not None:
-            job.events[1].synchronize()
-            seconds = job.events[0].elapsed_time(job.events[1]) / 1e3
-            self.stats.add_device_s("decode_device_s", seconds)
+        if job.span is not None:
+            seconds = job.span.seconds()
+            self.stats._add_device_s("decode_device_s", seconds)
         self._count_step(job.used, seconds, sample=job.sample, wall=0.0)
         if not accept:
             return
@@ -1419,8 +1415,10 @@ class DecodeEngine:
         its own logits, so inside its vocabulary: the bounds passed spare an embedding delta reading them back."""
         if self.delta_model is None:
             return nullcontext()
-        bounds = [self.vocab_size(n) for n in names]
-        return self.delta_model.route(names, None if None in bounds else [v - 1 for v in bounds])
+        vocab = {n: self.vocab_size(n) for n in set(names)}  # a few distinct deltas, not one lookup per row
+        if None in vocab.values():
+            return self.delta_model.route(names)
+        return self.delta_model.route(names, [vocab[n] - 1 for n in names])
 
     def _body(self) -> None:
         """The step a graph captures: open the write index in every row's mask, run the model, pick greedy tokens."""

@@ -161,7 +161,8 @@ class EngineStats:
     prefill_device_s: Optional[float] = None
     decode_device_s: Optional[float] = None
 
-    def _add_device_s(self, field_name: str, seconds: float) -> None:
+    def add_device_s(self, field_name: str, seconds: float) -> None:
+        """Add ``seconds`` of device time to ``prefill_device_s`` or ``decode_device_s`` (``None`` until then)."""
         setattr(self, field_name, (getattr(self, field_name) or 0.0) + seconds)
 
     @property
@@ -1027,7 +1028,7 @@ class DecodeEngine:
                 t0 += waited
         firsts = self._choose(logits, [sample] * n, generators)  # reads the tokens back: the prefill is done
         if started is not None:
-            self.stats._add_device_s("prefill_device_s", started.seconds())
+            self.stats.add_device_s("prefill_device_s", started.seconds())
         self.stats.prefill_s += time.perf_counter() - t0
         self.stats.prefills += 1
         self.stats.prefill_rows += n
@@ -1128,7 +1129,7 @@ class DecodeEngine:
             self._advance_staging()  # host work while the device computes the step
             self._after_step(span)  # reads the tokens back: the step is done
         if span is not None:
-            self.stats._add_device_s("decode_device_s", span.seconds())
+            self.stats.add_device_s("decode_device_s", span.seconds())
         seconds = time.perf_counter() - t0
         # a step that captured a CUDA graph (and compiled its kernels) is no sample of a step's cost
         self._count_step(used, seconds, sample=self.captures == captures)
@@ -1210,7 +1211,7 @@ class DecodeEngine:
         seconds = job.seconds
         if job.span is not None:
             seconds = job.span.seconds()
-            self.stats._add_device_s("decode_device_s", seconds)
+            self.stats.add_device_s("decode_device_s", seconds)
         self._count_step(job.used, seconds, sample=job.sample, wall=0.0)
         if not accept:
             return

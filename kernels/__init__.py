@@ -9,8 +9,9 @@ Importing this package is cheap and needs no GPU: Triton is imported on the firs
 * :func:`prepare_stack` / :func:`repack_for_kernel` / :func:`densify_2of4` - the kernel layout of
   a stack (planar codes, 2:4 as dense codes), applied when deltas are written into a stack; and
   :func:`build_row_segments` - the per-step table of rows grouped by delta (``layout.py``).
-* :func:`dequantize_stack_delta` - one delta of a stack written out dense on the device, for forwards
-  with many rows per delta (prefills; ``dequant.py``).
+* :func:`dequantize_stack_delta` / :func:`dequantize_stack_deltas` - one or several deltas of a stack written
+  out dense on the device (several in one launch), for forwards with many rows per delta (prefills;
+  ``dequant.py``).
 * :class:`SlotStacks` - one layer's stacks per format class, with room to spare and the slot tables
   a captured CUDA graph reads, so deltas come and go without new tensors (``slot_stacks.py``).
 
@@ -22,7 +23,7 @@ packing primitives.
 import importlib.util
 
 from .delta_stack import DeltaStack, build_delta_stack, dequantize_delta, random_delta_stack
-from .dequant import dequantize_stack_delta
+from .dequant import dequantize_stack_delta, dequantize_stack_deltas
 from .slot_stacks import PackedFields, SlotStacks, format_key
 from .layout import (
     KernelStackFormat,
@@ -74,6 +75,7 @@ __all__ = [
     "build_delta_stack",
     "dequantize_delta",
     "dequantize_stack_delta",
+    "dequantize_stack_deltas",
     "random_delta_stack",
     "MultiDeltaConfig",
     "auto_split_k",

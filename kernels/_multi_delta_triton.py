@@ -922,33 +922,45 @@ def planar_asm_args(bits: int, magic: int, scaled: bool) -> dict:
 
 @triton.jit
 def planar_dequant_kernel(
-    q_ptr, s_ptr, z_ptr, out_ptr,
-    N, K, QROW_E, G, GS,
-    BITS: tl.constexpr, BKP: tl.constexpr, BN: tl.constexpr,
+    q_ptr, s_ptr, z_ptr, sel_ptr, lut_ptr, out_ptr,
+    N, K, QROW_E, G, GS, Q_STRIDE, S_STRIDE, Z_STRIDE,
+    BITS: tl.constexpr, BKP: tl.constexpr, BN: tl.constexpr, SEL: tl.constexpr,
 ):
-    """One delta of a planar stack as a dense ``[N, K]`` matrix: ``(code - zero) * scale``.
+    """Deltas of a planar stack as dense ``[N, K]`` matrices: ``(code - zero) * scale``.
 
-    Program ``(n-tile, planar block j)``: loads the block's ``BN x BKP`` 16-bit elements once and
-    writes each of its ``P`` planes (inputs ``j*P*BKP + S*BKP + i``) with that plane's group
-    (planes never straddle a group: the planar layout requires it). ``GS``: the group size (``K`` for
-    one group per row).
+    Program ``(n-tile, planar block j, u)``: loads the block's ``BN x BKP`` 16-bit elements of the ``u``-th
+    delta asked for once and writes each of its ``P`` planes (inputs ``j*P*BKP + S*BKP + i``) with that plane's
+    group (planes never straddle a group: the planar layout requires it) into ``out[u]``. ``GS``: the group size
+    (``K`` for one group per row). Which delta is the ``u``-th: ``SEL = 0``, the one the pointers point at
+    (``u`` is 0); ``1``, stack index ``sel[u]``; ``2``, slot ``sel[u]``, whose stack index is ``lut[slot + 1]``.
+    ``*_STRIDE``: elements from one delta to the next (codes in 16-bit elements).
     """
     P: tl.constexpr = 16 // BITS
     pid_n = tl.program_id(0)
     j = tl.program_id(1)
+    u = tl.program_id(2)
+    if SEL == 0:
+        d = u.to(tl.int64) * 0
+    elif SEL == 1:
+        d = tl.load(sel_ptr + u).to(tl.int64)
+    else:
+        d = tl.load(lut_ptr + tl.load(sel_ptr + u) + 1).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
     nmask = offs_n < N
     offs_n64 = offs_n.to(tl.int64)
     offs_i = tl.arange(0, BKP)
-    qe_ptr = q_ptr.to(tl.pointer_type(tl.uint16))
+    qe_ptr = q_ptr.to(tl.pointer_type(tl.uint16)) + d * Q_STRIDE
+    zd_ptr = z_ptr + d * Z_STRIDE
+    sd_ptr = s_ptr + d * S_STRIDE
+    od_ptr = out_ptr + u.to(tl.int64) * N * K
     qe = tl.load(qe_ptr + offs_n64[:, None] * QROW_E + (j * BKP + offs_i)[None, :], mask=nmask[:, None], other=0)
     q32 = qe.to(tl.int32)
     for S in tl.static_range(P):
         k0 = j * (P * BKP) + S * BKP
         gi = k0 // GS
-        zf = tl.load(z_ptr + offs_n64 * G + gi, mask=nmask, other=0).to(tl.float32)
-        sc = tl.load(s_ptr + offs_n64 * G + gi, mask=nmask, other=0.0).to(tl.float32)
+        zf = tl.load(zd_ptr + offs_n64 * G + gi, mask=nmask, other=0).to(tl.float32)
+        sc = tl.load(sd_ptr + offs_n64 * G + gi, mask=nmask, other=0.0).to(tl.float32)
         code = (q32 >> (S * BITS)) & ((1 << BITS) - 1)
-        d = (code.to(tl.float32) - zf[:, None]) * sc[:, None]
-        tl.store(out_ptr + offs_n64[:, None] * K + (k0 + offs_i)[None, :], d.to(out_ptr.dtype.element_ty),
+        dq = (code.to(tl.float32) - zf[:, None]) * sc[:, None]
+        tl.store(od_ptr + offs_n64[:, None] * K + (k0 + offs_i)[None, :], dq.to(od_ptr.dtype.element_ty),
                  mask=nmask[:, None])

@@ -24,7 +24,7 @@ Plain PyTorch plus the kernel launcher; nothing here knows about models.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -33,7 +33,11 @@ from hf_deltazip.packing import dequantize, pack_codes, packed_nbytes, unpack_co
 from .delta_stack import DeltaStack
 from .layout import KernelStackFormat, kernel_stack_format, pack_for_stack
 
-__all__ = ["PackedFields", "SlotStacks", "format_key"]
+__all__ = ["DEQUANT_CHUNK_BYTES", "PackedFields", "SlotStacks", "format_key"]
+
+#: the most bytes of dense deltas the dequant prefill route writes out at once (one launch per chunk): 512 MiB
+#: holds four of an 8B model's largest layers (14336 x 4096) in bfloat16
+DEQUANT_CHUNK_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -272,6 +276,26 @@ class SlotStacks:
 
         c, i = self.where(slot)
         return dequantize_stack_delta(c.stack, i, dtype)
+
+    def dense_delta_chunks(self, slots: Sequence[int], dtype: torch.dtype, device_slots: Callable[[tuple], torch.Tensor],
+                           max_bytes: Optional[int] = None) -> Iterator[tuple]:
+        """Several slots' deltas dense: ``(slots, tensor [len(slots), out_features, in_features])`` per chunk, the
+        slots of one stack class together and at most ``max_bytes`` (default :data:`DEQUANT_CHUNK_BYTES`) of
+        ``dtype`` per chunk (at least one delta), each chunk one Triton launch for planar stacks
+        (:func:`~.dequant.dequantize_stack_deltas`).
+        ``device_slots(tuple)``: those slots as a device int32 tensor (a cached one: no copy per layer)."""
+        from .dequant import dequantize_stack_delta, dequantize_stack_deltas, runs_dequant_kernel
+
+        per = self.out_features * self.in_features * torch.empty((), dtype=dtype).element_size()
+        most = max(1, (max_bytes or DEQUANT_CHUNK_BYTES) // per)
+        for c in self.classes:
+            mine = [s for s in slots if s in c.index]
+            for i in range(0, len(mine), most):
+                part = tuple(mine[i:i + most])
+                if runs_dequant_kernel(c.stack):
+                    yield part, dequantize_stack_deltas(c.stack, device_slots(part), dtype, lut=c.lookup)
+                else:  # the PyTorch reference, one delta at a time (indices known on the host)
+                    yield part, torch.stack([dequantize_stack_delta(c.stack, c.index[s], dtype) for s in part])
 
     def delta_nbytes(self, slot: int) -> int:
         """Device bytes one slot's delta occupies in its stack."""

@@ -79,18 +79,25 @@ def _model(base, paths, **kw):
 def _spies(monkeypatch):
     from hf_deltazip.kernels import dequant, multi_delta
 
-    calls = {"dequant": 0, "fused": 0}
-    real_d, real_f = dequant.dequantize_stack_delta, multi_delta.multi_delta_linear
+    calls = {"dequant": 0, "fused": 0, "dequant_launches": 0}
+    real_d, real_ds, real_f = dequant.dequantize_stack_delta, dequant.dequantize_stack_deltas, multi_delta.multi_delta_linear
 
     def d(*a, **k):
         calls["dequant"] += 1
+        calls["dequant_launches"] += 1
         return real_d(*a, **k)
+
+    def ds(stack, which, *a, **k):  # deltas written out dense, and launches
+        calls["dequant"] += which.shape[0]
+        calls["dequant_launches"] += 1
+        return real_ds(stack, which, *a, **k)
 
     def f(*a, **k):
         calls["fused"] += 1
         return real_f(*a, **k)
 
     monkeypatch.setattr(dequant, "dequantize_stack_delta", d)
+    monkeypatch.setattr(dequant, "dequantize_stack_deltas", ds)
     monkeypatch.setattr(multi_delta, "multi_delta_linear", f)
     return calls
 
@@ -122,6 +129,63 @@ def test_dequant_route_matches_the_fused_kernel_and_the_reference(planar_pair, m
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got, fused, rtol=1e-4, atol=1e-4)
     assert torch.equal(again, fused)
+
+
+def test_dequant_route_writes_a_format_class_of_deltas_in_one_launch(planar_pair, tmp_path, monkeypatch):
+    """Two 2-bit deltas (one format class) with 2 and 1 rows and a 4-bit one: per linear layer one launch
+    writes both 2-bit deltas out and one batched matmul (the 1-row delta padded) runs their rows; with the
+    chunk cap under two deltas, one launch each. Logits equal the reference's either way."""
+    from hf_deltazip.kernels import slot_stacks
+
+    base, paths = planar_pair
+    ft = copy.deepcopy(base)
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for p in ft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+    delta = compress(base, ft, DeltaZipConfig(bits=2, group_size=128, n_samples=4, seq_len=16),
+                     calibration=torch.randint(0, VOCAB, (4, 16), generator=gen), progress=False)
+    delta.save_pretrained(tmp_path / "two_b")
+    paths = {**paths, "two_b": tmp_path / "two_b"}
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = _spies(monkeypatch)
+    ref, ker = _model(base, paths, use_kernels="never"), _model(base, paths, use_kernels="always")
+    ker.configure_kernels(prefill="dequant", dequant_min_rows=8)
+    ids = torch.randint(0, VOCAB, (5, 8), generator=torch.Generator().manual_seed(10))
+    rows = ["two", "four", "two_b", None, "two"]
+    with torch.no_grad():
+        want = ref(input_ids=ids, delta_names=rows).logits
+        got = ker(input_ids=ids, delta_names=rows).logits
+        assert (calls["dequant"], calls["dequant_launches"], calls["fused"]) == (3 * 8, 2 * 8, 0)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        calls.update(dequant=0, dequant_launches=0)
+        monkeypatch.setattr(slot_stacks, "DEQUANT_CHUNK_BYTES", 256 * 256 * 4)  # one float32 layer of 256 x 256
+        again = ker(input_ids=ids, delta_names=rows).logits
+    assert calls["dequant"] == 3 * 8 and calls["dequant_launches"] > 2 * 8
+    torch.testing.assert_close(again, want, rtol=1e-4, atol=1e-4)
+
+
+def test_dense_deltas_of_a_stack_by_index_or_slot_equal_the_reference(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from hf_deltazip.kernels import dequantize_delta, dequantize_stack_deltas, prepare_stack, random_delta_stack
+
+    for bits, gs, n, k in ((2, 128, 33, 1024), (4, 64, 7, 384), (3, 64, 9, 192)):
+        stack = prepare_stack(random_delta_stack(4, n, k, bits=bits, group_size=gs, device="cpu"))
+        want = torch.stack([dequantize_delta(stack, i, torch.float16) for i in (3, 1, 1)])
+        got = dequantize_stack_deltas(stack, torch.tensor([3, 1, 1], dtype=torch.int32), torch.float16)
+        assert torch.equal(got, want), bits
+        lut = torch.tensor([-1, -1, 3, 1, -1], dtype=torch.int32)  # slot 1 -> index 3, slot 2 -> index 1
+        out = torch.empty(3, n, k, dtype=torch.float16)
+        assert dequantize_stack_deltas(stack, torch.tensor([1, 2, 2], dtype=torch.int32), torch.float16, lut=lut,
+                                       out=out) is out
+        assert torch.equal(out, want), bits
+        assert dequantize_stack_deltas(stack, torch.zeros(0, dtype=torch.int32)).shape == (0, n, k)
+    with pytest.raises(ValueError, match="1-D int32 tensor"):
+        dequantize_stack_deltas(stack, [0, 1])
+    with pytest.raises(ValueError, match="1-D int32 tensor"):
+        dequantize_stack_deltas(stack, torch.tensor([0, 1]))  # int64
+    with pytest.raises(ValueError, match="out must be"):
+        dequantize_stack_deltas(stack, torch.tensor([0], dtype=torch.int32), out=torch.empty(2, n, k))
 
 
 def test_configure_kernels_refuses_bad_values():
@@ -330,13 +394,15 @@ def test_compiled_dequant_kernel_and_route_on_the_gpu(planar_pair, monkeypatch):
     """The compiled kernel writes exactly the reference's dense delta (bf16 too), and a bf16 prefill through
     the dequant route agrees with the fused kernel to bf16 rounding."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    from hf_deltazip.kernels import dequantize_delta, prepare_stack, random_delta_stack
+    from hf_deltazip.kernels import dequantize_delta, dequantize_stack_deltas, prepare_stack, random_delta_stack
     from hf_deltazip.kernels.dequant import dequantize_stack_delta
 
     for bits, gs, n, k in ((2, 128, 1000, 4096), (4, 128, 1000, 3840), (8, 64, 33, 1024), (4, -1, 64, 512)):
         stack = prepare_stack(random_delta_stack(2, n, k, bits=bits, group_size=gs, device="cuda"))
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             assert torch.equal(dequantize_stack_delta(stack, 1, dtype), dequantize_delta(stack, 1, dtype)), (bits, gs, dtype)
+            both = dequantize_stack_deltas(stack, torch.tensor([1, 0], dtype=torch.int32, device="cuda"), dtype)
+            assert torch.equal(both[0], dequantize_delta(stack, 1, dtype)) and torch.equal(both[1], dequantize_delta(stack, 0, dtype))
     base, paths = planar_pair
     model = _model(copy.deepcopy(base).to("cuda", torch.bfloat16), paths)
     ids = torch.randint(0, VOCAB, (3, 64), generator=torch.Generator().manual_seed(7)).cuda()
@@ -390,3 +456,18 @@ def test_the_dequant_route_builds_each_deltas_row_index_once_per_batch():
     assert idx.tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
     assert routing.token_rows((0, 2), 4, torch.device("cpu")) is idx
     assert routing.token_rows((1,), 4, torch.device("cpu")).tolist() == [4, 5, 6, 7]
+
+
+def test_the_dequant_routes_gather_plan_pads_each_delta_to_the_most_rows_once_per_batch():
+    from hf_deltazip.modeling.routing import BatchRouting
+
+    routing = BatchRouting.per_row([3, 5, 3])
+    cpu = torch.device("cpu")
+    gather, keep, rows = routing.gather_plan(((0, 2), (1,)), 2, cpu)  # delta 3: rows 0 and 2; delta 5: row 1
+    assert gather.tolist() == [0, 1, 4, 5, 2, 3, 2, 2]  # delta 5's two tokens padded with its first
+    assert keep.tolist() == [0, 1, 2, 3, 4, 5] and rows.tolist() == [0, 1, 4, 5, 2, 3]
+    assert routing.gather_plan(((0, 2), (1,)), 2, cpu)[0] is gather
+    gather, keep, rows = routing.gather_plan(((0,), (1,)), 3, cpu)  # as many rows each: nothing padded
+    assert keep is None and gather.tolist() == rows.tolist() == [0, 1, 2, 3, 4, 5]
+    assert routing.int32_on((4, 2), cpu).tolist() == [4, 2] and routing.int32_on((4, 2), cpu).dtype == torch.int32
+    assert routing.int32_on((4, 2), cpu) is routing.int32_on((4, 2), cpu)

@@ -671,15 +671,20 @@ class DeltaLinear(DeltaModule):
 
     def _forward_dequant(self, x2, per_row: int, held: dict, stacks, routing) -> torch.Tensor:
         """The dequant route (``DeltaModel.configure_kernels(prefill="dequant")``): the base for all rows in
-        one dense matmul, then per delta ``x_rows @ dequant(delta)^T`` added to its rows (bias changes are
-        the caller's). ``held``: slot -> batch rows, for the slots the stacks hold; ``per_row``: rows of
-        ``x2`` per batch row; ``routing``: the batch's routing (it keeps each delta's row index on the
-        device for every layer)."""
+        one dense matmul, then the deltas written out dense (one launch per chunk of deltas of one format,
+        :meth:`~hf_deltazip.kernels.SlotStacks.dense_delta_chunks`) and each chunk's rows through one batched
+        matmul ``x_rows @ dequant(delta)^T``, added to its rows (bias changes are the caller's). ``held``:
+        slot -> batch rows, for the slots the stacks hold; ``per_row``: rows of ``x2`` per batch row;
+        ``routing``: the batch's routing (it keeps the index tensors on the device for every layer)."""
         y = self.base_layer(x2) if self._through else F.linear(x2, self._kernel_weight(), self.base_layer.bias)
-        for slot, rows in held.items():
-            idx = routing.token_rows(tuple(rows), per_row, x2.device)
-            d = stacks.dense_delta(slot, x2.dtype)
-            y.index_add_(0, idx, F.linear(x2.index_select(0, idx), d).to(y.dtype))
+        device = x2.device
+        for part, dense in stacks.dense_delta_chunks(list(held), x2.dtype, lambda t: routing.int32_on(t, device)):
+            gather, keep, rows = routing.gather_plan(tuple(tuple(held[s]) for s in part), per_row, device)
+            xs = x2.index_select(0, gather).view(len(part), -1, x2.shape[-1])
+            prod = torch.bmm(xs, dense.transpose(1, 2)).reshape(-1, dense.shape[1])
+            if keep is not None:
+                prod = prod.index_select(0, keep)
+            y.index_add_(0, rows, prod.to(y.dtype))
         return y
 
     def _contiguous_weight(self, w):

@@ -147,6 +147,39 @@ class BatchRouting:
         return hit
 
 
+    def int32_on(self, values: tuple, device) -> torch.Tensor:
+        """``values`` as a device int32 tensor, made once per batch and device (every layer of the dequant route
+        names the same slots)."""
+        key = ("int32", values, str(device))
+        hit = self._device_cache.get(key)
+        if hit is None:
+            hit = self._device_cache[key] = host_to_device(torch.tensor(values, dtype=torch.int32), device)
+        return hit
+
+    def gather_plan(self, groups: tuple, tokens: int, device) -> tuple:
+        """How the dequant route runs several deltas' rows through one batched matmul, made once per batch and
+        device: ``groups`` holds each delta's batch rows (a tuple of tuples), each batch row ``tokens``
+        flattened rows. Returns ``(gather, keep, rows)``, long device tensors: ``gather`` (``len(groups) * R``,
+        R the most rows of a delta) picks each delta's rows, padded with its first; ``keep`` the positions of
+        the real (not padding) ones in that order, ``None`` without padding; ``rows`` their flattened rows."""
+        key = ("gather", groups, tokens, str(device))
+        hit = self._device_cache.get(key)
+        if hit is None:
+            width = tokens * max(len(g) for g in groups)
+            gather, keep, rows = [], [], []
+            for u, g in enumerate(groups):
+                own = [r * tokens + t for r in g for t in range(tokens)]
+                gather += own + own[:1] * (width - len(own))
+                keep += range(u * width, u * width + len(own))
+                rows += own
+
+            def put(v):
+                return host_to_device(torch.tensor(v, dtype=torch.long), device)
+
+            hit = self._device_cache[key] = (put(gather), None if len(rows) == len(gather) else put(keep), put(rows))
+        return hit
+
+
 _BASE = BatchRouting.base()
 
 

@@ -243,8 +243,10 @@ class DeltaModel(nn.Module):
             prefill: ``"auto"`` (default): ``"split"`` for forwards of ``prefill_split_min_rows`` tokens or
                 more, ``"fused"`` for smaller ones. ``"fused"``: the multi-delta kernel, as in decode steps.
                 ``"dequant"``: the base runs through one dense matmul and each delta adds ``x_rows @ dequant(delta)^T``
-                for its rows, the delta written out dense (``[out, in]`` in the activation dtype) once per
-                layer and call; for many rows per delta, where the fused kernel (built for a few rows
+                for its rows, the deltas written out dense (``[out, in]`` in the activation dtype) once per
+                layer and call, those of one format together (one launch, at most
+                ``kernels.slot_stacks.DEQUANT_CHUNK_BYTES`` at once) with their rows in one batched matmul; for
+                many rows per delta, where the fused kernel (built for a few rows
                 per delta) re-reads the weights for every block of rows. ``"split"``: the base through
                 one dense matmul (its weight read once for all rows) and the deltas through the
                 multi-delta kernel adding each row's delta to its output (only the packed codes re-read per block).

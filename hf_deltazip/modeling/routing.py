@@ -232,8 +232,9 @@ class KernelPolicy:
         prefill: how eager (uncaptured) forwards with many rows per delta run on the kernel route:
             ``"auto"`` (the default: ``"split"`` for forwards of ``prefill_split_min_rows`` rows or more,
             else ``"fused"``), ``"fused"`` (the multi-delta kernel, as decode steps), ``"dequant"`` (the
-            base in one dense matmul, plus ``x_rows @ dequant(delta)^T`` per delta, the delta written out
-            dense once per layer and call) or ``"split"`` (the base in one dense matmul, read once for every
+            base in one dense matmul, plus ``x_rows @ dequant(delta)^T`` per delta, the deltas written out
+            dense once per layer and call, those of one format class in one launch, their rows in one batched
+            matmul) or ``"split"`` (the base in one dense matmul, read once for every
             row, plus the multi-delta kernel adding the deltas alone to its output).
         dequant_min_rows: with ``prefill="dequant"``, ``"split"`` or ``"auto"``, the fewest rows (tokens)
             every delta of the batch must have for the dequant or split route; batches with fewer take the

@@ -444,7 +444,8 @@ def test_admission_variants_parse_and_refuse_bad_fields():
     assert serve.parse_admission_variant("overlap_steps=on") == {"overlap_steps": True}
     assert serve.parse_admission_variant("min_free_rows=16") == {"min_free_rows": 16}
     assert serve.parse_admission_variant("min_free_rows=none") == {"min_free_rows": None}
-    for bad in ("", "max_bypass", "max_bypass=-3", "cost_aware=maybe", "speed=9", "min_free_rows=0"):
+    assert serve.parse_admission_variant("prefill=dequant,overlap_steps=on") == {"prefill": "dequant", "overlap_steps": True}
+    for bad in ("", "max_bypass", "max_bypass=-3", "cost_aware=maybe", "speed=9", "min_free_rows=0", "prefill=fast"):
         with pytest.raises(ValueError):
             serve.parse_admission_variant(bad)
     parse = serve.build_parser().parse_args
@@ -469,11 +470,11 @@ def test_admission_variants_replay_the_trace_on_the_same_engine(tmp_path, capsys
     rc = serve.main(SMOKE + ["--systems", "deltazip,swap-cpu", "--admission-variant", "max_bypass=0",
                              "--admission-variant", "cost_aware=on,max_bypass=512",
                              "--admission-variant", "min_free_rows=2", "--admission-variant", "overlap_steps=on",
-                             "--json", str(out)])
+                             "--admission-variant", "prefill=dequant", "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
     names = ["deltazip", "deltazip[max_bypass=0]", "deltazip[cost_aware=on,max_bypass=512]", "deltazip[min_free_rows=2]",
-             "deltazip[overlap_steps=on]", "swap-cpu"]
+             "deltazip[overlap_steps=on]", "deltazip[prefill=dequant]", "swap-cpu"]
     assert list(report["systems"]) == names
     for name in names:
         assert report["systems"][name]["completed"] == 6, name
@@ -481,6 +482,8 @@ def test_admission_variants_replay_the_trace_on_the_same_engine(tmp_path, capsys
     assert "min_free_rows=2" in report["systems"][names[3]]["how"]
     assert report["systems"][names[4]]["time_split"]["ahead_steps"] > 0
     assert report["systems"]["deltazip"]["time_split"]["ahead_steps"] == 0
+    assert "prefill route 'dequant'" in report["systems"][names[5]]["how"]
+    assert "prefill route 'auto'" in report["systems"]["deltazip"]["how"]
     swap = report["systems"]["swap-cpu"]
     for v in names[1:5]:
         assert swap["variant_speedups"][v] == pytest.approx(report["systems"][v]["tokens_per_s"] / swap["tokens_per_s"])

@@ -643,7 +643,9 @@ def _make_engine(model, args):
 
 
 _VARIANT_FIELDS = {"max_bypass": "count", "cost_aware": "bool", "prefer_running": "bool", "max_prefill_tokens": "count",
-                   "stage_ahead": "bool", "min_free_rows": "rows", "stage_in_steps": "bool", "overlap_steps": "bool"}
+                   "stage_ahead": "bool", "min_free_rows": "rows", "stage_in_steps": "bool", "overlap_steps": "bool",
+                   "prefill": "route"}
+_PREFILL_ROUTES = ("auto", "fused", "dequant", "split")
 
 
 def parse_admission_variant(text: str) -> dict:
@@ -651,7 +653,9 @@ def parse_admission_variant(text: str) -> dict:
 
     Fields: ``max_bypass`` and ``max_prefill_tokens`` (a whole number >= 0, or ``none``), ``min_free_rows`` (a
     whole number >= 1, or ``none``), ``cost_aware``, ``prefer_running``, ``stage_ahead``, ``stage_in_steps`` and
-    ``overlap_steps`` (``on``/``off``, ``true``/``false``, ``1``/``0``).
+    ``overlap_steps`` (``on``/``off``, ``true``/``false``, ``1``/``0``); and ``prefill`` (``auto``, ``fused``,
+    ``dequant`` or ``split``), not an admission field but the model's prefill route for that replay
+    (``DeltaModel.configure_kernels(prefill=...)``).
     """
     out = {}
     for part in [p.strip() for p in text.split(",") if p.strip()]:
@@ -659,7 +663,11 @@ def parse_admission_variant(text: str) -> dict:
         key, value = key.strip(), value.strip().lower()
         if not eq or key not in _VARIANT_FIELDS:
             raise ValueError(f"{part!r}: expected FIELD=VALUE with FIELD one of {', '.join(_VARIANT_FIELDS)}")
-        if _VARIANT_FIELDS[key] == "bool":
+        if _VARIANT_FIELDS[key] == "route":
+            if value not in _PREFILL_ROUTES:
+                raise ValueError(f"{part!r}: {key} takes one of {', '.join(_PREFILL_ROUTES)}")
+            out[key] = value
+        elif _VARIANT_FIELDS[key] == "bool":
             if value not in ("on", "off", "true", "false", "1", "0"):
                 raise ValueError(f"{part!r}: {key} takes on or off")
             out[key] = value in ("on", "true", "1")
@@ -787,10 +795,14 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
         if "deltazip" in wanted:  # the same model and engine (measured step costs kept), admission changed
             runs += [(f"deltazip[{text}]", "deltazip", fields) for text, fields in getattr(args, "admission_variant", [])]
         for name, system, fields in runs:
-            engine.admission = _admission(args, **(fields or {}))
+            fields = dict(fields or {})
+            route = fields.pop("prefill", args.prefill)
+            dm.configure_kernels(prefill=route)
+            engine.admission = _admission(args, **fields)
             results[name], run = _run(name, engine, trace, names, args, one_at_a_time=system == "one-delta-loop",
                                       warm_names=names[:resident])
-            results[name]["how"] = how[system] + (f"; admission {engine.admission}" if fields else policy)
+            results[name]["how"] = (how[system].replace(f"; prefill route {args.prefill!r}", f"; prefill route {route!r}")
+                                    + (f"; admission {engine.admission}" if fields else policy))
             results[name]["resident_deltas"] = resident
             outcomes[name] = run.outcomes
     except torch.cuda.OutOfMemoryError as e:
@@ -1229,7 +1241,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admission-variant", action="append", default=[], type=_variant_arg, metavar="FIELD=VALUE,...",
                    help="deltazip: one more replay on the same model and engine with these AdmissionPolicy fields changed "
                         "(max_bypass, max_prefill_tokens, min_free_rows: a number or none; cost_aware, prefer_running, "
-                        "stage_ahead, stage_in_steps, overlap_steps: on/off), reported "
+                        "stage_ahead, stage_in_steps, overlap_steps: on/off; and the model's prefill route: "
+                        "prefill=auto/fused/dequant/split), reported "
                         "as deltazip[FIELD=VALUE,...]; repeatable")
     p.add_argument("--max-resident", type=int, help="deltas kept on the GPU (default: as many as fit; the others wait in pinned host memory)")
     p.add_argument("--lora-rank", type=int, default=16, help="peft: LoRA rank of each fine-tune's adapter (default 16)")

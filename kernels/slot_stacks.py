@@ -286,7 +286,7 @@ class SlotStacks:
         ``device_slots(tuple)``: those slots as a device int32 tensor (a cached one: no copy per layer)."""
         from .dequant import dequantize_stack_delta, dequantize_stack_deltas, runs_dequant_kernel
 
-        per = self.out_features * self.in_features * torch.empty((), dtype=dtype).element_size()
+        per = self.out_features * self.in_features * dtype.itemsize
         most = max(1, (max_bytes or DEQUANT_CHUNK_BYTES) // per)
         for c in self.classes:
             mine = [s for s in slots if s in c.index]

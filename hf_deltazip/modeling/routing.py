@@ -146,7 +146,6 @@ class BatchRouting:
             hit = self._device_cache[key] = host_to_device((r[:, None] * tokens + torch.arange(tokens)).reshape(-1), device)
         return hit
 
-
     def int32_on(self, values: tuple, device) -> torch.Tensor:
         """``values`` as a device int32 tensor, made once per batch and device (every layer of the dequant route
         names the same slots)."""

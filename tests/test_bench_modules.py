@@ -445,6 +445,29 @@ def test_host_overhead_counts_a_decode_steps_operations_with_either_norm_and_put
     assert (RN.kernel_runs_on, RN._kernel, norms.kernel_runs_on) == real
 
 
+def test_host_overhead_counts_a_prefills_operations_by_route_and_puts_the_kernel_back(monkeypatch, tmp_path):
+    """bench.host_overhead --prefill-ops: each route launches one Triton kernel per linear layer whatever the number
+    of prompts (the dequant route's deltas, one format class, written out in one launch), so the dequant route
+    dispatches as many operations for three prompts on three deltas as for two; the kernel is put back."""
+    import json
+    import os
+
+    from hf_deltazip.bench import host_overhead
+    from hf_deltazip.kernels import multi_delta
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    real = multi_delta.triton_kernel
+    two = host_overhead.measure_prefill_ops(layers=1, deltas=2, tokens=4)
+    out = tmp_path / "p.json"
+    assert host_overhead.main(["--prefill-ops", "--layers", "1", "--prompts", "3", "--tokens", "4", "--json", str(out)]) == 0
+    three = json.loads(out.read_text())
+    assert two["fused"]["launches"] == {"planar_delta_linear_kernel": 7}
+    assert two["dequant"]["launches"] == three["dequant"]["launches"] == {"planar_dequant_kernel": 7}
+    assert two["dequant"]["computing"] == three["dequant"]["computing"]
+    assert two["split"]["top"]["mm"] >= 7  # the base's own matmul per layer
+    assert multi_delta.triton_kernel is real and "TRITON_INTERPRET" not in os.environ
+
+
 def test_host_overhead_staging_stages_every_delta_into_kept_room_and_restores_the_cache(monkeypatch, tmp_path):
     """bench.host_overhead --staging: each host-tier delta is staged, evicting one or into free room, into room the
     stacks kept (the bench refuses a staging that did not start), the interpreter setting is put back, and the JSON

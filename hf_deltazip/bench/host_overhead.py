@@ -28,6 +28,11 @@ launches of the captured step and of the few operations around it), with transfo
 (``DecodeEngine(fused_norms=True)``, its launch counted as one operation). Like ``ops_per_stage`` it does not depend
 on the machine or on the model's width.
 
+``--prefill-ops``: the tensor operations and Triton launches one prefill dispatches through each prefill route
+(``fused``, ``split``, ``dequant``; ``DeltaModel.configure_kernels(prefill=...)``): ``--prompts`` prompts of
+``--tokens`` tokens, each on its own random 2-bit delta, on a Llama of ``--layers`` decoder layers; the kernels
+launch nothing. On a GPU each computing operation is a launch the host pays for while the prefill runs eagerly.
+
 ``--repack``: both ways of repacking one layer's codes for the kernel (``kernels.layout.repack_for_kernel``) at
 8B layer shapes: the tensor operations each dispatches (the byte table's counted on meta tensors, which take the
 GPU's route), and the CPU milliseconds each computes for (the reason the CPU keeps the shifts).
@@ -44,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["measure", "measure_staging", "measure_repack", "measure_step_ops", "main"]
+__all__ = ["measure", "measure_staging", "measure_repack", "measure_step_ops", "measure_prefill_ops", "main"]
 
 
 class _NoLaunch:
@@ -281,6 +286,69 @@ def measure_staging(hidden: int = 256, layers: int = 32, deltas: int = 8) -> dic
     return out
 
 
+def measure_prefill_ops(layers: int = 32, deltas: int = 4, tokens: int = 128, hidden: int = 256) -> dict:
+    """Operations and kernel launches one prefill dispatches by prefill route: ``{route: {...}}`` for ``"fused"``,
+    ``"split"`` and ``"dequant"``, each with ``total`` and ``computing`` operations (Triton launches counted as
+    computing operations), ``launches`` by kernel and the most frequent operations. A Llama of ``layers`` decoder
+    layers at width ``hidden`` in bfloat16 with ``deltas`` random 2-bit deltas (group 128; one format class), one
+    prompt of ``tokens`` tokens on each, every route forced for the whole forward; the kernels launch nothing
+    (``_kernels_launch_nothing``), so the values are not looked at. Like ``--step-ops`` this does not depend on the
+    machine."""
+    import collections
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ..kernels import multi_delta
+    from ..modeling import DeltaModel
+    from .decode import random_delta
+
+    if hidden % 256:
+        raise ValueError(f"hidden must be a multiple of 256, got {hidden}")
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=1, head_dim=hidden // 4, vocab_size=128)
+    out = {}
+    with _kernels_launch_nothing(), torch.no_grad():
+        launches = collections.Counter()
+        stand_in = multi_delta.triton_kernel
+
+        def counted(name: str = "multi_delta_linear_kernel"):
+            kernel = stand_in(name)
+
+            class Launch:  # the stand-in (its argument names for launch plans), each launch counted
+                def __getattr__(self, attr):
+                    return getattr(kernel, attr)
+
+                def __getitem__(self, grid):
+                    launches[name] += 1
+                    return kernel[grid]
+
+            return Launch()
+
+        multi_delta.triton_kernel = counted
+        try:
+            torch.manual_seed(0)
+            base = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+            model = DeltaModel(base, use_kernels="always")
+            names = [f"d{i}" for i in range(deltas)]
+            for i, n in enumerate(names):
+                model.add_delta(random_delta(base, 2, 128, seed=i), n)
+            ids = torch.randint(0, cfg.vocab_size, (deltas, tokens), generator=torch.Generator().manual_seed(1))
+            for route in ("fused", "split", "dequant"):
+                model.configure_kernels(prefill=route, dequant_min_rows=1, prefill_split_min_rows=1)
+                model(ids, delta_names=names)  # stacks, launch settings and the batch's index tensors, once
+                launches.clear()
+                with _CountOps() as count:
+                    model(ids, delta_names=names)
+                counts = count.counts
+                computing = sum(v for o, v in counts.items() if o not in _NO_LAUNCH_OPS)
+                n_launch = sum(launches.values())
+                out[route] = {"total": sum(counts.values()) + n_launch, "computing": computing + n_launch,
+                              "launches": dict(launches), "top": dict(counts.most_common(8))}
+        finally:
+            multi_delta.triton_kernel = stand_in
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m hf_deltazip.bench.host_overhead", description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=256, help="model width (a multiple of 256)")
@@ -291,6 +359,9 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=64, help="--step-ops: rows of the step (default 64)")
     p.add_argument("--deltas", type=int, default=8, help="--staging: deltas staged one after another (default 8)")
     p.add_argument("--repack", action="store_true", help="count and time the two ways of repacking codes (see above)")
+    p.add_argument("--prefill-ops", action="store_true", help="count the operations of one prefill by prefill route")
+    p.add_argument("--prompts", type=int, default=4, help="--prefill-ops: prompts, each on its own delta (default 4)")
+    p.add_argument("--tokens", type=int, default=128, help="--prefill-ops: tokens per prompt (default 128)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     if args.step_ops:
@@ -303,6 +374,18 @@ def main(argv=None) -> int:
                   "most: " + ", ".join(f"{k} {v}" for k, v in r["top"].items()))
         t, f = res["transformers"]["computing"], res["fused"]["computing"]
         print(f"fused norms: {t - f} fewer computing operations per step ({f / t:.2f}x)")
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=2))
+        return 0
+    if args.prefill_ops:
+        res = measure_prefill_ops(args.layers, args.prompts, args.tokens, args.hidden)
+        print(f"operations of one prefill, {args.layers} decoder layers, {args.prompts} prompts of {args.tokens} tokens, "
+              f"each on its own 2-bit delta, bfloat16 (torch {torch.__version__}): all / computing (a kernel launch each "
+              "on a GPU, Triton launches included)")
+        for route, r in res.items():
+            print(f"{route}: {r['total']} / {r['computing']}; Triton launches: "
+                  + ", ".join(f"{k} {v}" for k, v in r["launches"].items()) + "; most: "
+                  + ", ".join(f"{k} {v}" for k, v in r["top"].items()))
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=2))
         return 0

@@ -84,8 +84,9 @@ def dequantize_stack_deltas(stack: DeltaStack, which, dtype: torch.dtype = torch
 
     ``which``: a 1-D int32 tensor on the stack's device of stack indices, or, with ``lut`` (the int32
     ``slot + 1 -> index`` table of a :class:`~.slot_stacks.SlotStacks` class), of slots; planar stacks take
-    one launch for all of them and never read ``which`` back to the host. Other layouts dequantize one delta
-    at a time through the PyTorch reference, which reads ``which`` back.
+    one launch for all of them and never read ``which`` back to the host, so the kernel does not check the
+    indices (pass only deltas the stack holds). Other layouts dequantize one delta at a time through the
+    PyTorch reference, which reads ``which`` back and refuses an index out of range (``IndexError``).
 
     Raises:
         ValueError: ``which`` is not a 1-D int32 tensor on the stack's device, or ``out`` has the wrong shape,

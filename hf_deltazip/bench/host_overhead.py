@@ -41,6 +41,7 @@ GPU's route), and the CPU milliseconds each computes for (the reason the CPU kee
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -53,33 +54,39 @@ __all__ = ["measure", "measure_staging", "measure_repack", "measure_step_ops", "
 
 
 class _NoLaunch:
-    """Stands in for a Triton kernel: the same argument names; ``kernel[grid](...)`` does nothing."""
+    """Stands in for a Triton kernel: the same argument names; ``kernel[grid](...)`` does nothing but count itself in
+    ``launches`` under ``name``."""
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, name: str, launches: collections.Counter):
         self.arg_names = list(kernel.arg_names)
         self.__name__ = getattr(kernel, "__name__", "kernel")
+        self._name, self._launches = name, launches
 
     def __getitem__(self, grid):
+        self._launches[self._name] += 1
         return lambda *args, **kwargs: None
 
 
 @contextlib.contextmanager
 def _kernels_launch_nothing():
+    """Within the block the kernel route runs on the CPU and every Triton kernel launches nothing; yields a
+    ``Counter`` of the launches by kernel name."""
     from ..kernels import multi_delta
 
     real = multi_delta.triton_kernel
     stand_ins: dict = {}
+    launches = collections.Counter()
 
     def fake(name: str = "multi_delta_linear_kernel"):
         if name not in stand_ins:
-            stand_ins[name] = _NoLaunch(real(name))
+            stand_ins[name] = _NoLaunch(real(name), name, launches)
         return stand_ins[name]
 
     old_env = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"  # the kernel route on a CPU; no GPU is touched
     multi_delta.triton_kernel = fake
     try:
-        yield
+        yield launches
     finally:
         multi_delta.triton_kernel = real
         if old_env is None:
@@ -152,8 +159,6 @@ class _CountOps:
     """Counts the tensor operations dispatched inside it (by name)."""
 
     def __init__(self):
-        import collections
-
         from torch.utils._python_dispatch import TorchDispatchMode
 
         counts = self.counts = collections.Counter()
@@ -294,11 +299,8 @@ def measure_prefill_ops(layers: int = 32, deltas: int = 4, tokens: int = 128, hi
     prompt of ``tokens`` tokens on each, every route forced for the whole forward; the kernels launch nothing
     (``_kernels_launch_nothing``), so the values are not looked at. Like ``--step-ops`` this does not depend on the
     machine."""
-    import collections
-
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ..kernels import multi_delta
     from ..modeling import DeltaModel
     from .decode import random_delta
 
@@ -307,45 +309,25 @@ def measure_prefill_ops(layers: int = 32, deltas: int = 4, tokens: int = 128, hi
     cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
                       num_key_value_heads=1, head_dim=hidden // 4, vocab_size=128)
     out = {}
-    with _kernels_launch_nothing(), torch.no_grad():
-        launches = collections.Counter()
-        stand_in = multi_delta.triton_kernel
-
-        def counted(name: str = "multi_delta_linear_kernel"):
-            kernel = stand_in(name)
-
-            class Launch:  # the stand-in (its argument names for launch plans), each launch counted
-                def __getattr__(self, attr):
-                    return getattr(kernel, attr)
-
-                def __getitem__(self, grid):
-                    launches[name] += 1
-                    return kernel[grid]
-
-            return Launch()
-
-        multi_delta.triton_kernel = counted
-        try:
-            torch.manual_seed(0)
-            base = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-            model = DeltaModel(base, use_kernels="always")
-            names = [f"d{i}" for i in range(deltas)]
-            for i, n in enumerate(names):
-                model.add_delta(random_delta(base, 2, 128, seed=i), n)
-            ids = torch.randint(0, cfg.vocab_size, (deltas, tokens), generator=torch.Generator().manual_seed(1))
-            for route in ("fused", "split", "dequant"):
-                model.configure_kernels(prefill=route, dequant_min_rows=1, prefill_split_min_rows=1)
-                model(ids, delta_names=names)  # stacks, launch settings and the batch's index tensors, once
-                launches.clear()
-                with _CountOps() as count:
-                    model(ids, delta_names=names)
-                counts = count.counts
-                computing = sum(v for o, v in counts.items() if o not in _NO_LAUNCH_OPS)
-                n_launch = sum(launches.values())
-                out[route] = {"total": sum(counts.values()) + n_launch, "computing": computing + n_launch,
-                              "launches": dict(launches), "top": dict(counts.most_common(8))}
-        finally:
-            multi_delta.triton_kernel = stand_in
+    with _kernels_launch_nothing() as launches, torch.no_grad():
+        torch.manual_seed(0)
+        base = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+        model = DeltaModel(base, use_kernels="always")
+        names = [f"d{i}" for i in range(deltas)]
+        for i, n in enumerate(names):
+            model.add_delta(random_delta(base, 2, 128, seed=i), n)
+        ids = torch.randint(0, cfg.vocab_size, (deltas, tokens), generator=torch.Generator().manual_seed(1))
+        for route in ("fused", "split", "dequant"):
+            model.configure_kernels(prefill=route, dequant_min_rows=1, prefill_split_min_rows=1)
+            model(ids, delta_names=names)  # stacks, launch settings and the batch's index tensors, once
+            launches.clear()
+            with _CountOps() as count:
+                model(ids, delta_names=names)
+            counts = count.counts
+            computing = sum(v for o, v in counts.items() if o not in _NO_LAUNCH_OPS)
+            n_launch = sum(launches.values())
+            out[route] = {"total": sum(counts.values()) + n_launch, "computing": computing + n_launch,
+                          "launches": dict(launches), "top": dict(counts.most_common(8))}
     return out
 
 

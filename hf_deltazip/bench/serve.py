@@ -754,7 +754,6 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
             f"{resident} of {args.deltas} deltas resident on the GPU (LRU), the others in pinned host memory, "
             "uploaded when a request needs them" + (
                 " (every delta has a host copy: evicting one copies nothing back)" if hosted else ""))
-    tier += f"; prefill route {args.prefill!r}"
     if getattr(args, "decode", "auto") != "auto":
         tier += f"; decode route {args.decode!r}"
     if getattr(args, "gluon_block_rows", None) is not None:
@@ -801,7 +800,7 @@ def run_delta_systems(base, trace, args, wanted: Sequence[str], results: dict, s
             engine.admission = _admission(args, **fields)
             results[name], run = _run(name, engine, trace, names, args, one_at_a_time=system == "one-delta-loop",
                                       warm_names=names[:resident])
-            results[name]["how"] = (how[system].replace(f"; prefill route {args.prefill!r}", f"; prefill route {route!r}")
+            results[name]["how"] = (how[system] + f"; prefill route {route!r}"
                                     + (f"; admission {engine.admission}" if fields else policy))
             results[name]["resident_deltas"] = resident
             outcomes[name] = run.outcomes
